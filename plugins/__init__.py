@@ -1,0 +1,1 @@
+"""Outrider's built-in plugins: backends, drafters and acceptors."""
