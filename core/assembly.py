@@ -1,0 +1,104 @@
+"""Assembling a runner from a resolved config: plugins looked up by name, options validated,
+capabilities checked. This is the only place pluggy-registered plugins are resolved; the runner
+works with the plain objects it gets from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .catalog import resolve_model
+from .config import PLUGIN_KINDS, Config
+from .drafting import NEEDS_DRAFT_MODEL, NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, DraftControls, Target
+from .errors import ConfigError
+from .gguf_file import GGUFFile
+from .registry import PluginSpec, Registry, default_registry
+from .runner import Runner
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
+
+SUPPORTED_NEEDS = {NEEDS_DRAFT_MODEL, NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV}
+
+
+@dataclass
+class Assembly:
+    runner: Runner
+    tokenizer: Tokenizer
+    gguf: GGUFFile
+    params: SamplingParams
+    plugins: dict[str, PluginSpec]
+    options: dict[str, dict[str, Any]]
+    warnings: list[str] = field(default_factory=list)
+
+
+def choose_acceptor(name: str, temperature: float) -> str:
+    if name == "auto":
+        return "greedy" if temperature == 0 else "sampled"
+    return name
+
+
+def sampling_params(config: Config) -> SamplingParams:
+    return SamplingParams(temperature=config["temperature"], top_k=config["top_k"], top_p=config["top_p"],
+                          seed=config["seed"])
+
+
+def _plugin_options(config: Config, specs: dict[str, PluginSpec]) -> dict[str, dict[str, Any]]:
+    options = {kind: dict(config.options[kind]) for kind in PLUGIN_KINDS}
+    for name, (value, _) in config.loose_options.items():
+        owners = [kind for kind in PLUGIN_KINDS if name in specs[kind].options]
+        if len(owners) != 1:
+            where = " and ".join(specs[k].label for k in owners) if owners else "none of the chosen plugins"
+            valid = ", ".join(f"{kind}.{opt}" for kind in PLUGIN_KINDS for opt in specs[kind].options)
+            raise ConfigError(f"-o {name}: declared by {where}; write it as KIND.{name}. Valid options: {valid or 'none'}")
+        options[owners[0]][name] = value
+        config.option_sources[owners[0]][name] = "flag -o"
+    if config["draft_model"] and "model" in specs["drafter"].options:
+        options["drafter"].setdefault("model", config["draft_model"])
+        config.option_sources["drafter"].setdefault("model", config.sources["draft_model"])
+    return options
+
+
+def check_pair(drafter: PluginSpec, acceptor: PluginSpec, drafter_obj: Any, params: SamplingParams) -> list[str]:
+    """Refuse a drafter/acceptor pair that cannot work; return warnings for ones that work but lose something."""
+    needs = set(drafter.capabilities.get("needs", ()))
+    missing = needs - SUPPORTED_NEEDS
+    if missing:
+        raise ConfigError(f"{drafter.label} needs {', '.join(sorted(missing))}, which this version of Outrider cannot give")
+    gives_q = bool(getattr(drafter_obj, "gives_draft_probs", drafter.capabilities.get("gives_draft_probs")))
+    if acceptor.capabilities.get("needs_draft_probs") and not gives_q:
+        raise ConfigError(f"{acceptor.label} needs draft probabilities, but {drafter.label} drafts deterministically "
+                          "and gives none; choose the sampled or greedy acceptor, or a drafter that samples")
+    warnings = []
+    if not acceptor.capabilities.get("lossless", True):
+        warnings.append(f"{acceptor.label} is lossy: the output may differ from what the target alone would produce")
+    if acceptor.name == "greedy" and not params.greedy:
+        warnings.append(f"{acceptor.label} ignores temperature {params.temperature}: the output is the target's greedy "
+                        "decoding; use --acceptor sampled (or auto) to sample")
+    return warnings
+
+
+def assemble(config: Config, registry: Registry | None = None) -> Assembly:
+    registry = registry or default_registry()
+    params = sampling_params(config)
+    names = {"backend": config["backend"], "drafter": config["drafter"],
+             "acceptor": choose_acceptor(config["acceptor"], params.temperature)}
+    specs = {kind: registry.get(kind, name) for kind, name in names.items()}
+    options = _plugin_options(config, specs)
+    resolved = {kind: specs[kind].resolve_options(options[kind]) for kind in PLUGIN_KINDS}
+
+    backend = specs["backend"].factory(**resolved["backend"])
+    drafter = specs["drafter"].factory(**resolved["drafter"])
+    acceptor = specs["acceptor"].factory(**resolved["acceptor"])
+    warnings = check_pair(specs["drafter"], specs["acceptor"], drafter, params)
+
+    gguf = GGUFFile(resolve_model(config["model"]))
+    tokenizer = Tokenizer.from_gguf(gguf)
+    model = backend.load_model(gguf)
+    target = Target(model=model, tokenizer=tokenizer, gguf=gguf, backend=backend)
+    drafter.setup(target)
+    controls = DraftControls(draft_min=config["draft_min"], draft_p_min=config["draft_p_min"])
+    if config["draft_max"] < 0:
+        raise ConfigError(f"draft_max must be >= 0, got {config['draft_max']}")
+    runner = Runner(target, drafter, acceptor, draft_max=config["draft_max"], controls=controls,
+                    context=config["context"])
+    return Assembly(runner, tokenizer, gguf, params, specs, resolved, warnings)

@@ -1,0 +1,210 @@
+"""The `outrider` command line."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+
+import click
+
+from .errors import OutriderError
+
+
+def friendly_errors(fn):
+    """Turn user-fixable errors into one line on stderr and exit status 1, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except OutriderError as exc:
+            sys.stdout.flush()
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            sys.stdout.flush()
+            click.echo("\ninterrupted", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+class OutriderGroup(click.Group):
+    """The command group; third-party plugins may add commands through the `register_commands` hook."""
+
+    def _ensure_plugin_commands(self):
+        if getattr(self, "_plugins_loaded", False):
+            return
+        self._plugins_loaded = True
+        try:
+            from .registry import default_registry
+            default_registry().manager.hook.register_commands(cli=self)
+        except OutriderError as exc:
+            click.echo(f"warning: {exc}", err=True)
+
+    def list_commands(self, ctx):
+        self._ensure_plugin_commands()
+        return super().list_commands(ctx)
+
+    def get_command(self, ctx, name):
+        command = super().get_command(ctx, name)
+        if command is None:
+            self._ensure_plugin_commands()
+            command = super().get_command(ctx, name)
+        return command
+
+
+@click.group(cls=OutriderGroup)
+@click.version_option(package_name="outrider")
+def main():
+    """Outrider: speculative decoding for GGUF language models, assembled from plugins."""
+
+
+def _read_prompt(prompt: str) -> str:
+    return sys.stdin.read() if prompt == "-" else prompt
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--model", "-m", help="Target model: catalog name (see `outrider models`) or .gguf path.")
+@click.option("--max-tokens", "-n", type=int, help="Most tokens to generate [128].")
+@click.option("--temperature", "-t", type=float, help="Sampling temperature; 0 = greedy [0].")
+@click.option("--top-k", type=int, help="Keep the k most likely tokens; 0 = off [0].")
+@click.option("--top-p", type=float, help="Nucleus sampling mass; 1 = off [1].")
+@click.option("--seed", type=int, help="Random seed [random].")
+@click.option("--chat/--no-chat", default=None, help="Apply the model's chat template to the prompt.")
+@click.option("--drafter", "-d", help="Drafter plugin [lookup]; `none` for plain decoding.")
+@click.option("--acceptor", "-a", help="Acceptor plugin [auto: greedy at T=0, sampled above].")
+@click.option("--backend", "-b", help="Backend plugin [cpu].")
+@click.option("--draft-model", help="Draft model for the draft-model drafter: catalog name or .gguf path.")
+@click.option("--draft-max", type=int, help="Most tokens drafted per round [8].")
+@click.option("--draft-min", type=int, help="Drop proposals shorter than this [0].")
+@click.option("--draft-p-min", type=float, help="Drafter-side stop below this draft probability [0].")
+@click.option("--context", type=int, help="KV cache length in tokens [4096].")
+@click.option("-o", "--option", "options", type=(str, str), multiple=True, metavar="KEY VALUE",
+              help="Plugin option, e.g. `-o drafter.max_n 5` or `-o p_min 0.2`.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML settings file.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@click.option("--verbose", "-v", is_flag=True, help="Print a one-line summary to stderr.")
+@friendly_errors
+def generate(prompt, options, config_file, as_json, verbose, **flags):
+    """Generate text for PROMPT (`-` reads it from stdin)."""
+    from .assembly import assemble
+    from .chat import apply_chat_template
+    from .config import resolve_config
+
+    config = resolve_config(flags, config_file, option_flags=list(options))
+    load_start = time.perf_counter()
+    assembly = assemble(config)
+    load_s = time.perf_counter() - load_start
+    for warning in assembly.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    tokenizer = assembly.tokenizer
+    text = _read_prompt(prompt)
+    if config["chat"]:
+        text = apply_chat_template(assembly.gguf, tokenizer, [{"role": "user", "content": text}])
+        prompt_ids = tokenizer.encode(text, add_bos=False)
+    else:
+        prompt_ids = tokenizer.encode(text)
+
+    runner = assembly.runner
+    decoder = tokenizer.stream_decoder()
+    generated, pieces = [], []
+    try:
+        for token in runner.generate(prompt_ids, config["max_tokens"], assembly.params, tokenizer.eog_ids):
+            generated.append(token)
+            if token in tokenizer.eog_ids:
+                continue
+            piece = decoder.push(token)
+            pieces.append(piece)
+            if not as_json and piece:
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
+    finally:
+        tail = decoder.flush()
+        pieces.append(tail)
+        if not as_json:
+            click.echo(tail)
+    stats = runner.stats.as_dict()
+    stats["load_s"] = round(load_s, 3)
+    stats["config"] = config.report()
+    stats["plugins"] = {kind: spec.name for kind, spec in assembly.plugins.items()}
+    if as_json:
+        click.echo(json.dumps({"text": "".join(pieces), "tokens": generated, "prompt_tokens": prompt_ids,
+                               "stats": stats}, ensure_ascii=False))
+    if verbose:
+        click.echo(_summary(stats), err=True)
+
+
+def _summary(stats: dict) -> str:
+    line = (f"{stats['plugins']['drafter']}+{stats['plugins']['acceptor']}: {stats['generated_tokens']} tokens, "
+            f"{stats['decode_tokens_per_s']:.1f} tok/s decode, prefill {stats['prompt_tokens']} tokens in "
+            f"{stats['prefill_s']:.2f}s")
+    if stats["drafted"]:
+        line += (f", {stats['rounds']} rounds, accepted {stats['accepted']}/{stats['drafted']} "
+                 f"({stats['acceptance_rate']:.0%}), mean acceptance length {stats['mean_acceptance_length']:.2f}")
+    return line
+
+
+@main.group(invoke_without_command=True)
+@click.pass_context
+def models(ctx):
+    """List the model catalog and what is cached; `outrider models pull NAME` fetches one."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from .catalog import CATALOG, DEFAULT_MODEL, cached_path, is_cached, outrider_home
+
+    click.echo(f"cache: {outrider_home() / 'models'}")
+    for entry in CATALOG.values():
+        state = f"cached at {cached_path(entry)}" if is_cached(entry) else "not cached (outrider models pull NAME)"
+        default = " (default)" if entry.name == DEFAULT_MODEL else ""
+        click.echo(f"{entry.name}{default}: {entry.architecture} {entry.quantization}, "
+                   f"{entry.size / 1e6:.0f} MB, {state}\n    {entry.description}")
+
+
+@models.command("pull")
+@click.argument("name")
+@friendly_errors
+def models_pull(name):
+    """Fetch catalog model NAME into the cache (once; sha256-checked)."""
+    from .catalog import CATALOG, ensure_model
+    from .errors import ModelFileError
+
+    if name not in CATALOG:
+        raise ModelFileError(f"unknown model '{name}'; the catalog has: {', '.join(CATALOG)}")
+    path = ensure_model(name, progress=lambda msg: click.echo(msg, err=True))
+    click.echo(str(path))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@friendly_errors
+def plugins(as_json):
+    """List every installed plugin: kind, name, aliases, capabilities, options, providing package."""
+    from .registry import default_registry
+
+    rows = []
+    for spec in default_registry().all():
+        rows.append({
+            "kind": spec.kind, "name": spec.name, "aliases": list(spec.aliases), "package": spec.package,
+            "capabilities": {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in spec.capabilities.items()},
+            "options": {o.name: {"type": o.type.__name__, "default": o.default, "help": o.help}
+                        for o in spec.options.values()},
+        })
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for row in rows:
+        aliases = f" (aliases: {', '.join(row['aliases'])})" if row["aliases"] else ""
+        caps = ", ".join(f"{k}={v}" for k, v in row["capabilities"].items())
+        click.echo(f"{row['kind']:9} {row['name']}{aliases}  [{row['package']}]")
+        if caps:
+            click.echo(f"          capabilities: {caps}")
+        for name, opt in row["options"].items():
+            click.echo(f"          -o {row['kind']}.{name} ({opt['type']}, default {opt['default']!r}): {opt['help']}")
+
+
+if __name__ == "__main__":
+    main()

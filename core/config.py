@@ -1,0 +1,136 @@
+"""Settings from defaults, a TOML file, `OUTRIDER_*` environment variables and CLI flags.
+
+Precedence: flags > environment > file > defaults. Every resolved value remembers where it came
+from, so `--json` can report it. Plugin options live apart from the settings: in the file as
+`[options.backend]`, `[options.drafter]`, `[options.acceptor]` tables, on the command line as
+`-o KEY VALUE` (KEY is `kind.option`, or a bare option name that exactly one chosen plugin declares).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .catalog import DEFAULT_MODEL
+from .errors import ConfigError
+
+PLUGIN_KINDS = ("backend", "drafter", "acceptor")
+
+
+@dataclass(frozen=True)
+class Setting:
+    type: type
+    default: Any
+    help: str
+
+
+SETTINGS: dict[str, Setting] = {
+    "model": Setting(str, DEFAULT_MODEL, "target model: a catalog name or a .gguf path"),
+    "backend": Setting(str, "cpu", "backend plugin"),
+    "drafter": Setting(str, "lookup", "drafter plugin (`none` for plain decoding)"),
+    "acceptor": Setting(str, "auto", "acceptor plugin; auto = greedy at temperature 0, sampled above"),
+    "draft_model": Setting(str, "", "draft model for the draft-model drafter: a catalog name or a .gguf path"),
+    "draft_max": Setting(int, 8, "most tokens drafted per round"),
+    "draft_min": Setting(int, 0, "drop proposals shorter than this"),
+    "draft_p_min": Setting(float, 0.0, "drafter-side stop: do not draft a token whose draft probability is below this"),
+    "max_tokens": Setting(int, 128, "most tokens to generate"),
+    "temperature": Setting(float, 0.0, "0 = greedy"),
+    "top_k": Setting(int, 0, "0 = off"),
+    "top_p": Setting(float, 1.0, "1 = off"),
+    "seed": Setting(int, None, "random seed; unset = random"),
+    "context": Setting(int, 4096, "KV cache length in tokens (capped at the model's context)"),
+    "chat": Setting(bool, False, "wrap the prompt in the model's chat template"),
+}
+
+
+@dataclass
+class Config:
+    values: dict[str, Any]
+    sources: dict[str, str]
+    options: dict[str, dict[str, Any]] = field(default_factory=lambda: {kind: {} for kind in PLUGIN_KINDS})
+    option_sources: dict[str, dict[str, str]] = field(default_factory=lambda: {kind: {} for kind in PLUGIN_KINDS})
+    loose_options: dict[str, tuple[Any, str]] = field(default_factory=dict)  # -o KEY VALUE without a kind
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    def report(self) -> dict[str, Any]:
+        settings = {key: {"value": self.values[key], "source": self.sources[key]} for key in SETTINGS}
+        options = {kind: {key: {"value": value, "source": self.option_sources[kind][key]}
+                          for key, value in self.options[kind].items()} for kind in PLUGIN_KINDS}
+        return {"settings": settings, "options": options}
+
+
+def _convert(key: str, value: Any, source: str) -> Any:
+    setting = SETTINGS[key]
+    if value is None or isinstance(value, setting.type) and not (setting.type is int and isinstance(value, bool)):
+        return value
+    try:
+        if setting.type is bool:
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError
+        return setting.type(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} from {source} must be a {setting.type.__name__}, got {value!r}") from None
+
+
+def load_toml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; check the --config path") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def resolve_config(flags: Mapping[str, Any] | None = None, config_file: str | os.PathLike | None = None,
+                   environ: Mapping[str, str] | None = None, option_flags: list[tuple[str, str]] = ()) -> Config:
+    environ = os.environ if environ is None else environ
+    values = {key: setting.default for key, setting in SETTINGS.items()}
+    sources = {key: "default" for key in SETTINGS}
+    config = Config(values, sources)
+
+    if config_file is not None:
+        origin = f"file {Path(config_file).name}"
+        data = dict(load_toml(config_file))
+        tables = data.pop("options", {})
+        unknown = sorted(set(data) - set(SETTINGS))
+        if unknown:
+            raise ConfigError(f"unknown key '{unknown[0]}' in {config_file}; valid keys: {', '.join(SETTINGS)}, "
+                              "and [options.backend|drafter|acceptor] tables")
+        for key, value in data.items():
+            values[key], sources[key] = _convert(key, value, origin), origin
+        if not isinstance(tables, dict) or set(tables) - set(PLUGIN_KINDS):
+            raise ConfigError(f"{config_file}: [options] may only hold tables named {', '.join(PLUGIN_KINDS)}")
+        for kind, table in tables.items():
+            for key, value in table.items():
+                config.options[kind][key], config.option_sources[kind][key] = value, origin
+
+    for key in SETTINGS:
+        name = f"OUTRIDER_{key.upper()}"
+        if name in environ:
+            values[key], sources[key] = _convert(key, environ[name], f"env {name}"), f"env {name}"
+
+    for key, value in (flags or {}).items():
+        if key not in SETTINGS:
+            raise ConfigError(f"unknown setting '{key}'; valid: {', '.join(SETTINGS)}")
+        if value is not None:
+            values[key], sources[key] = _convert(key, value, "flag"), "flag"
+
+    for key, value in option_flags:
+        kind, _, name = key.rpartition(".")
+        if kind and kind not in PLUGIN_KINDS:
+            raise ConfigError(f"-o {key}: the prefix must be one of {', '.join(PLUGIN_KINDS)} (or none)")
+        if kind:
+            config.options[kind][name], config.option_sources[kind][name] = value, "flag -o"
+        else:
+            config.loose_options[name] = (value, "flag -o")
+    return config

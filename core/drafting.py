@@ -1,0 +1,71 @@
+"""What a drafter is, and what it is given.
+
+A drafter is a plain object. Once, when the runner is assembled, `setup(target)` hands it the target
+(model, tokenizer, GGUF file, backend). Per generation, `begin(...)` gives it the prompt and the
+sampling settings. Each round, `propose(tokens, k)` returns at most k tokens that should follow
+`tokens` (the whole sequence so far, ending with a token the target has not yet seen), and
+`rollback(length)` says that only the first `length` tokens of what it saw are still valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .sampling import SamplingParams
+
+# What a drafter may need from the target, declared in its `needs` capability.
+NEEDS_DRAFT_MODEL = "draft_model"
+NEEDS_TARGET_HIDDEN = "target_hidden"
+NEEDS_TARGET_KV = "target_kv"
+
+
+@dataclass
+class Target:
+    model: Any
+    tokenizer: Any
+    gguf: Any
+    backend: Any
+
+
+@dataclass
+class DraftControls:
+    draft_min: int = 0  # a proposal shorter than this is dropped (nothing is drafted)
+    draft_p_min: float = 0.0  # drafter-side stop: no token whose draft probability is below this
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None  # [len(tokens), vocab] q rows, only if the drafter sampled from them
+
+
+class Drafter(Protocol):
+    gives_draft_probs: bool
+    needs: frozenset[str]
+
+    def setup(self, target: Target) -> None: ...
+
+    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None: ...
+
+    def propose(self, tokens: list[int], k: int) -> Draft: ...
+
+    def rollback(self, length: int) -> None: ...
+
+
+class DrafterBase:
+    """Defaults for the parts of the protocol most drafters do not need."""
+
+    gives_draft_probs = False
+    needs: frozenset[str] = frozenset()
+
+    def setup(self, target: Target) -> None:
+        self.target = target
+
+    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
+        self.params, self.controls = params, controls
+
+    def rollback(self, length: int) -> None:
+        pass

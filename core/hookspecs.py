@@ -1,0 +1,32 @@
+"""The pluggy hooks through which every plugin, built-in or third-party, registers itself.
+
+Each registration hook receives a `register(name, factory, *, aliases=(), options={}, capabilities=None)`
+callback. Hooks run once, when the registry is built; the decode loop only ever sees the plain
+objects the factories return.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "outrider"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class OutriderSpec:
+    @hookspec
+    def register_backends(self, register):
+        """Register backends: `register("cpu", CPUBackend, options={...})`."""
+
+    @hookspec
+    def register_drafters(self, register):
+        """Register drafters: `register("lookup", LookupDrafter, aliases=("ngram",), options={...})`."""
+
+    @hookspec
+    def register_acceptors(self, register):
+        """Register acceptors: `register("greedy", GreedyAcceptor)`."""
+
+    @hookspec
+    def register_commands(self, cli):
+        """Add click commands to the `outrider` command group: `cli.add_command(my_command)`."""

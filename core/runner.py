@@ -1,0 +1,160 @@
+"""The speculative decoding loop.
+
+One round: the certain next token t0 (already sampled, not yet in the target's KV cache) is packed
+with the drafter's proposal x1..xk into ONE target forward over [t0, x1..xk]; the acceptor keeps a
+prefix of the drafts and emits one more token (recovered or bonus), which is the next round's t0.
+Rejected positions are rolled back by truncating the caches. With no drafts this is exactly plain
+decoding: one forward, one token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from .drafting import Draft, DraftControls, Target
+from .errors import OutriderError
+from .sampling import PositionRandom, SamplingParams
+
+
+@dataclass
+class GenerationStats:
+    """Counters for one generation; names and definitions follow shared/specs/acceptance.md."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # rounds that drafted at least j+1 tokens
+    accepted_at: list[int] = field(default_factory=list)  # rounds that accepted draft position j+1
+    draft_lengths: list[int] = field(default_factory=list)
+    stop_reason: str = ""
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.draft_lengths.append(drafted)
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for j in range(drafted):
+            self.drafted_at[j] += 1
+        for j in range(accepted):
+            self.accepted_at[j] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prefill_s": round(self.prefill_s, 6),
+            "decode_s": round(self.decode_s, 6),
+            "decode_tokens_per_s": round(self.generated_tokens / self.decode_s, 3) if self.decode_s else 0.0,
+            "prefill_tokens_per_s": round(self.prompt_tokens / self.prefill_s, 3) if self.prefill_s else 0.0,
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.accepted / self.drafted, 6) if self.drafted else 0.0,
+            "mean_acceptance_length": round(1 + self.accepted / self.rounds, 6) if self.rounds else 0.0,
+            "per_position": [round(a / d, 6) for a, d in zip(self.accepted_at, self.drafted_at)],
+            "draft_s": round(self.draft_s, 6),
+            "verify_s": round(self.verify_s, 6),
+            "stop_reason": self.stop_reason,
+        }
+
+
+class Runner:
+    """A target model, a drafter and an acceptor, assembled once and reused across generations."""
+
+    def __init__(self, target: Target, drafter: Any, acceptor: Any, draft_max: int = 8,
+                 controls: DraftControls | None = None, context: int | None = None):
+        self.target, self.drafter, self.acceptor = target, drafter, acceptor
+        self.draft_max = draft_max
+        self.controls = controls or DraftControls()
+        self.vocab_size = target.model.config.vocab_size
+        self.context = min(context or target.model.config.context_length, target.model.config.context_length)
+        self.cache = target.model.new_cache(self.context)
+        self.device = getattr(target.model, "device", torch.device("cpu"))
+        self.stats = GenerationStats()
+
+    def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams,
+                 stop_ids: set[int] | frozenset[int] = frozenset()) -> Iterator[int]:
+        """Yield generated token ids as they become certain; `self.stats` is complete when the loop ends."""
+        if not prompt:
+            raise OutriderError("the prompt is empty and the model adds no BOS token; give a non-empty prompt")
+        if len(prompt) >= self.context:
+            raise OutriderError(f"prompt is {len(prompt)} tokens but the context holds {self.context}; "
+                                "shorten the prompt or raise --context")
+        self.stats = stats = GenerationStats(prompt_tokens=len(prompt))
+        rng = PositionRandom(params.seed)
+        model, cache, acceptor = self.target.model, self.cache, self.acceptor
+        max_tokens = min(max_tokens, self.context - len(prompt))
+
+        t = time.perf_counter()
+        cache.truncate(0)
+        logits = model.forward(torch.tensor(prompt, device=self.device), 0, cache)[-1:]
+        first = acceptor.accept(logits.float().cpu(), [], None, params, rng, len(prompt)).tokens[0]
+        stats.prefill_s = time.perf_counter() - t
+        self.drafter.begin(list(prompt), params, self.controls)
+
+        tokens = list(prompt) + [first]
+        stats.generated_tokens = 1
+        decode_start = time.perf_counter()
+        yield first
+        if first in stop_ids:
+            stats.stop_reason = "eog"
+        while not stats.stop_reason:
+            if stats.generated_tokens >= max_tokens:
+                stats.stop_reason = "length"
+                break
+            n = len(tokens) - 1  # position of t0, the last token, which the target has not seen yet
+            k = min(self.draft_max, max_tokens - stats.generated_tokens - 1, self.context - len(tokens))
+            t = time.perf_counter()
+            draft = self._clean(self.drafter.propose(tokens, k) if k > 0 else Draft(), k)
+            t_drafted = time.perf_counter()
+            batch = torch.tensor([tokens[-1], *draft.tokens], device=self.device)
+            logits = model.forward(batch, n, cache).float().cpu()
+            result = acceptor.accept(logits, draft.tokens, draft.probs, params, rng, n + 1)
+            stats.draft_s += t_drafted - t
+            stats.verify_s += time.perf_counter() - t_drafted
+            stats.record_round(len(draft.tokens), result.accepted)
+            cache.truncate(n + 1 + result.accepted)
+            self.drafter.rollback(n + 1 + result.accepted)
+            for token in result.tokens:
+                tokens.append(token)
+                stats.generated_tokens += 1
+                yield token
+                if token in stop_ids:
+                    stats.stop_reason = "eog"
+                    break
+                if stats.generated_tokens >= max_tokens:
+                    stats.stop_reason = "length"
+                    break
+            stats.decode_s = time.perf_counter() - decode_start
+        stats.decode_s = time.perf_counter() - decode_start
+
+    def _clean(self, draft: Draft, k: int) -> Draft:
+        """Keep a misbehaving drafter from crashing the target: at most k ids, all inside the vocabulary."""
+        ids = [int(x) for x in draft.tokens[:k]]
+        for i, x in enumerate(ids):
+            if not 0 <= x < self.vocab_size:
+                ids = ids[:i]
+                break
+        if len(ids) < max(self.controls.draft_min, 1):
+            return Draft()
+        probs = draft.probs
+        if probs is not None:
+            probs = probs[: len(ids)].float().cpu()
+            if probs.shape[-1] < self.vocab_size:
+                probs = torch.nn.functional.pad(probs, (0, self.vocab_size - probs.shape[-1]))
+            if probs.shape != (len(ids), self.vocab_size):
+                probs = None
+        return Draft(ids, probs)

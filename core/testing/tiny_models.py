@@ -1,0 +1,155 @@
+"""Tiny random-weight GGUF models, written on the fly for tests (llama with a byte-level BPE vocab,
+gemma3 with a SentencePiece-style vocab). Small enough that a forward pass takes well under a millisecond
+of compute, yet they exercise every code path of the real architectures: GQA, q/k norms, the
+sliding window, tied and untied output heads, quantized tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+# GPT-2's printable stand-ins for the 256 byte values, so a byte-level vocab can spell every byte.
+def _bytes_to_unicode() -> list[str]:
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def _matrix(rng: np.random.Generator, rows: int, cols: int, scale: float = 0.08) -> np.ndarray:
+    return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+
+def _norm(rng: np.random.Generator, n: int) -> np.ndarray:
+    return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+
+def _add(writer, name: str, array: np.ndarray, quantize: bool) -> None:
+    import gguf
+
+    if quantize and array.ndim == 2 and array.shape[1] % 32 == 0:
+        q = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+        writer.add_tensor(name, array)
+
+
+def write_tiny_llama(path: str | Path, seed: int = 0, n_layers: int = 2, hidden: int = 64, heads: int = 4,
+                     kv_heads: int = 2, ffn: int = 128, context: int = 256, quantize: bool = True,
+                     tied: bool = False) -> Path:
+    """A llama GGUF with a byte-level vocabulary: 256 byte tokens, a few merges, <s> </s> <|im_end|>."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    byte_tokens = _bytes_to_unicode()
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a"]
+    tokens = ["<unk>", "<s>", "</s>", "<|im_end|>"] + byte_tokens + [m.replace(" ", "") for m in merges]
+    types = [3, 3, 3, 3] + [1] * (len(tokens) - 4)
+    vocab = len(tokens)
+    head_dim = hidden // heads
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    _add(w, "token_embd.weight", _matrix(rng, vocab, hidden, 0.5), quantize)
+    if not tied:
+        _add(w, "output.weight", _matrix(rng, vocab, hidden, 0.3), quantize)
+    w.add_tensor("output_norm.weight", _norm(rng, hidden))
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", _norm(rng, hidden))
+        w.add_tensor(p + "ffn_norm.weight", _norm(rng, hidden))
+        _add(w, p + "attn_q.weight", _matrix(rng, heads * head_dim, hidden), quantize)
+        _add(w, p + "attn_k.weight", _matrix(rng, kv_heads * head_dim, hidden), quantize)
+        _add(w, p + "attn_v.weight", _matrix(rng, kv_heads * head_dim, hidden), quantize)
+        _add(w, p + "attn_output.weight", _matrix(rng, hidden, heads * head_dim), quantize)
+        _add(w, p + "ffn_gate.weight", _matrix(rng, ffn, hidden), quantize)
+        _add(w, p + "ffn_up.weight", _matrix(rng, ffn, hidden), quantize)
+        _add(w, p + "ffn_down.weight", _matrix(rng, hidden, ffn), quantize)
+    _finish(w)
+    return Path(path)
+
+
+def write_tiny_gemma3(path: str | Path, seed: int = 0, n_layers: int = 6, hidden: int = 64, heads: int = 4,
+                      kv_heads: int = 1, head_dim: int = 32, ffn: int = 128, window: int = 8, context: int = 256,
+                      quantize: bool = True) -> Path:
+    """A gemma3 GGUF (five local layers with a small window, then a global one) with an SPM-style vocab."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    pieces = ["▁", "▁t", "he", "▁the", "in", "▁a", "e", "t", "h", "a", "i", "n"]
+    tokens = specials + byte_tokens + pieces
+    types = [3] * len(specials) + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces))]
+    vocab = len(tokens)
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(window)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_add_space_prefix(False)
+    _add(w, "token_embd.weight", _matrix(rng, vocab, hidden, 0.3), quantize)
+    w.add_tensor("output_norm.weight", _norm(rng, hidden))
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            w.add_tensor(p + norm + ".weight", _norm(rng, hidden))
+        w.add_tensor(p + "attn_q_norm.weight", _norm(rng, head_dim))
+        w.add_tensor(p + "attn_k_norm.weight", _norm(rng, head_dim))
+        _add(w, p + "attn_q.weight", _matrix(rng, heads * head_dim, hidden), quantize)
+        _add(w, p + "attn_k.weight", _matrix(rng, kv_heads * head_dim, hidden), quantize)
+        _add(w, p + "attn_v.weight", _matrix(rng, kv_heads * head_dim, hidden), quantize)
+        _add(w, p + "attn_output.weight", _matrix(rng, hidden, heads * head_dim), quantize)
+        _add(w, p + "ffn_gate.weight", _matrix(rng, ffn, hidden), quantize)
+        _add(w, p + "ffn_up.weight", _matrix(rng, ffn, hidden), quantize)
+        _add(w, p + "ffn_down.weight", _matrix(rng, hidden, ffn), quantize)
+    _finish(w)
+    return Path(path)
+
+
+def _finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

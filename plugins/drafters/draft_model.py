@@ -1,0 +1,105 @@
+"""The `draft-model` drafter: a smaller GGUF model with the same vocabulary proposes tokens.
+
+It keeps its own KV cache, rolled back with the target's. By default it drafts by argmax
+(deterministic, so the sampled acceptor uses the one-hot rule and a seeded run reproduces plain
+sampling exactly); with `sample = true` it samples from its own warped distribution q and
+reports q, for the Leviathan full-q rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from outrider.catalog import resolve_model
+from outrider.drafting import NEEDS_DRAFT_MODEL, Draft, DrafterBase, DraftControls, Target
+from outrider.errors import ConfigError
+from outrider.gguf_file import GGUFFile
+from outrider.hookspecs import hookimpl
+from outrider.sampling import SamplingParams, warp
+from outrider.tokenizer import Tokenizer
+
+# llama.cpp's rule: ids below this may differ (special tokens), the rest must spell the same.
+_SPECIAL_PREFIX = 5
+_MAX_VOCAB_SIZE_DIFFERENCE = 128
+
+
+def check_vocab_compatible(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:
+    fix = "pick a draft model from the same family as the target (same tokenizer)"
+    if abs(target.vocab_size - draft.vocab_size) > _MAX_VOCAB_SIZE_DIFFERENCE:
+        raise ConfigError(f"draft model {draft_name} has {draft.vocab_size} tokens, the target {target.vocab_size}; {fix}")
+    if (target.bos_id, target.eos_id) != (draft.bos_id, draft.eos_id):
+        raise ConfigError(f"draft model {draft_name} has different BOS/EOS ids than the target; {fix}")
+    for i in range(_SPECIAL_PREFIX, min(target.vocab_size, draft.vocab_size)):
+        if target.tokens[i] != draft.tokens[i]:
+            raise ConfigError(f"draft model {draft_name} spells token {i} {draft.tokens[i]!r}, the target "
+                              f"{target.tokens[i]!r}; {fix}")
+
+
+class DraftModelDrafter(DrafterBase):
+    needs = frozenset({NEEDS_DRAFT_MODEL})
+    gives_draft_probs = True  # only when sample = true; the runner asks the instance
+
+    def __init__(self, model: str = "", sample: bool = False, context: int = 4096):
+        if not model:
+            raise ConfigError("drafter 'draft-model' needs a model: pass --draft-model NAME|PATH")
+        self.model_name, self.sample, self.context = model, sample, context
+        self.gives_draft_probs = sample
+
+    def setup(self, target: Target) -> None:
+        super().setup(target)
+        gguf = GGUFFile(resolve_model(self.model_name))
+        self.tokenizer = Tokenizer.from_gguf(gguf)
+        check_vocab_compatible(target.tokenizer, self.tokenizer, self.model_name)
+        self.model = target.backend.load_model(gguf)
+        self.vocab_size = min(target.tokenizer.vocab_size, self.model.config.vocab_size)
+        self.cache = self.model.new_cache(min(self.context, self.model.config.context_length))
+        self.device = self.model.device
+
+    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
+        super().begin(prompt, params, controls)
+        self.cache.truncate(0)
+        seed = params.seed if params.seed is not None else 0
+        self.generator = torch.Generator().manual_seed(seed ^ 0x5EED)
+
+    def rollback(self, length: int) -> None:
+        self.cache.truncate(min(self.cache.length, length))
+
+    def _next(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+        logits = logits[: self.vocab_size].float().cpu()
+        if self.sample and not self.params.greedy:
+            q = warp(logits, self.params)
+            token = int(torch.multinomial(q, 1, generator=self.generator))
+            return token, q, float(q[token])
+        token = int(logits.argmax())
+        confidence = float(torch.softmax(logits, -1)[token]) if self.controls.draft_p_min > 0 else 1.0
+        return token, None, confidence
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        room = self.cache.max_len - len(tokens)
+        k = min(k, room)
+        if k <= 0:
+            return Draft()
+        start = self.cache.length
+        pending = torch.tensor(tokens[start:], device=self.device)
+        drafted, rows = [], []
+        for _ in range(k):
+            logits = self.model.forward(pending, start, self.cache)[-1]
+            start += pending.shape[0]
+            token, q, confidence = self._next(logits)
+            if confidence < self.controls.draft_p_min:
+                break
+            drafted.append(token)
+            if q is not None:
+                rows.append(q)
+            pending = torch.tensor([token], device=self.device)
+        probs = torch.stack(rows) if rows and len(rows) == len(drafted) else None
+        return Draft(drafted, probs)
+
+
+@hookimpl
+def register_drafters(register):
+    register("draft-model", DraftModelDrafter, aliases=("draft",), options={
+        "model": (str, "", "the draft GGUF: a catalog name or a path (also --draft-model)"),
+        "sample": (bool, False, "sample drafts from q instead of argmax (the acceptor then uses the full-q rule)"),
+        "context": (int, 4096, "the draft model's KV cache length"),
+    })

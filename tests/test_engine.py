@@ -1,0 +1,284 @@
+"""The engine: GGUF reading, the two architectures, the KV cache.
+
+Oracles: the `gguf` package's own dequantizers, transformers' GGUF loader and its llama / gemma3
+implementations (independent of ours), and, for the cache, the same model run without the cache trick
+(single-token forwards, or a fresh cache).
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from outrider.errors import ModelFileError
+from outrider.gguf_file import GGUFFile
+from outrider.models import load_model
+from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama
+
+# Logits tolerance against transformers (fp32 both sides; logits are of magnitude 20-50).
+LOGIT_ATOL = 2e-3
+# Batched vs single-token forwards reorder float sums; differences stay at rounding level.
+BATCH_ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def tiny_paths(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    return {"llama": write_tiny_llama(folder / "llama.gguf"),
+            "gemma3": write_tiny_gemma3(folder / "gemma3.gguf", window=8)}
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+
+
+def test_dequantization_matches_the_gguf_reference(tiny_paths):
+    for path in tiny_paths.values():
+        ours = GGUFFile(path)
+        reference = gguf.GGUFReader(path)
+        for tensor in reference.tensors:
+            expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            got = ours.load(tensor.name).numpy()
+            # GGUF lists dimensions fastest-first; torch shapes are the reverse.
+            assert got.shape == tuple(int(d) for d in reversed(tensor.shape))
+            np.testing.assert_array_equal(got, expected.reshape(got.shape))
+
+
+# gguf can quantize these; the k-quants (Q4_K, Q6_K) are checked on the real models below.
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16"])
+def test_every_supported_quant_type_roundtrips(tmp_path, qtype):
+    qt = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(1)
+    source = rng.standard_normal((4, 256)).astype(np.float32)
+    path = tmp_path / "q.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    if qtype in ("F16",):
+        w.add_tensor("t", source.astype(np.float16))
+    else:
+        w.add_tensor("t", gguf.quants.quantize(source, qt), raw_dtype=qt)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    got = GGUFFile(path).load("t").numpy()
+    reference = gguf.GGUFReader(path).tensors[0]
+    np.testing.assert_array_equal(got, gguf.quants.dequantize(reference.data, reference.tensor_type).reshape(4, 256))
+    # and it is a faithful (lossy) copy of the source: the tolerance is each format's precision
+    assert np.abs(got - source).max() < {"Q4_0": 0.6, "Q4_1": 0.6}.get(qtype, 0.35)
+
+
+def test_truncated_file_is_a_one_line_error(tiny_paths, tmp_path):
+    data = tiny_paths["llama"].read_bytes()
+    for cut in (10, len(data) // 3, len(data) - 100):
+        broken = tmp_path / f"cut{cut}.gguf"
+        broken.write_bytes(data[:cut])
+        with pytest.raises(ModelFileError, match="truncated"):
+            GGUFFile(broken)
+
+
+def test_missing_and_foreign_files_are_errors(tmp_path):
+    with pytest.raises(ModelFileError, match="no such model file"):
+        GGUFFile(tmp_path / "absent.gguf")
+    (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04 not a gguf at all")
+    with pytest.raises(ModelFileError, match="not a GGUF"):
+        GGUFFile(tmp_path / "x.gguf")
+
+
+def test_unknown_architecture_is_refused(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(ModelFileError, match="unknown architecture 'mamba'; supported: gemma3, llama"):
+        load_model(GGUFFile(path))
+
+
+def test_unsupported_quant_type_is_refused(tmp_path):
+    path = tmp_path / "iq.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    qt = gguf.GGMLQuantizationType.IQ2_XXS
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    w.add_tensor("t", np.zeros((2, 256 // block * size), np.uint8), raw_dtype=qt)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(ModelFileError, match="IQ2_XXS.*re-quantize"):
+        GGUFFile(path).load("t")
+
+
+# ------------------------------------------------------------------------------------ batching, cache
+
+
+def _single_forwards(model, tokens, start, cache):
+    return torch.cat([model.forward(tokens[i:i + 1], start + i, cache) for i in range(len(tokens))])
+
+
+def _check_batched_equals_single(model, prefix, block):
+    cache_a, cache_b = model.new_cache(len(prefix) + 64), model.new_cache(len(prefix) + 64)
+    model.forward(prefix, 0, cache_a)
+    model.forward(prefix, 0, cache_b)
+    batched = model.forward(block, len(prefix), cache_a)
+    single = _single_forwards(model, block, len(prefix), cache_b)
+    assert torch.equal(batched.argmax(-1), single.argmax(-1))
+    torch.testing.assert_close(batched, single, atol=BATCH_ATOL, rtol=0)
+
+
+def _check_truncate_then_replay(model, prefix, rejected, replacement):
+    cache = model.new_cache(len(prefix) + 64)
+    model.forward(prefix, 0, cache)
+    model.forward(rejected, len(prefix), cache)
+    cache.truncate(len(prefix))
+    replayed = model.forward(replacement, len(prefix), cache)
+    fresh_cache = model.new_cache(len(prefix) + 64)
+    fresh = model.forward(torch.cat([prefix, replacement]), 0, fresh_cache)[len(prefix):]
+    torch.testing.assert_close(replayed, fresh, atol=BATCH_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_tiny_batched_forward_equals_single_forwards(tiny_paths, arch, k):
+    model = load_model(GGUFFile(tiny_paths[arch]))
+    gen = torch.Generator().manual_seed(k)
+    # prefix of 5 puts the block across the tiny gemma3's 8-token window boundary
+    prefix = torch.randint(0, model.config.vocab_size, (5,), generator=gen)
+    block = torch.randint(0, model.config.vocab_size, (k,), generator=gen)
+    _check_batched_equals_single(model, prefix, block)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_tiny_truncate_then_replay_equals_fresh_run(tiny_paths, arch):
+    model = load_model(GGUFFile(tiny_paths[arch]))
+    gen = torch.Generator().manual_seed(3)
+    prefix, rejected, replacement = (torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in (6, 7, 5))
+    _check_truncate_then_replay(model, prefix, rejected, replacement)
+
+
+def test_sliding_window_sees_exactly_the_last_window_keys(tmp_path):
+    """Hand-checked: a single local layer with window W lets the query at position p see keys at
+    p-W+1..p only (llama.cpp and transformers: masked iff q - k >= W). Changing token 0 must change
+    outputs 0..W-1 and leave every later position untouched, in a batched and a cached run alike."""
+    window = 8
+    model = load_model(GGUFFile(write_tiny_gemma3(tmp_path / "one.gguf", n_layers=1, window=window)))
+    assert model.config.is_local == (True,)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.config.vocab_size, (3 * window,), generator=gen)
+    changed = tokens.clone()
+    changed[0] = (tokens[0] + 1) % model.config.vocab_size
+    a = model.forward(tokens, 0, model.new_cache(64))
+    b = model.forward(changed, 0, model.new_cache(64))
+    differs = (a - b).abs().amax(-1) > 1e-6
+    assert differs.tolist() == [True] * window + [False] * (2 * window)
+    cache = model.new_cache(64)
+    model.forward(changed[:window], 0, cache)
+    stepped = _single_forwards(model, changed[window:], window, cache)
+    torch.testing.assert_close(stepped, a[window:], atol=BATCH_ATOL, rtol=0)
+
+
+def test_hidden_states_have_the_declared_shape(tiny_paths):
+    for path in tiny_paths.values():
+        model = load_model(GGUFFile(path))
+        logits, hidden = model.forward(torch.tensor([1, 2, 3]), 0, model.new_cache(16), hidden=True)
+        assert logits.shape == (3, model.config.vocab_size) and logits.dtype == torch.float32
+        assert hidden.shape == (3, model.config.hidden_size)
+
+
+def test_bfloat16_stays_close_to_float32(tiny_paths):
+    for path in tiny_paths.values():
+        g = GGUFFile(path)
+        tokens = torch.arange(1, 20)
+        full = load_model(g).forward(tokens, 0, load_model(g).new_cache(32))
+        m16 = load_model(g, dtype=torch.bfloat16)
+        half = m16.forward(tokens, 0, m16.new_cache(32))
+        assert half.dtype == torch.float32
+        assert (half - full).abs().max() < 0.1 * full.abs().max()
+
+
+# ------------------------------------------------------------------------------- real models vs HF
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_real_model_tensors_match_the_gguf_reference(request, which):
+    """One tensor of every type the real models use (F32, Q8_0, Q4_1, Q5_0, Q4_K, Q6_K)."""
+    path = request.getfixturevalue(f"{which}_path")
+    ours = GGUFFile(path)
+    seen = set()
+    for tensor in gguf.GGUFReader(path).tensors:
+        if tensor.tensor_type in seen or tensor.name == "token_embd.weight":
+            continue
+        seen.add(tensor.tensor_type)
+        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        got = ours.load(tensor.name).numpy()
+        np.testing.assert_array_equal(got, expected.reshape(got.shape))
+    assert len(seen) >= 3
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "Translate to French: The cat sleeps on the warm windowsill.",
+]
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def real(request):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    path = request.getfixturevalue(f"{request.param}_path")
+    folder, name = os.path.split(str(path))
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model = load_model(GGUFFile(path))
+    return request.param, model, hf_model, hf_tokenizer
+
+
+@pytest.mark.slow
+def test_last_position_logits_match_transformers(real):
+    _, model, hf_model, hf_tokenizer = real
+    for prompt in PROMPTS:
+        ids = hf_tokenizer.encode(prompt)
+        ours = model.forward(torch.tensor(ids), 0, model.new_cache(256))[-1]
+        with torch.no_grad():
+            theirs = hf_model(torch.tensor([ids])).logits[0, -1]
+        assert int(ours.argmax()) == int(theirs.argmax())
+        torch.testing.assert_close(ours, theirs, atol=LOGIT_ATOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_greedy_continuation_matches_transformers(real):
+    from outrider.drafting import Target
+    from outrider.plugins.acceptors.greedy import GreedyAcceptor
+    from outrider.plugins.drafters.none import NoDrafter
+    from outrider.runner import Runner
+    from outrider.sampling import SamplingParams
+
+    _, model, hf_model, hf_tokenizer = real
+    runner = Runner(Target(model, None, None, None), NoDrafter(), GreedyAcceptor(), draft_max=0, context=512)
+    for prompt in PROMPTS[:3]:
+        ids = hf_tokenizer.encode(prompt)
+        ours = list(runner.generate(ids, 32, SamplingParams()))
+        # transformers' own loop, without its KV cache, straight through any EOS
+        theirs, context = [], list(ids)
+        with torch.no_grad():
+            for _ in range(32):
+                token = int(hf_model(torch.tensor([context])).logits[0, -1].argmax())
+                theirs.append(token)
+                context.append(token)
+        assert ours == theirs, prompt
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_real_batched_forward_equals_single_forwards(real, k):
+    name, model, _, _ = real
+    gen = torch.Generator().manual_seed(k)
+    # 509 + k crosses gemma3's 512-token sliding window inside the block
+    prefix = torch.randint(10, 20000, (509,), generator=gen)
+    block = torch.randint(10, 20000, (k,), generator=gen)
+    _check_batched_equals_single(model, prefix, block)
+
+
+@pytest.mark.slow
+def test_real_truncate_then_replay_equals_fresh_run(real):
+    _, model, _, _ = real
+    gen = torch.Generator().manual_seed(7)
+    prefix, rejected, replacement = (torch.randint(10, 20000, (n,), generator=gen) for n in (505, 8, 8))
+    _check_truncate_then_replay(model, prefix, rejected, replacement)
