@@ -1,0 +1,110 @@
+"""Chat prompts: a list of messages rendered into the text a model was trained on.
+
+The template is the file's `tokenizer.chat_template` (Jinja), rendered the way Hugging Face transformers renders
+it, so prompts match the model card. Files without one (Gemma GGUFs often lack it) fall back to a built-in
+template chosen by architecture.
+
+The rendered text may begin with the BOS token's text (Gemma's does); `Tokenizer.encode` with its default
+`add_bos=None` then does not add a second one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import ModelFileError, OutriderError
+
+if TYPE_CHECKING:
+    from .gguf_file import GGUFFile
+    from .tokenizer import Tokenizer
+
+# Gemma's official template for text-only conversations: the system message, if any, opens the first user
+# turn; the assistant's role is called "model".
+_GEMMA_TEMPLATE = r"""{{ bos_token }}
+{%- if messages and messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = '' -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif -%}
+    {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}
+    {{- message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{ '<start_of_turn>model\n' }}
+{%- endif -%}
+"""
+
+BUILTIN_TEMPLATES = {"gemma": _GEMMA_TEMPLATE, "gemma2": _GEMMA_TEMPLATE, "gemma3": _GEMMA_TEMPLATE}
+
+
+def chat_template_for(metadata: dict[str, Any]) -> str:
+    """The file's chat template, else the built-in one for its architecture."""
+    template = metadata.get("tokenizer.chat_template")
+    if template:
+        return str(template)
+    architecture = str(metadata.get("general.architecture", ""))
+    if architecture in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[architecture]
+    raise ModelFileError("this model has no chat template; run without --chat")
+
+
+def apply_chat_template(gguf_file_or_metadata: GGUFFile | dict[str, Any], tokenizer: Tokenizer,
+                        messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """Render `messages` ([{"role": "user", "content": "hi"}, ...]) into prompt text.
+
+    add_generation_prompt: end with the opening of an assistant turn, so the model answers next.
+    """
+    metadata = getattr(gguf_file_or_metadata, "metadata", gguf_file_or_metadata)
+    template = _compile(chat_template_for(metadata))
+    try:
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=_token_text(tokenizer, tokenizer.bos_id),
+            eos_token=_token_text(tokenizer, tokenizer.eos_id),
+        )
+    except jinja2.TemplateError as error:  # raise_exception(...) in the template, or a bad message shape
+        raise OutriderError(f"the chat template rejected the conversation: {error}") from None
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str:
+    return tokenizer.tokens[token_id] if token_id is not None else ""
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Like transformers: Jinja's own tojson escapes HTML characters, which templates do not expect.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    # Templates come from downloaded files, so they run sandboxed. trim_blocks/lstrip_blocks and the helpers
+    # below are what transformers provides; templates are written against that environment.
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[jinja2.ext.loopcontrols])
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return environment.from_string(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise ModelFileError(f"the model's chat template does not parse ({error}); run without --chat") from None
