@@ -1,0 +1,238 @@
+"""Sampling: warpers, position-coupled randomness, inverse-CDF sampling and the acceptor protocol.
+
+The reference for the rules is the team's acceptance spec (specs/acceptance.md). In short:
+
+* :func:`warp` turns raw logits into the distribution that is actually sampled from (temperature, then
+  top-k, then top-p). The same function is applied to the target (p) and to the drafter (q).
+* :class:`PositionRandom` gives one uniform draw per absolute sequence position, so that plain decoding
+  (``sample_at(warp(logits_n), rng.uniform(n))``) and speculative decoding with a deterministic drafter
+  produce the same tokens for the same seed.
+* :class:`AcceptResult` and :class:`Acceptor` are the protocol the acceptors in
+  ``outrider.plugins.acceptors`` implement.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+
+__all__ = [
+    "SamplingParams",
+    "warp",
+    "PositionRandom",
+    "sample_at",
+    "sample_rows",
+    "AcceptResult",
+    "Acceptor",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parameters
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are sampled. ``temperature == 0`` means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int | None = None  # None = pick one at random (PositionRandom reports it)
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+            raise ConfigError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
+        s = self.seed
+        if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0):
+            raise ConfigError(f"seed must be an integer >= 0 (or unset for a random one), got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Warping
+# ----------------------------------------------------------------------------------------------------------
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [..., V] (float32, rows sum to 1) after temperature, top-k, then top-p.
+
+    At temperature 0 the result is the one-hot of the argmax (first index on ties). Top-k keeps exactly
+    ``top_k`` tokens; top-p keeps the smallest set of most probable tokens (among those top-k kept) whose
+    mass is >= ``top_p``, always at least one. Batched over the leading dimensions.
+    """
+    x = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
+    if params.greedy:
+        idx = x.argmax(dim=-1, keepdim=True)
+        return torch.zeros_like(x).scatter_(-1, idx, 1.0)
+    x = x / float(params.temperature)
+    vocab = x.shape[-1]
+    k = params.top_k if 0 < params.top_k < vocab else 0
+    if k == 0 and params.top_p >= 1.0:
+        return torch.softmax(x, dim=-1)
+    if k:
+        vals, idx = torch.topk(x, k, dim=-1, largest=True, sorted=True)
+    else:
+        vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(vals, dim=-1)
+    if params.top_p < 1.0:
+        cum = torch.cumsum(probs, dim=-1)
+        before = cum - probs  # mass of the strictly more probable tokens
+        keep = before < params.top_p
+        keep[..., 0] = True
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(x).scatter_(-1, idx, probs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Position-coupled randomness
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _Stream:
+    """U[0,1) draws from one numpy Generator, indexed by position, generated lazily in chunks."""
+
+    __slots__ = ("_rng", "_chunks", "_chunk")
+
+    def __init__(self, seed_material, chunk: int) -> None:
+        self._rng = np.random.default_rng(seed_material)
+        self._chunks: list[np.ndarray] = []
+        self._chunk = chunk
+
+    def __call__(self, pos: int) -> float:
+        if pos < 0:
+            raise ValueError(f"position must be >= 0, got {pos}")
+        c, off = divmod(pos, self._chunk)
+        while len(self._chunks) <= c:
+            self._chunks.append(self._rng.random(self._chunk))
+        return float(self._chunks[c][off])
+
+
+class PositionRandom:
+    """Deterministic U[0,1) draws, one per absolute sequence position, from a single seed.
+
+    ``uniform(pos)`` is draw number ``pos`` of ``numpy.random.default_rng(seed).random(...)``; it is what
+    plain decoding and the emitted/recovered/bonus tokens of the acceptors use. ``uniform_aux(pos)`` is an
+    independent stream (``default_rng([seed, 1])``) for the Leviathan acceptance test. ``uniform_draft(pos)``
+    is a third independent stream (``default_rng([seed, 2])``) for drafters that sample: a drafter must NOT
+    sample its proposals with ``uniform``/``uniform_aux``, or the guarantee of the acceptance rule is lost.
+    Draws do not depend on the order in which positions are asked for.
+    """
+
+    CHUNK = 1024
+
+    def __init__(self, seed: int | None = None) -> None:
+        if seed is None:
+            seed = secrets.randbits(32)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
+        self.seed = int(seed)
+        self._main = _Stream(self.seed, self.CHUNK)
+        self._aux: _Stream | None = None
+        self._draft: _Stream | None = None
+
+    def uniform(self, pos: int) -> float:
+        return self._main(pos)
+
+    def uniform_aux(self, pos: int) -> float:
+        if self._aux is None:
+            self._aux = _Stream([self.seed, 1], self.CHUNK)
+        return self._aux(pos)
+
+    def uniform_draft(self, pos: int) -> float:
+        if self._draft is None:
+            self._draft = _Stream([self.seed, 2], self.CHUNK)
+        return self._draft(pos)
+
+    def __repr__(self) -> str:
+        return f"PositionRandom(seed={self.seed})"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inverse-CDF sampling
+# ----------------------------------------------------------------------------------------------------------
+
+
+def sample_rows(probs: torch.Tensor, us: Sequence[float]) -> list[int]:
+    """Inverse-CDF sample of each row of ``probs`` [N, V] with its own ``us[n]`` in [0, 1).
+
+    Token i is chosen iff cum[i-1] <= u * total < cum[i] (vocabulary order, float64), so a token of zero
+    probability is never chosen; u * total rounding up to total falls back to the last token with
+    nonzero probability. Rows need not be normalised. Row n gives the same token as
+    ``sample_at(probs[n], us[n])``.
+    """
+    if probs.dim() != 2:
+        raise ValueError(f"sample_rows expects [N, V] probabilities, got shape {tuple(probs.shape)}")
+    n = probs.shape[0]
+    if len(us) != n:
+        raise ValueError(f"{n} rows but {len(us)} uniforms")
+    if n == 0:
+        return []
+    p = probs.detach().to(torch.float64)
+    cum = torch.cumsum(p, dim=-1)
+    total = cum[:, -1:]
+    if not bool(((total > 0) & torch.isfinite(total)).all()):
+        raise ValueError("cannot sample: a row of probabilities is all zero, negative or not finite")
+    u = torch.tensor(list(us), dtype=torch.float64, device=p.device).unsqueeze(-1)
+    idx = torch.searchsorted(cum, u * total, right=True).squeeze(-1).tolist()
+    vocab = p.shape[-1]
+    for r, i in enumerate(idx):
+        if i >= vocab:
+            idx[r] = int(torch.nonzero(p[r] > 0)[-1])
+    return idx
+
+
+def sample_at(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF sample of ``probs`` [V] with the uniform ``u`` in [0, 1) (see :func:`sample_rows`)."""
+    return sample_rows(probs.reshape(1, -1), [u])[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Acceptor protocol
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AcceptResult:
+    """What one verify round emits."""
+
+    tokens: list[int]  # accepted drafts, then one recovered or bonus token
+    accepted: int  # number of drafted tokens kept (0..k); len(tokens) == accepted + 1
+
+
+@runtime_checkable
+class Acceptor(Protocol):
+    """Decides which drafted tokens to keep, given ONE target forward over [t0, x1..xk]."""
+
+    lossless: bool
+    needs_draft_probs: bool  # True if it only works when the drafter gives q
+
+    def accept(
+        self,
+        target_logits: torch.Tensor,  # [k+1, V] raw logits p_1..p_{k+1}
+        draft_tokens: list[int],  # x1..xk (may be empty: then one token from p_1)
+        draft_probs: torch.Tensor | None,  # [k, V] warped q_i, or None = deterministic drafter
+        params: SamplingParams,
+        rng: PositionRandom,
+        position: int,  # absolute position of x1 (the token p_1 predicts)
+    ) -> AcceptResult: ...

@@ -1,0 +1,83 @@
+"""The ``greedy`` acceptor: keep drafted tokens while they equal the target's argmax (lossless at T=0)."""
+
+from __future__ import annotations
+
+import torch
+
+from outrider.sampling import AcceptResult, PositionRandom, SamplingParams
+
+
+def check_round(
+    target_logits: torch.Tensor, draft_tokens: list[int], draft_probs: torch.Tensor | None
+) -> torch.Tensor:
+    """Validate the shapes of one verify round; returns target_logits as [k+1, V]."""
+    k = len(draft_tokens)
+    if target_logits.dim() == 1:
+        target_logits = target_logits.unsqueeze(0)
+    if target_logits.dim() != 2 or target_logits.shape[0] != k + 1:
+        raise ValueError(
+            f"target_logits must be [k+1, V] = [{k + 1}, V] for {k} drafted tokens, "
+            f"got shape {tuple(target_logits.shape)}"
+        )
+    if draft_probs is not None and tuple(draft_probs.shape) != (k, target_logits.shape[1]):
+        raise ValueError(
+            f"draft_probs must be [k, V] = [{k}, {target_logits.shape[1]}], got shape {tuple(draft_probs.shape)}"
+        )
+    return target_logits
+
+
+def first_rejection(ok: torch.Tensor) -> int:
+    """Index of the first False in the bool vector ``ok`` [k], or k if all are True."""
+    k = ok.shape[0]
+    if k == 0:
+        return 0
+    bad = torch.cat([~ok, ok.new_ones(1)])
+    return int(bad.to(torch.uint8).argmax())  # argmax returns the first maximal index
+
+
+def greedy_round(
+    target_logits: torch.Tensor, draft_tokens: list[int], force: torch.Tensor | None = None
+) -> AcceptResult:
+    """Greedy verify: accept x_i iff x_i == argmax p_i (or ``force[i]``); recovered/bonus = argmax."""
+    k = len(draft_tokens)
+    top = target_logits.argmax(dim=-1)  # [k+1], one op for every row
+    if k:
+        drafts = torch.tensor(draft_tokens, dtype=top.dtype, device=top.device)
+        ok = top[:k] == drafts
+        if force is not None:
+            ok = ok | force
+        n = first_rejection(ok)
+    else:
+        n = 0
+    return AcceptResult(tokens=list(draft_tokens[:n]) + [int(top[n])], accepted=n)
+
+
+class GreedyAcceptor:
+    """Accept x_i iff it is the target's argmax; emit the argmax at the first mismatch, or the bonus argmax.
+
+    Output is token-for-token the target's greedy decoding. It ignores the temperature.
+    """
+
+    lossless = True
+    needs_draft_probs = False
+
+    def accept(
+        self,
+        target_logits: torch.Tensor,
+        draft_tokens: list[int],
+        draft_probs: torch.Tensor | None,
+        params: SamplingParams,
+        rng: PositionRandom,
+        position: int,
+    ) -> AcceptResult:
+        target_logits = check_round(target_logits, draft_tokens, draft_probs)
+        return greedy_round(target_logits, draft_tokens)
+
+    def __repr__(self) -> str:
+        return "GreedyAcceptor()"
+
+
+NAME = "greedy"
+DESCRIPTION = "keep drafted tokens while they equal the target's argmax (lossless; ignores temperature)"
+OPTIONS: dict = {}
+ACCEPTOR = GreedyAcceptor

@@ -1,0 +1,69 @@
+"""The ``p-min`` acceptor: a verify-side probability threshold (SharpInference's MTP ``pMin``). LOSSY.
+
+Accept x_i when the lossless rule would accept it OR p_i(x_i) >= p_min, where p_i is the target's warped
+distribution (at temperature 0: softmax of the raw logits at T=1). The output can differ from the target
+alone. Not to be confused with the drafter-side stop ``--draft-p-min``, which is lossless.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from outrider.errors import ConfigError
+from outrider.sampling import AcceptResult, PositionRandom, SamplingParams, warp
+
+from .greedy import check_round
+from .sampled import draft_rows, sampled_round
+
+
+class PMinAcceptor:
+    """Lossless rule, plus: accept any drafted token the target gives at least ``p_min`` probability."""
+
+    lossless = False
+    needs_draft_probs = False
+
+    def __init__(self, p_min: float = 0.1) -> None:
+        try:
+            value = float(p_min)
+        except (TypeError, ValueError):
+            raise ConfigError(f"p_min must be a number in [0, 1], got {p_min!r}") from None
+        if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+            raise ConfigError(f"p_min must be a number in [0, 1], got {p_min!r}")
+        self.p_min = value
+
+    def accept(
+        self,
+        target_logits: torch.Tensor,
+        draft_tokens: list[int],
+        draft_probs: torch.Tensor | None,
+        params: SamplingParams,
+        rng: PositionRandom,
+        position: int,
+    ) -> AcceptResult:
+        target_logits = check_round(target_logits, draft_tokens, draft_probs)
+        k = len(draft_tokens)
+        if params.greedy:
+            probs = None
+            thr = torch.softmax(target_logits[:k].to(torch.float32), dim=-1)
+        else:
+            probs = warp(target_logits, params)
+            thr = probs[:k]
+        force = None
+        if k:
+            xs, valid = draft_rows(draft_tokens, thr.shape[-1], thr.device)
+            force = valid & (thr[torch.arange(k, device=thr.device), xs] >= self.p_min)
+        return sampled_round(target_logits, draft_tokens, draft_probs, params, rng, position, probs, force)
+
+    def __repr__(self) -> str:
+        return f"PMinAcceptor(p_min={self.p_min})"
+
+
+NAME = "p-min"
+DESCRIPTION = (
+    "LOSSY: also accept a drafted token whenever the target gives it at least p_min probability "
+    "(output can differ from the target alone)"
+)
+OPTIONS = {"p_min": (float, 0.1, "accept a drafted token when the target gives it at least this probability")}
+ACCEPTOR = PMinAcceptor

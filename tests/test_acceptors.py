@@ -1,0 +1,552 @@
+"""Acceptors: greedy, sampled (Leviathan/Chen and the one-hot rule) and p-min.
+
+The lossless tests are statistical: many short generations on a toy target/drafter, the distribution of the
+first emitted token and of the first two emitted tokens compared with plain sampling from warp(p) by a
+chi-square test (survival function computed here, no scipy). The expected distributions are products of
+the warped target tables, computed independently of the acceptors. A deliberately wrong acceptor defined in
+this file shows that the same statistic rejects a broken residual.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from outrider.errors import ConfigError
+from outrider.plugins.acceptors import greedy as greedy_mod
+from outrider.plugins.acceptors import pmin as pmin_mod
+from outrider.plugins.acceptors import sampled as sampled_mod
+from outrider.plugins.acceptors import BUILTIN, GreedyAcceptor, PMinAcceptor, SampledAcceptor
+from outrider.sampling import AcceptResult, Acceptor, PositionRandom, SamplingParams, sample_at, warp
+
+P_THRESHOLD = 1e-4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # the tensors here are tiny: OpenMP hand-offs (torch.softmax goes parallel even on [3, 6]) cost more than
+    # they save and stall for milliseconds per call when the machine is busy
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Measurement(UserWarning):
+    """A number the test measured and reports (shown in pytest's warnings summary)."""
+
+
+# ------------------------------------------------------------------------------------------------ chi-square
+
+
+def _lower_gamma_series(a: float, x: float) -> float:
+    term = total = 1.0 / a
+    ap = a
+    for _ in range(10000):
+        ap += 1.0
+        term *= x / ap
+        total += term
+        if abs(term) < abs(total) * 1e-16:
+            break
+    return total * math.exp(-x + a * math.log(x) - math.lgamma(a))
+
+
+def _upper_gamma_cf(a: float, x: float) -> float:
+    tiny = 1e-300
+    b = x + 1.0 - a
+    c = 1.0 / tiny
+    d = 1.0 / b
+    h = d
+    for i in range(1, 10000):
+        an = -i * (i - a)
+        b += 2.0
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1.0 / d
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-16:
+            break
+    return math.exp(-x + a * math.log(x) - math.lgamma(a)) * h
+
+
+def chi2_sf(stat: float, df: int) -> float:
+    """P(X >= stat) for X ~ chi-square(df): the regularized upper incomplete gamma Q(df/2, stat/2)."""
+    a, x = df / 2.0, stat / 2.0
+    if x <= 0:
+        return 1.0
+    if x < a + 1.0:
+        return max(0.0, 1.0 - _lower_gamma_series(a, x))
+    return _upper_gamma_cf(a, x)
+
+
+def chi2_test(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int, float, int]:
+    """Pearson chi-square of observed counts against probabilities (cells with expected < 5 pooled).
+
+    Returns (statistic, degrees of freedom, p-value, observations in cells of probability zero).
+    """
+    counts = np.asarray(counts, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
+    n = counts.sum()
+    forbidden = int(counts[probs <= 0].sum())
+    expected = probs * n
+    big = expected >= 5
+    obs = list(counts[big])
+    exp_ = list(expected[big])
+    small = (~big) & (probs > 0)
+    if small.any():
+        obs.append(counts[small].sum())
+        exp_.append(expected[small].sum())
+    obs_a, exp_a = np.array(obs), np.array(exp_)
+    stat = float(((obs_a - exp_a) ** 2 / exp_a).sum())
+    df = len(obs_a) - 1
+    return stat, df, chi2_sf(stat, df), forbidden
+
+
+def test_chi2_sf_against_closed_forms():
+    for x in (0.1, 1.0, 3.0, 10.0, 40.0, 150.0):
+        assert chi2_sf(x, 2) == pytest.approx(math.exp(-x / 2), rel=1e-10)  # df 2: exp(-x/2)
+        assert chi2_sf(x, 4) == pytest.approx(math.exp(-x / 2) * (1 + x / 2), rel=1e-10)
+        assert chi2_sf(x, 1) == pytest.approx(math.erfc(math.sqrt(x / 2)), rel=1e-9)
+    assert chi2_sf(3.841458820694124, 1) == pytest.approx(0.05, rel=1e-9)
+    assert chi2_sf(18.307038053275146, 10) == pytest.approx(0.05, rel=1e-9)
+
+
+def test_chi2_sf_against_scipy_if_present():
+    special = pytest.importorskip("scipy.special")
+    for df in (1, 3, 7, 24, 63):
+        for x in (0.5, df * 0.8, df * 1.0, df * 2.5 + 10):
+            assert chi2_sf(x, df) == pytest.approx(float(special.chdtrc(df, x)), rel=1e-8)
+
+
+# ------------------------------------------------------------------------------------------------ greedy
+
+# hand-made target rows with argmax 1, 3, 0, 4
+ROWS = torch.tensor(
+    [
+        [0.0, 5.0, 1.0, 2.0, 3.0],
+        [1.0, 0.0, 2.0, 4.0, -1.0],
+        [3.0, 1.0, 2.0, 0.0, 2.5],
+        [0.0, 1.0, 2.0, 3.0, 9.0],
+    ]
+)
+GREEDY_CASES = [
+    ([1, 3, 0], [1, 3, 0, 4], 3),  # all accepted -> bonus argmax p4
+    ([1, 2, 0], [1, 3], 1),  # mismatch at 2 -> recovered argmax p2
+    ([2, 3, 0], [1], 0),  # mismatch at 1
+    ([1, 3, 1], [1, 3, 0], 2),  # mismatch at 3
+    ([], [1], 0),  # empty draft: one token from p1
+    ([7, -1, 99], [1], 0),  # out-of-vocabulary ids: rejected, no crash
+    ([1, 3, 5], [1, 3, 0], 2),
+]
+GREEDY_LIKE = [
+    ("greedy", lambda: GreedyAcceptor(), SamplingParams(0.0)),
+    ("greedy-ignores-T", lambda: GreedyAcceptor(), SamplingParams(0.9, top_k=2)),
+    ("sampled-T0", lambda: SampledAcceptor(), SamplingParams(0.0)),
+    ("pmin1-T0", lambda: PMinAcceptor(1.0), SamplingParams(0.0)),
+]
+
+
+@pytest.mark.parametrize("name,make,params", GREEDY_LIKE, ids=[g[0] for g in GREEDY_LIKE])
+@pytest.mark.parametrize("drafts,tokens,accepted", GREEDY_CASES)
+@pytest.mark.parametrize("with_q", [False, True])
+def test_greedy_rule_on_hand_made_logits(name, make, params, drafts, tokens, accepted, with_q):
+    k = len(drafts)
+    q = torch.full((k, 5), 0.2) if with_q else None
+    res = make().accept(ROWS[: k + 1], drafts, q, params, PositionRandom(0), 10)
+    assert isinstance(res, AcceptResult)
+    assert (res.tokens, res.accepted) == (tokens, accepted)
+
+
+def test_round_shape_errors():
+    for acc in (GreedyAcceptor(), SampledAcceptor(), PMinAcceptor()):
+        with pytest.raises(ValueError):
+            acc.accept(ROWS, [1, 3], None, SamplingParams(0.7), PositionRandom(0), 1)  # 4 rows for k=2
+        with pytest.raises(ValueError):
+            acc.accept(ROWS[:3], [1, 3], torch.ones(3, 5) / 5, SamplingParams(0.7), PositionRandom(0), 1)
+
+
+def test_leviathan_uses_the_documented_draws():
+    # the recovered token is drawn from norm(max(0, p - q)) with rng.uniform(its position), the acceptance
+    # test uses rng.uniform_aux, the bonus uses rng.uniform(position + k)
+    params = SamplingParams(1.0)
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0, 0.5], [1.0, 0.0, 0.0, 2.0, 1.0], [0.3, 0.2, 0.1, 0.0, 2.0]])
+    p = np.exp(logits.double().numpy())
+    p /= p.sum(-1, keepdims=True)
+    acc = SampledAcceptor()
+    for seed in range(20):
+        rng = PositionRandom(seed)
+        # q == p: every draft accepted (u <= 1), bonus from p_3 at position 7 + 2
+        q = torch.tensor(p, dtype=torch.float32)[:2]
+        res = acc.accept(logits, [2, 3], q, params, rng, 7)
+        cum = np.cumsum(p[2])
+        assert res.accepted == 2 and res.tokens[2] == int(np.searchsorted(cum, rng.uniform(9) * cum[-1], side="right"))
+        # q puts its mass where p is small: x = 3 at row 0 has p/q = p(3)/0.9, accept iff u_aux <= that
+        qrow = np.array([0.025, 0.025, 0.025, 0.9, 0.025])
+        res = acc.accept(logits[:2], [3], torch.tensor(qrow[None], dtype=torch.float32), params, rng, 7)
+        if rng.uniform_aux(7) <= p[0, 3] / 0.9:
+            assert res.accepted == 1
+        else:
+            resid = np.maximum(p[0] - qrow, 0)
+            cum = np.cumsum(resid)
+            want = int(np.searchsorted(cum, rng.uniform(7) * cum[-1], side="right"))
+            assert (res.tokens, res.accepted) == ([want], 0)
+
+
+ALL_CONFIGS = [
+    (GreedyAcceptor(), SamplingParams(0.0), False),
+    (SampledAcceptor(), SamplingParams(0.0), True),
+    (SampledAcceptor(), SamplingParams(0.8), False),
+    (SampledAcceptor(), SamplingParams(0.8), True),
+    (SampledAcceptor(), SamplingParams(0.7, 3, 0.8), False),
+    (SampledAcceptor(), SamplingParams(0.7, 3, 0.8), True),
+    (PMinAcceptor(0.1), SamplingParams(0.0), False),
+    (PMinAcceptor(0.1), SamplingParams(0.7, 3, 0.8), True),
+    (PMinAcceptor(0.1), SamplingParams(1.0), False),
+]
+
+
+@pytest.mark.parametrize("acc,params,with_q", ALL_CONFIGS)
+def test_round_invariants_on_random_rounds(acc, params, with_q):
+    g = np.random.default_rng(5)
+    tg = torch.Generator().manual_seed(5)
+    vocab = 7
+    rng = PositionRandom(11)
+    seen_accept = 0
+    for r in range(300):
+        k = int(g.integers(0, 6))
+        logits = torch.randn(k + 1, vocab, generator=tg) * 2
+        drafts = [int(v) for v in g.integers(-1, vocab + 1, size=k)]  # a few out of range
+        q = warp(torch.randn(k, vocab, generator=tg), params) if with_q else None
+        res = acc.accept(logits, drafts, q, params, rng, 3 * r)
+        assert 1 <= len(res.tokens) == res.accepted + 1 <= k + 1
+        assert res.tokens[: res.accepted] == drafts[: res.accepted]
+        assert all(0 <= t < vocab for t in res.tokens)
+        assert all(type(t) is int for t in res.tokens)
+        if acc.lossless:
+            # every emitted token has positive probability under its row of p
+            p = warp(logits, params)
+            assert all(p[i, t] > 0 for i, t in enumerate(res.tokens))
+        seen_accept += res.accepted
+    assert seen_accept > 0
+
+
+# ---------------------------------------------------------------------------------------- toy target and drafter
+
+V = 6
+K = 2
+N_POS = 4  # table rows for positions 1..4 (a generation of two tokens needs at most position 4)
+
+
+def _tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits T[pos-1, prev, :] and draft logits D[pos-1, prev, :] (drafter close to, not equal to, T)."""
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(N_POS, V, V, generator=g) * 0.9
+    draft = 0.7 * target + torch.randn(N_POS, V, V, generator=g) * 0.7
+    return target, draft
+
+
+TARGET, DRAFT = _tables(3)
+PREFIX = 0  # the token before position 1
+
+
+def expected_distributions(params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """Plain sampling from the target: first token ~ p(pos 1 | prefix), second ~ p(pos 2 | first)."""
+    p = warp(TARGET, params).double().numpy()
+    first = p[0, PREFIX]
+    joint = first[:, None] * p[1]
+    return first, joint
+
+
+def simulate(acceptor, params: SamplingParams, drafter: str, n_seq: int, seed: int, k: int = K):
+    """n_seq independent generations of (at least) two tokens. drafter: "q" (x ~ q, q given to the acceptor),
+    "argmax" (x = argmax q, no q given), "argmax-soft-q" (x = argmax q but soft q given: the classic bug)."""
+    q_tab = warp(DRAFT, params)
+    cum = torch.cumsum(q_tab.double(), dim=-1).numpy()
+    top = q_tab.argmax(dim=-1).numpy()
+    gen = np.random.default_rng(seed)
+    draft_u = gen.random((n_seq, 2, k))
+    first = np.zeros(V, dtype=np.int64)
+    joint = np.zeros((V, V), dtype=np.int64)
+    rounds = drafted = accepted = 0
+    for s in range(n_seq):
+        rng = PositionRandom(seed * 1_000_003 + s)
+        out: list[int] = []
+        pos, prev, rnd = 1, PREFIX, 0
+        while len(out) < 2:
+            drafts: list[int] = []
+            ctx = prev
+            for j in range(k):
+                if drafter == "q":
+                    c = cum[pos - 1 + j, ctx]
+                    x = min(int(np.searchsorted(c, draft_u[s, rnd, j] * c[-1], side="right")), V - 1)
+                else:
+                    x = int(top[pos - 1 + j, ctx])
+                drafts.append(x)
+                ctx = x
+            rows = [TARGET[pos - 1, prev]] + [TARGET[pos + j, drafts[j]] for j in range(k)]
+            q = None
+            if drafter != "argmax":
+                ctxs = [prev] + drafts[:-1]
+                q = torch.stack([q_tab[pos - 1 + j, ctxs[j]] for j in range(k)])
+            res = acceptor.accept(torch.stack(rows), drafts, q, params, rng, pos)
+            rounds += 1
+            drafted += k
+            accepted += res.accepted
+            out.extend(res.tokens)
+            pos += len(res.tokens)
+            prev = out[-1]
+            rnd += 1
+        first[out[0]] += 1
+        joint[out[0], out[1]] += 1
+    return first, joint, accepted / drafted
+
+
+class WrongResidualAcceptor:
+    """Leviathan acceptance, but at a rejection it resamples from p instead of norm(max(0, p - q))."""
+
+    lossless = True
+    needs_draft_probs = True
+
+    def accept(self, target_logits, draft_tokens, draft_probs, params, rng, position):
+        p = warp(target_logits, params)
+        for i, x in enumerate(draft_tokens):
+            px, qx = float(p[i, x]), float(draft_probs[i, x])
+            if not (qx > 0 and rng.uniform_aux(position + i) <= min(1.0, px / qx)):
+                return AcceptResult(list(draft_tokens[:i]) + [sample_at(p[i], rng.uniform(position + i))], i)
+        k = len(draft_tokens)
+        return AcceptResult(list(draft_tokens) + [sample_at(p[k], rng.uniform(position + k))], k)
+
+
+def _check(first, joint, params, label):
+    want_first, want_joint = expected_distributions(params)
+    out = []
+    for name, counts, want in (("first", first, want_first), ("joint", joint, want_joint)):
+        stat, df, pval, forbidden = chi2_test(counts, want)
+        out.append((name, stat, df, pval, forbidden))
+        print(f"{label} {name}: chi2={stat:.1f} df={df} p={pval:.3g} forbidden={forbidden}")
+    return out
+
+
+PARAM_CASES = [
+    pytest.param(SamplingParams(0.7, top_k=3, top_p=0.8), id="T0.7-k3-p0.8"),
+    pytest.param(SamplingParams(1.0), id="T1.0"),
+]
+
+
+def test_toy_case_is_informative():
+    # the filtered case must leave several tokens in play, or the statistical tests below would be weak
+    for params in (SamplingParams(0.7, top_k=3, top_p=0.8), SamplingParams(1.0)):
+        first, joint = expected_distributions(params)
+        assert (first > 0.05).sum() >= 2 and (joint > 0.02).sum() >= 4
+        p = warp(TARGET, params)
+        q = warp(DRAFT, params)
+        assert 0.5 * (p - q).abs().sum(-1).mean() > 0.2  # the drafter is clearly not the target
+
+
+@pytest.mark.parametrize("params", PARAM_CASES)
+@pytest.mark.parametrize("drafter", ["q", "argmax"])
+def test_sampled_is_lossless(params, drafter):
+    n = 6000 if drafter == "q" else 5000
+    first, joint, rate = simulate(SampledAcceptor(), params, drafter, n, seed=101)
+    print(f"acceptance rate {rate:.3f}")
+    assert 0.1 < rate < 0.95  # both acceptances and rejections happen
+    for name, stat, df, pval, forbidden in _check(first, joint, params, f"sampled/{drafter}"):
+        assert forbidden == 0, f"{name}: emitted tokens the target's warped distribution forbids"
+        assert pval > P_THRESHOLD, f"{name}: chi2={stat:.1f} df={df} p={pval:.3g}"
+
+
+def test_wrong_residual_is_detected():
+    params = SamplingParams(0.7, top_k=3, top_p=0.8)
+    first, joint, _ = simulate(WrongResidualAcceptor(), params, "q", 5000, seed=101)
+    res = _check(first, joint, params, "wrong-residual")
+    assert min(r[3] for r in res) < P_THRESHOLD, res
+
+
+def test_soft_q_with_argmax_drafting_is_detected():
+    # the classic bug: drafting by argmax but handing the acceptor a soft q
+    params = SamplingParams(1.0)
+    first, joint, _ = simulate(SampledAcceptor(), params, "argmax-soft-q", 4000, seed=202)
+    res = _check(first, joint, params, "soft-q/argmax")
+    assert min(r[3] for r in res) < P_THRESHOLD, res
+
+
+# ---------------------------------------------------------------------------------------- same seed, same output
+
+VT = 8
+
+
+def _toy_model(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits indexed by the last token, and a drafter table that agrees with it only partly."""
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(VT, VT, generator=g) * 1.5
+    draft = target + torch.randn(VT, VT, generator=g) * 0.8
+    return target, draft
+
+
+def plain_decode(target: torch.Tensor, params: SamplingParams, seed: int, prompt_last: int, start: int, n: int):
+    rng = PositionRandom(seed)
+    out, last = [], prompt_last
+    for pos in range(start, start + n):
+        last = sample_at(warp(target[last], params), rng.uniform(pos))
+        out.append(last)
+    return out
+
+
+def speculative_decode(acceptor, target, draft, params, seed, prompt_last, start, n):
+    """Deterministic drafter (argmax of its table), k varying 0..4, sometimes an out-of-vocabulary id."""
+    rng = PositionRandom(seed)
+    out, last, pos, rnd = [], prompt_last, start, 0
+    stats = {"accepted": 0, "rejected": 0}
+    while len(out) < n:
+        k = rnd % 5
+        drafts, ctx = [], last
+        for j in range(k):
+            x = int(draft[ctx].argmax())
+            if (rnd + j) % 11 == 7:
+                x = VT + 3  # garbage id from a broken drafter: must be rejected, not crash
+            drafts.append(x)
+            ctx = x if x < VT else 0
+        rows = torch.stack([target[last]] + [target[x if x < VT else 0] for x in drafts])
+        res = acceptor.accept(rows, drafts, None, params, rng, pos)
+        stats["accepted"] += res.accepted
+        stats["rejected"] += int(res.accepted < k and drafts[res.accepted] < VT)  # a real disagreement
+        out.extend(res.tokens)
+        pos += len(res.tokens)
+        last = out[-1]
+        rnd += 1
+    return out[:n], stats
+
+
+SAME_SEED_CASES = [
+    (SampledAcceptor(), SamplingParams(0.7, top_k=3, top_p=0.8)),
+    (SampledAcceptor(), SamplingParams(1.0)),
+    (SampledAcceptor(), SamplingParams(1.3, top_k=5)),
+    (SampledAcceptor(), SamplingParams(0.9, top_p=0.6)),
+    (SampledAcceptor(), SamplingParams(0.0)),
+    (GreedyAcceptor(), SamplingParams(0.0)),
+    (PMinAcceptor(1.0), SamplingParams(0.8)),  # threshold never fires below p = 1: same as sampled
+]
+
+
+@pytest.mark.parametrize("acc,params", SAME_SEED_CASES)
+def test_same_seed_same_output_as_plain_sampling(acc, params):
+    target, draft = _toy_model(9)
+    total = {"accepted": 0, "rejected": 0}
+    outputs = set()
+    for seed in range(6):
+        want = plain_decode(target, params, seed, prompt_last=2, start=5, n=60)
+        got, stats = speculative_decode(acc, target, draft, params, seed, prompt_last=2, start=5, n=60)
+        assert got == want, f"seed {seed}"
+        outputs.add(tuple(want))
+        for key in total:
+            total[key] += stats[key]
+    assert total["accepted"] > 20 and total["rejected"] > 20, total  # the drafter is sometimes right, sometimes wrong
+    if not params.greedy:
+        assert len(outputs) == 6  # the seed matters
+
+
+def test_same_seed_differs_when_the_rule_is_wrong():
+    # control: an acceptor that accepts every draft does NOT reproduce plain sampling
+    class AcceptAll:
+        lossless = False
+        needs_draft_probs = False
+
+        def accept(self, target_logits, draft_tokens, draft_probs, params, rng, position):
+            k = len(draft_tokens)
+            tok = sample_at(warp(target_logits[k], params), rng.uniform(position + k))
+            return AcceptResult(list(draft_tokens) + [tok], k)
+
+    target, draft = _toy_model(9)
+    params = SamplingParams(0.7, top_k=3, top_p=0.8)
+    want = plain_decode(target, params, 0, 2, 5, 60)
+    got, _ = speculative_decode(AcceptAll(), target, draft, params, 0, 2, 5, 60)
+    assert got != want
+
+
+# ------------------------------------------------------------------------------------------------ p-min
+
+
+def test_pmin_options_and_validation():
+    acc = PMinAcceptor()
+    assert acc.p_min == 0.1 and acc.lossless is False and acc.needs_draft_probs is False
+    assert PMinAcceptor("0.25").p_min == 0.25  # options may arrive as strings
+    for bad in (-0.1, 1.5, "abc", float("nan"), None):
+        with pytest.raises(ConfigError):
+            PMinAcceptor(bad)
+
+
+def test_pmin_greedy_accepts_a_probable_non_argmax_token():
+    logits = torch.tensor([[2.0, 1.8, -5.0, -5.0], [0.0, 0.0, 3.0, 0.0]])  # softmax(x=1) ~ 0.45
+    params = SamplingParams(0.0)
+    assert GreedyAcceptor().accept(logits, [1], None, params, PositionRandom(0), 1).tokens == [0]
+    res = PMinAcceptor(0.1).accept(logits, [1], None, params, PositionRandom(0), 1)
+    assert (res.tokens, res.accepted) == ([1, 2], 1)
+    res = PMinAcceptor(0.5).accept(logits, [1], None, params, PositionRandom(0), 1)
+    assert (res.tokens, res.accepted) == ([0], 0)
+
+
+def test_pmin_deviation_from_target_is_measured():
+    # built for it: the target gives the drafted token 0.3 (not the argmax), the drafter always proposes
+    # it; p-min 0.1 accepts it every time, so the first token is that token with probability 1 instead of 0.3
+    probs = np.array([0.45, 0.3, 0.12, 0.08, 0.03, 0.02])
+    logits = torch.tensor(np.log(probs), dtype=torch.float32)
+    rows = torch.stack([logits, logits])
+    params = SamplingParams(1.0)
+    n = 6000
+    results = {}
+    for name, acc in (("p-min", PMinAcceptor(0.1)), ("sampled", SampledAcceptor())):
+        counts = np.zeros(6)
+        for s in range(n):
+            counts[acc.accept(rows, [1], None, params, PositionRandom(s), 1).tokens[0]] += 1
+        results[name] = 0.5 * np.abs(counts / n - probs).sum()
+    analytic = 1 - probs[1]
+    msg = (
+        f"p-min(0.1) first-token TV distance from the target: {results['p-min']:.3f} "
+        f"(analytic {analytic:.3f}); sampled on the same case: {results['sampled']:.3f}"
+    )
+    print(msg)
+    warnings.warn(msg, Measurement)
+    assert results["p-min"] > 0.5 and abs(results["p-min"] - analytic) < 0.03
+    assert results["sampled"] < 4 / math.sqrt(n)
+
+    # the same on the toy model with a sampling drafter: how far does p-min drift on an ordinary case?
+    tparams = SamplingParams(1.0)
+    first, joint, rate = simulate(PMinAcceptor(0.1), tparams, "q", 4000, seed=303)
+    want_first, want_joint = expected_distributions(tparams)
+    tv_first = 0.5 * np.abs(first / first.sum() - want_first).sum()
+    tv_joint = 0.5 * np.abs(joint / joint.sum() - want_joint).sum()
+    msg2 = (
+        f"p-min(0.1) on the toy model (T1.0, q drafter): TV first {tv_first:.3f}, joint {tv_joint:.3f}, "
+        f"acceptance {rate:.3f}"
+    )
+    print(msg2)
+    warnings.warn(msg2, Measurement)
+    assert tv_first > 0
+
+
+# ------------------------------------------------------------------------------------------------ registry data
+
+
+@pytest.mark.parametrize("mod", [greedy_mod, sampled_mod, pmin_mod])
+def test_modules_expose_registry_data(mod):
+    assert isinstance(mod.NAME, str) and isinstance(mod.DESCRIPTION, str) and mod.DESCRIPTION
+    assert isinstance(mod.OPTIONS, dict)
+    for opt, (typ, default, help_) in mod.OPTIONS.items():
+        assert isinstance(default, typ) and isinstance(help_, str)
+    acc = mod.ACCEPTOR(**{name: spec[1] for name, spec in mod.OPTIONS.items()})
+    assert isinstance(acc, Acceptor)
+    assert BUILTIN[mod.NAME] is mod
+
+
+def test_capabilities():
+    assert GreedyAcceptor.lossless and SampledAcceptor.lossless and not PMinAcceptor.lossless
+    assert greedy_mod.OPTIONS == {} and sampled_mod.OPTIONS == {}
+    assert set(pmin_mod.OPTIONS) == {"p_min"} and pmin_mod.OPTIONS["p_min"][1] == 0.1
+    assert "LOSSY" in pmin_mod.DESCRIPTION

@@ -1,0 +1,275 @@
+"""Warpers, position-coupled randomness and inverse-CDF sampling (outrider.sampling).
+
+Expected values come from hand formulas (math.exp) or numpy directly, never from the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from outrider.errors import ConfigError
+from outrider.sampling import PositionRandom, SamplingParams, sample_at, sample_rows, warp
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # the tensors here are tiny: OpenMP hand-offs (torch.softmax goes parallel even on [3, 6]) cost more than
+    # they save and stall for milliseconds per call when the machine is busy
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _close(got: torch.Tensor, want: list[float], tol: float = 1e-6) -> None:
+    assert got.dtype == torch.float32
+    assert got.tolist() == pytest.approx(want, abs=tol)
+
+
+# ------------------------------------------------------------------------------------------------ params
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -0.1},
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_p": -0.2},
+        {"top_k": -1},
+        {"top_k": 2.5},
+        {"seed": -3},
+    ],
+)
+def test_params_rejects_bad_values(kwargs):
+    with pytest.raises(ConfigError):
+        SamplingParams(**kwargs)
+
+
+def test_params_defaults_and_greedy():
+    p = SamplingParams()
+    assert (p.temperature, p.top_k, p.top_p, p.seed) == (0.0, 0, 1.0, None)
+    assert p.greedy
+    assert not SamplingParams(temperature=0.7).greedy
+    assert SamplingParams(temperature=0.0, top_k=5, top_p=0.5, seed=7).greedy
+    with pytest.raises(Exception):
+        p.temperature = 1.0  # frozen
+
+
+# ------------------------------------------------------------------------------------------------ warp
+
+E = math.exp
+LOGITS = [2.0, 1.0, 0.0, -1.0]
+
+
+def test_warp_temperature_only():
+    # T = 2: softmax of [1, 0.5, 0, -0.5]
+    z = [E(1.0), E(0.5), E(0.0), E(-0.5)]
+    s = sum(z)
+    _close(warp(torch.tensor(LOGITS), SamplingParams(temperature=2.0)), [v / s for v in z])
+
+
+def test_warp_top_k_at_half_temperature():
+    # T = 0.5 -> [4, 2, 0, -2]; top-k 2 keeps the first two: [e^4, e^2] / (e^4 + e^2)
+    s = E(4) + E(2)
+    _close(warp(torch.tensor(LOGITS), SamplingParams(0.5, top_k=2)), [E(4) / s, E(2) / s, 0.0, 0.0])
+
+
+def test_warp_top_k_then_top_p_keeps_one():
+    # after top-k 2 at T=0.5 the first token has e^4/(e^4+e^2) = 0.881 >= 0.7: nucleus is that token alone
+    assert E(4) / (E(4) + E(2)) > 0.7
+    _close(warp(torch.tensor(LOGITS), SamplingParams(0.5, top_k=2, top_p=0.7)), [1.0, 0.0, 0.0, 0.0])
+
+
+def test_warp_top_p_alone():
+    # T = 1: p0 = e^2 / (e^2 + e + 1 + e^-1) = 0.644 < 0.7, p0 + p1 = 0.881 >= 0.7: keep two
+    s_all = E(2) + E(1) + E(0) + E(-1)
+    assert E(2) / s_all < 0.7 <= (E(2) + E(1)) / s_all
+    s = E(2) + E(1)
+    _close(warp(torch.tensor(LOGITS), SamplingParams(1.0, top_p=0.7)), [E(2) / s, E(1) / s, 0.0, 0.0])
+    # top-p 0.9: 0.881 < 0.9 <= 0.968: keep three
+    assert (E(2) + E(1)) / s_all < 0.9 <= (E(2) + E(1) + 1) / s_all
+    s3 = E(2) + E(1) + 1
+    _close(warp(torch.tensor(LOGITS), SamplingParams(1.0, top_p=0.9)), [E(2) / s3, E(1) / s3, 1 / s3, 0.0])
+
+
+def test_warp_top_k_then_top_p_keeps_three():
+    # T = 0.5, top-k 3: [e^4, e^2, 1] / S; masses before each: 0, 0.867, 0.984 -> top-p 0.99 keeps all three
+    s = E(4) + E(2) + 1
+    assert (E(4) + E(2)) / s < 0.99
+    _close(warp(torch.tensor(LOGITS), SamplingParams(0.5, top_k=3, top_p=0.99)), [E(4) / s, E(2) / s, 1 / s, 0.0])
+    # top-p 0.95: 0.867 < 0.95 <= 0.984 -> keeps two
+    s2 = E(4) + E(2)
+    _close(warp(torch.tensor(LOGITS), SamplingParams(0.5, top_k=3, top_p=0.95)), [E(4) / s2, E(2) / s2, 0.0, 0.0])
+
+
+def test_warp_order_is_temperature_then_top_k_then_top_p():
+    # top-k 2 first renormalises to e^2/(e^2+e) = 0.731 >= 0.7 -> one token; top-p first would keep two
+    assert E(2) / (E(2) + E(1)) >= 0.7 > E(2) / (E(2) + E(1) + 1 + E(-1))
+    _close(warp(torch.tensor(LOGITS), SamplingParams(1.0, top_k=2, top_p=0.7)), [1.0, 0.0, 0.0, 0.0])
+    # temperature before top-p: at T=0.5 p0 = e^4/S = 0.866 >= 0.7 -> one token (at T=1 it would be two)
+    assert E(4) / (E(4) + E(2) + 1 + E(-2)) >= 0.7
+    _close(warp(torch.tensor(LOGITS), SamplingParams(0.5, top_p=0.7)), [1.0, 0.0, 0.0, 0.0])
+
+
+def test_warp_top_p_boundary_and_ties():
+    # four equal logits: exactly 0.25 each. Mass before the 3rd token is exactly 0.5 >= top_p, so the
+    # smallest set with mass >= 0.5 is two tokens; ties go to the lower index
+    _close(warp(torch.zeros(4), SamplingParams(1.0, top_p=0.5)), [0.5, 0.5, 0.0, 0.0])
+    _close(warp(torch.zeros(4), SamplingParams(1.0, top_p=0.51)), [1 / 3, 1 / 3, 1 / 3, 0.0])
+
+
+def test_warp_scatters_back_to_vocabulary_order():
+    perm = [2, 3, 0, 1]  # logits [0, -1, 2, 1]
+    logits = torch.tensor([LOGITS[i] for i in perm])
+    s = E(2) + E(1)
+    _close(warp(logits, SamplingParams(1.0, top_p=0.7)), [0.0, 0.0, E(2) / s, E(1) / s])
+    s2 = E(4) + E(2)
+    _close(warp(logits, SamplingParams(0.5, top_k=2)), [0.0, 0.0, E(4) / s2, E(2) / s2])
+
+
+def test_warp_greedy_is_one_hot_argmax():
+    out = warp(torch.tensor([[1.0, 3.0, 3.0, 0.0], [0.0, -1.0, -2.0, 5.0]]), SamplingParams(0.0, top_k=2, top_p=0.3))
+    assert out.dtype == torch.float32
+    assert out.tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]]  # ties: first index
+
+
+def test_warp_top_k_at_least_vocab_is_off():
+    t = torch.tensor(LOGITS)
+    assert torch.equal(warp(t, SamplingParams(1.0, top_k=4)), warp(t, SamplingParams(1.0)))
+    assert torch.equal(warp(t, SamplingParams(1.0, top_k=100)), warp(t, SamplingParams(1.0)))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.7), SamplingParams(0.7, 3, 0.8), SamplingParams(1.3, 0, 0.5)])
+def test_warp_batched_rows_equal_single_rows_and_sum_to_one(params):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 50, generator=g) * 3
+    out = warp(x, params)
+    assert out.shape == x.shape and out.dtype == torch.float32
+    assert torch.allclose(out.sum(-1), torch.ones(2, 5), atol=1e-5)
+    assert (out >= 0).all()
+    for i in range(2):
+        for j in range(5):
+            assert torch.equal(out[i, j], warp(x[i, j], params))
+    if params.top_k:
+        assert ((out > 0).sum(-1) <= params.top_k).all()
+
+
+def test_warp_accepts_half_precision():
+    x = torch.tensor(LOGITS, dtype=torch.bfloat16)
+    out = warp(x, SamplingParams(1.0))
+    assert out.dtype == torch.float32
+    s = sum(E(v) for v in LOGITS)
+    _close(out, [E(v) / s for v in LOGITS], tol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ randomness
+
+
+def test_position_random_equals_one_big_numpy_draw():
+    n = 3 * PositionRandom.CHUNK + 17
+    want = np.random.default_rng(1234).random(n)
+    r = PositionRandom(1234)
+    got = [r.uniform(i) for i in range(n)]
+    assert got == want.tolist()
+    # asked out of order (far position first) -> same values
+    r2 = PositionRandom(1234)
+    order = [n - 1, 5, 2 * PositionRandom.CHUNK + 3, 0, PositionRandom.CHUNK]
+    assert [r2.uniform(i) for i in order] == [float(want[i]) for i in order]
+
+
+def test_position_random_aux_and_draft_streams():
+    n = 2500
+    r = PositionRandom(99)
+    aux = [r.uniform_aux(i) for i in range(n)]
+    drf = [r.uniform_draft(i) for i in range(n)]
+    main = [r.uniform(i) for i in range(n)]
+    assert aux == np.random.default_rng([99, 1]).random(n).tolist()
+    assert drf == np.random.default_rng([99, 2]).random(n).tolist()
+    # independent-looking streams: correlation ~ N(0, 1/n)
+    for a, b in [(main, aux), (main, drf), (aux, drf)]:
+        assert abs(np.corrcoef(a, b)[0, 1]) < 5 / math.sqrt(n)
+
+
+def test_position_random_seed_none_is_reported_and_reproducible():
+    r = PositionRandom(None)
+    assert isinstance(r.seed, int) and r.seed >= 0
+    again = PositionRandom(r.seed)
+    assert [r.uniform(i) for i in range(10)] == [again.uniform(i) for i in range(10)]
+    assert [PositionRandom(1).uniform(i) for i in range(10)] != [PositionRandom(2).uniform(i) for i in range(10)]
+
+
+def test_position_random_rejects_bad_input():
+    with pytest.raises(ValueError):
+        PositionRandom(0).uniform(-1)
+    with pytest.raises(ConfigError):
+        PositionRandom(-5)
+
+
+# ------------------------------------------------------------------------------------------------ sample_at
+
+
+def test_sample_at_vocabulary_order_and_edges():
+    p = torch.tensor([0.2, 0.5, 0.3])
+    assert [sample_at(p, u) for u in (0.0, 0.1, 0.3, 0.65, 0.75, 0.999)] == [0, 0, 1, 1, 2, 2]
+    one = torch.tensor([0.0, 0.0, 1.0, 0.0])
+    below_one = float(np.nextafter(1.0, 0.0))
+    assert sample_at(one, 0.0) == 2 and sample_at(one, below_one) == 2
+    # zero-probability tokens are never chosen, even at the ends of [0, 1)
+    head_zero = torch.tensor([0.0, 0.0, 0.5, 0.5, 0.0, 0.0])
+    assert sample_at(head_zero, 0.0) == 2
+    assert sample_at(head_zero, below_one) == 3
+    # unnormalised rows are fine
+    assert sample_at(torch.tensor([2.0, 6.0, 2.0]), 0.5) == 1
+    assert sample_at(torch.tensor([2.0, 6.0, 2.0]), 0.85) == 2
+
+
+def test_sample_at_refuses_rows_it_cannot_sample():
+    for bad in ([0.0, 0.0, 0.0], [float("nan"), 0.5, 0.5], [float("inf"), 1.0, 0.0]):
+        with pytest.raises(ValueError):
+            sample_at(torch.tensor(bad), 0.5)
+
+
+def test_sample_at_is_exact_inverse_cdf_on_a_grid():
+    # with u on a regular grid of N points, token i is hit round(p_i * N) times up to +-1
+    probs = np.array([0.1, 0.0, 0.25, 0.05, 0.0, 0.4, 0.2])
+    n = 5000
+    counts = np.zeros(len(probs))
+    pt = torch.tensor(probs, dtype=torch.float32)
+    for j in range(n):
+        counts[sample_at(pt, (j + 0.5) / n)] += 1
+    assert counts[probs == 0].sum() == 0
+    assert np.abs(counts - probs * n).max() <= 2
+
+
+def test_sample_at_empirical_frequencies_tv_bound():
+    g = np.random.default_rng(7)
+    probs = g.dirichlet(np.ones(8))
+    n = 40000
+    us = g.random(n)
+    pt = torch.tensor(probs, dtype=torch.float32)
+    counts = np.bincount(sample_rows(pt.expand(n, -1), us.tolist()), minlength=8)
+    tv = 0.5 * np.abs(counts / n - probs).sum()
+    # E[TV] <= 0.5 * sqrt(V / n); McDiarmid: P(TV > E + t) <= exp(-2 n t^2), t = 4/sqrt(n) -> e^-32
+    bound = 0.5 * math.sqrt(8 / n) + 4 / math.sqrt(n)
+    assert tv < bound, (tv, bound)
+
+
+def test_sample_rows_equals_sample_at_per_row():
+    g = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(9, 3000, generator=g) * 4, dim=-1)
+    us = torch.rand(9, generator=g, dtype=torch.float64).tolist()
+    assert sample_rows(probs, us) == [sample_at(probs[i], us[i]) for i in range(9)]
+    assert sample_rows(probs[:0], []) == []
+
+
+def test_greedy_warp_then_sample_is_argmax_for_any_u():
+    logits = torch.tensor([0.3, 2.0, -1.0, 1.9])
+    p = warp(logits, SamplingParams(0.0))
+    assert {sample_at(p, u) for u in (0.0, 0.3, 0.7, float(np.nextafter(1.0, 0.0)))} == {1}
