@@ -92,8 +92,8 @@ def assemble(config: Config, registry: Registry | None = None) -> Assembly:
     warnings = check_pair(specs["drafter"], specs["acceptor"], drafter, params)
 
     gguf = GGUFFile(resolve_model(config["model"]))
+    model = backend.load_model(gguf)  # first: an unknown architecture is the more useful error
     tokenizer = Tokenizer.from_gguf(gguf)
-    model = backend.load_model(gguf)
     target = Target(model=model, tokenizer=tokenizer, gguf=gguf, backend=backend)
     drafter.setup(target)
     controls = DraftControls(draft_min=config["draft_min"], draft_p_min=config["draft_p_min"])

@@ -17,10 +17,9 @@ import pytest
 import torch
 
 from outrider.errors import ConfigError
-from outrider.plugins.acceptors import greedy as greedy_mod
-from outrider.plugins.acceptors import pmin as pmin_mod
-from outrider.plugins.acceptors import sampled as sampled_mod
-from outrider.plugins.acceptors import BUILTIN, GreedyAcceptor, PMinAcceptor, SampledAcceptor
+from outrider.plugins.acceptors.greedy import GreedyAcceptor
+from outrider.plugins.acceptors.pmin import PMinAcceptor
+from outrider.plugins.acceptors.sampled import SampledAcceptor
 from outrider.sampling import AcceptResult, Acceptor, PositionRandom, SamplingParams, sample_at, warp
 
 P_THRESHOLD = 1e-4
@@ -534,19 +533,15 @@ def test_pmin_deviation_from_target_is_measured():
 # ------------------------------------------------------------------------------------------------ registry data
 
 
-@pytest.mark.parametrize("mod", [greedy_mod, sampled_mod, pmin_mod])
-def test_modules_expose_registry_data(mod):
-    assert isinstance(mod.NAME, str) and isinstance(mod.DESCRIPTION, str) and mod.DESCRIPTION
-    assert isinstance(mod.OPTIONS, dict)
-    for opt, (typ, default, help_) in mod.OPTIONS.items():
-        assert isinstance(default, typ) and isinstance(help_, str)
-    acc = mod.ACCEPTOR(**{name: spec[1] for name, spec in mod.OPTIONS.items()})
-    assert isinstance(acc, Acceptor)
-    assert BUILTIN[mod.NAME] is mod
+def test_registered_with_capabilities_and_options():
+    from outrider.registry import build_registry
 
-
-def test_capabilities():
+    registry = build_registry(third_party=False)
+    for name, cls in (("greedy", GreedyAcceptor), ("sampled", SampledAcceptor), ("p-min", PMinAcceptor)):
+        spec = registry.get("acceptor", name)
+        assert spec.factory is cls
+        assert isinstance(spec.create(), Acceptor)
     assert GreedyAcceptor.lossless and SampledAcceptor.lossless and not PMinAcceptor.lossless
-    assert greedy_mod.OPTIONS == {} and sampled_mod.OPTIONS == {}
-    assert set(pmin_mod.OPTIONS) == {"p_min"} and pmin_mod.OPTIONS["p_min"][1] == 0.1
-    assert "LOSSY" in pmin_mod.DESCRIPTION
+    assert registry.get("acceptor", "p-min").capabilities["lossless"] is False
+    assert set(registry.get("acceptor", "p-min").options) == {"p_min"}
+    assert registry.get("acceptor", "p-min").options["p_min"].default == 0.1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from outrider.hookspecs import hookimpl
 from outrider.sampling import AcceptResult, PositionRandom, SamplingParams
 
 
@@ -77,7 +78,7 @@ class GreedyAcceptor:
         return "GreedyAcceptor()"
 
 
-NAME = "greedy"
-DESCRIPTION = "keep drafted tokens while they equal the target's argmax (lossless; ignores temperature)"
-OPTIONS: dict = {}
-ACCEPTOR = GreedyAcceptor
+
+@hookimpl
+def register_acceptors(register):
+    register("greedy", GreedyAcceptor, options={})

@@ -12,6 +12,7 @@ import math
 import torch
 
 from outrider.errors import ConfigError
+from outrider.hookspecs import hookimpl
 from outrider.sampling import AcceptResult, PositionRandom, SamplingParams, warp
 
 from .greedy import check_round
@@ -60,10 +61,7 @@ class PMinAcceptor:
         return f"PMinAcceptor(p_min={self.p_min})"
 
 
-NAME = "p-min"
-DESCRIPTION = (
-    "LOSSY: also accept a drafted token whenever the target gives it at least p_min probability "
-    "(output can differ from the target alone)"
-)
-OPTIONS = {"p_min": (float, 0.1, "accept a drafted token when the target gives it at least this probability")}
-ACCEPTOR = PMinAcceptor
+
+@hookimpl
+def register_acceptors(register):
+    register("p-min", PMinAcceptor, options={"p_min": (float, 0.1, "accept a drafted token when the target gives it at least this probability")})

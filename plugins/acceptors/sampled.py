@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from outrider.hookspecs import hookimpl
 from outrider.sampling import AcceptResult, PositionRandom, SamplingParams, sample_at, sample_rows, warp
 
 from .greedy import check_round, greedy_round
@@ -107,10 +108,7 @@ class SampledAcceptor:
         return "SampledAcceptor()"
 
 
-NAME = "sampled"
-DESCRIPTION = (
-    "speculative sampling (Leviathan/Chen): lossless at any temperature; uses the drafter's q when it "
-    "gives one, the one-hot rule otherwise; greedy at temperature 0"
-)
-OPTIONS: dict = {}
-ACCEPTOR = SampledAcceptor
+
+@hookimpl
+def register_acceptors(register):
+    register("sampled", SampledAcceptor, options={})

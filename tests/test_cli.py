@@ -1,0 +1,106 @@
+"""The command line, end to end on tiny GGUF files: output shape, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from outrider.cli import main
+from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cli")
+    mamba = folder / "mamba.gguf"
+    w = gguf.GGUFWriter(str(mamba), "mamba")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    llama = write_tiny_llama(folder / "llama.gguf")
+    truncated = folder / "truncated.gguf"
+    truncated.write_bytes(llama.read_bytes()[:5000])
+    return {"llama": llama, "gemma3": write_tiny_gemma3(folder / "gemma3.gguf"), "mamba": mamba,
+            "truncated": truncated, "folder": folder}
+
+
+def invoke(*args, input=None):
+    return CliRunner().invoke(main, [str(a) for a in args], input=input)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_generate_json_reports_tokens_text_and_stats(files):
+    result = invoke("generate", "--model", files["llama"], "--json", "-n", "12", "--draft-max", "3",
+                    "the the the the the the")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output.strip().splitlines()[-1])
+    assert len(out["tokens"]) == 12 and out["prompt_tokens"]
+    stats = out["stats"]
+    for key in ("prompt_tokens", "generated_tokens", "prefill_s", "decode_s", "decode_tokens_per_s", "rounds",
+                "drafted", "accepted", "acceptance_rate", "mean_acceptance_length", "per_position", "draft_s",
+                "verify_s", "config"):
+        assert key in stats
+    assert stats["generated_tokens"] == 12
+    assert stats["config"]["settings"]["drafter"] == {"value": "lookup", "source": "default"}
+    assert stats["config"]["settings"]["draft_max"] == {"value": 3, "source": "flag"}
+
+
+def test_generate_streams_text_and_reads_stdin(files):
+    plain = invoke("generate", "--model", files["gemma3"], "--drafter", "none", "-n", "8", "-", input="the heat")
+    assert plain.exit_code == 0, plain.output
+    as_json = invoke("generate", "--model", files["gemma3"], "--drafter", "none", "-n", "8", "--json", "the heat")
+    assert plain.output.rstrip("\n") == json.loads(as_json.output)["text"].rstrip("\n")
+
+
+@pytest.mark.parametrize("case, fragments", [
+    ("missing", ["no such model file"]),
+    ("truncated", ["truncated"]),
+    ("mamba", ["unknown architecture 'mamba'"]),
+    ("catalog", ["unknown model 'smollm9'"]),
+])
+def test_bad_model_files_are_one_line_errors(files, case, fragments):
+    model = {"missing": files["folder"] / "absent.gguf", "truncated": files["truncated"], "mamba": files["mamba"],
+             "catalog": "smollm9"}[case]
+    assert_one_line_error(invoke("generate", "--model", model, "hi"), *fragments)
+
+
+def test_bad_settings_are_one_line_errors(files, tmp_path):
+    config_file = tmp_path / "c.toml"
+    config_file.write_text("drafterr = 'lookup'\n")
+    assert_one_line_error(invoke("generate", "--model", files["llama"], "--config", config_file, "hi"),
+                          "unknown key 'drafterr'")
+    assert_one_line_error(invoke("generate", "--model", files["llama"], "--drafter", "eagle", "hi"),
+                          "unknown drafter 'eagle'")
+    assert_one_line_error(invoke("generate", "--model", files["llama"], "-o", "drafter.nope", "1", "hi"),
+                          "unknown option 'nope'", "max_n, min_n")
+    assert_one_line_error(invoke("generate", "--model", files["llama"], "--drafter", "draft-model",
+                                 "--draft-model", files["gemma3"], "hi"), "same tokenizer")
+    assert_one_line_error(invoke("generate", "--model", files["llama"], "--context", "8", "x " * 40),
+                          "shorten the prompt")
+
+
+def test_lossy_acceptor_prints_a_warning(files):
+    result = invoke("generate", "--model", files["llama"], "--acceptor", "p-min", "-n", "4", "hello")
+    assert result.exit_code == 0
+    assert "warning:" in result.output and "lossy" in result.output
+
+
+def test_plugins_and_models_listings():
+    result = invoke("plugins", "--json")
+    assert result.exit_code == 0
+    rows = json.loads(result.output)
+    assert {(r["kind"], r["name"]) for r in rows} >= {("backend", "cpu"), ("drafter", "lookup"), ("acceptor", "greedy")}
+    assert all(r["package"] for r in rows)
+    models = invoke("models")
+    assert models.exit_code == 0 and "smollm2-135m (default)" in models.output and "gemma3-270m" in models.output

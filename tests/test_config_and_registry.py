@@ -1,0 +1,105 @@
+"""Settings precedence, plugin lookup and options, capability checks."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from outrider.assembly import check_pair
+from outrider.config import resolve_config
+from outrider.errors import ConfigError
+from outrider.hookspecs import hookimpl
+from outrider.registry import BUILTIN_PACKAGE, Registry, build_registry
+from outrider.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return build_registry(third_party=False)
+
+
+def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
+    config_file = tmp_path / "o.toml"
+    config_file.write_text('drafter = "none"\ndraft_max = 3\ntemperature = 0.5\n[options.drafter]\nmax_n = 6\n')
+    env = {"OUTRIDER_DRAFT_MAX": "5", "OUTRIDER_TEMPERATURE": "0.25", "OUTRIDER_HOME": "/elsewhere"}
+    config = resolve_config({"temperature": 0.9, "seed": None}, config_file, env)
+    assert (config["drafter"], config.sources["drafter"]) == ("none", "file o.toml")
+    assert (config["draft_max"], config.sources["draft_max"]) == (5, "env OUTRIDER_DRAFT_MAX")
+    assert (config["temperature"], config.sources["temperature"]) == (0.9, "flag")
+    assert (config["max_tokens"], config.sources["max_tokens"]) == (128, "default")
+    assert config.options["drafter"] == {"max_n": 6}
+    report = config.report()
+    assert report["settings"]["draft_max"] == {"value": 5, "source": "env OUTRIDER_DRAFT_MAX"}
+
+
+def test_unknown_config_key_lists_the_valid_ones(tmp_path):
+    config_file = tmp_path / "bad.toml"
+    config_file.write_text("draft_maximum = 3\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'draft_maximum'.*valid keys: model, backend"):
+        resolve_config({}, config_file, {})
+
+
+def test_bad_values_name_the_setting_and_source(tmp_path):
+    with pytest.raises(ConfigError, match="draft_max from env OUTRIDER_DRAFT_MAX must be a int"):
+        resolve_config({}, None, {"OUTRIDER_DRAFT_MAX": "many"})
+    with pytest.raises(ConfigError, match="does not exist"):
+        resolve_config({}, tmp_path / "absent.toml", {})
+
+
+def test_every_builtin_is_registered_with_its_capabilities(registry):
+    names = {(spec.kind, spec.name) for spec in registry.all()}
+    assert {("backend", "cpu"), ("backend", "cuda"), ("drafter", "none"), ("drafter", "lookup"),
+            ("drafter", "draft-model"), ("acceptor", "greedy"), ("acceptor", "sampled"),
+            ("acceptor", "p-min")} <= names
+    assert all(spec.package == BUILTIN_PACKAGE for spec in registry.all())
+    assert registry.get("acceptor", "p-min").capabilities["lossless"] is False
+    assert registry.get("acceptor", "sampled").capabilities["lossless"] is True
+    assert registry.get("drafter", "draft-model").capabilities["needs"] == frozenset({"draft_model"})
+    assert registry.get("drafter", "ngram").name == "lookup"  # alias
+
+
+def test_unknown_plugin_and_option_list_the_valid_ones(registry):
+    with pytest.raises(ConfigError, match=r"unknown drafter 'eagle'; installed drafters: draft-model, lookup, none"):
+        registry.get("drafter", "eagle")
+    with pytest.raises(ConfigError, match=r"unknown option 'n' for drafter 'lookup'; valid options: max_n, min_n"):
+        registry.get("drafter", "lookup").create({"n": 3})
+    with pytest.raises(ConfigError, match="takes a int"):
+        registry.get("drafter", "lookup").create({"max_n": "lots"})
+    assert registry.get("drafter", "lookup").create({"max_n": "6"}).max_n == 6
+
+
+def test_two_plugins_claiming_one_name_are_both_named():
+    class Drafter:
+        pass
+
+    def plugin(name):
+        module = types.SimpleNamespace()
+
+        @hookimpl
+        def register_drafters(register):
+            register("lookup", Drafter)
+
+        module.register_drafters = register_drafters
+        return module
+
+    registry = Registry()
+    registry.add_plugin(plugin("a"), "first", "pkg-one 1.0")
+    registry.add_plugin(plugin("b"), "second", "pkg-two 2.0")
+    with pytest.raises(ConfigError, match=r"claimed twice: by pkg-.* \(lookup\) and by pkg-.* \(lookup\)"):
+        registry.collect()
+
+
+def test_impossible_pair_is_refused_and_lossy_acceptor_warns(registry):
+    class NeedsQ:
+        lossless = True
+        needs_draft_probs = True
+
+    lookup = registry.get("drafter", "lookup")
+    fake = registry.get("acceptor", "sampled").__class__(
+        "acceptor", "needs-q", NeedsQ, capabilities={"lossless": True, "needs_draft_probs": True})
+    with pytest.raises(ConfigError, match="needs draft probabilities, but drafter 'lookup' drafts deterministically"):
+        check_pair(lookup, fake, lookup.create(), SamplingParams())
+    warnings = check_pair(lookup, registry.get("acceptor", "p-min"), lookup.create(), SamplingParams())
+    assert any("lossy" in w for w in warnings)
+    assert check_pair(lookup, registry.get("acceptor", "sampled"), lookup.create(), SamplingParams(0.7)) == []
