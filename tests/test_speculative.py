@@ -185,12 +185,11 @@ def test_real_draft_model_greedy_equals_plain(real_target, request):
     # No smaller model of either family is on the registry; a bfloat16 copy of the target drafts for the
     # float32 target: close but not identical distributions, so some drafts are rejected.
     path = request.getfixturevalue(f"{name}_path")
-    target_bf16 = Target(target.model, target.tokenizer, target.gguf, CPUBackend(dtype="bfloat16"))
     prompt = target.tokenizer.encode(OPEN_PROMPT)
     plain, _ = run(target, NoDrafter(), GreedyAcceptor(), prompt, 32)
     for draft_max in (1, 4, 8):
-        drafter = DraftModelDrafter(model=str(path))
-        drafter.setup(target_bf16)
+        drafter = DraftModelDrafter(model=str(path), dtype="bfloat16")
+        drafter.setup(target)
         runner = Runner(target, drafter, GreedyAcceptor(), draft_max=draft_max, context=256)
         assert list(runner.generate(prompt, 32, SamplingParams())) == plain
         assert runner.stats.accepted > 0

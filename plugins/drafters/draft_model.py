@@ -39,10 +39,10 @@ class DraftModelDrafter(DrafterBase):
     needs = frozenset({NEEDS_DRAFT_MODEL})
     gives_draft_probs = True  # only when sample = true; the runner asks the instance
 
-    def __init__(self, model: str = "", sample: bool = False, context: int = 4096):
+    def __init__(self, model: str = "", sample: bool = False, context: int = 4096, dtype: str = ""):
         if not model:
             raise ConfigError("drafter 'draft-model' needs a model: pass --draft-model NAME|PATH")
-        self.model_name, self.sample, self.context = model, sample, context
+        self.model_name, self.sample, self.context, self.dtype = model, sample, context, dtype
         self.gives_draft_probs = sample
 
     def setup(self, target: Target) -> None:
@@ -50,7 +50,8 @@ class DraftModelDrafter(DrafterBase):
         gguf = GGUFFile(resolve_model(self.model_name))
         self.tokenizer = Tokenizer.from_gguf(gguf)
         check_vocab_compatible(target.tokenizer, self.tokenizer, self.model_name)
-        self.model = target.backend.load_model(gguf)
+        backend = type(target.backend)(dtype=self.dtype) if self.dtype else target.backend
+        self.model = backend.load_model(gguf)
         self.vocab_size = min(target.tokenizer.vocab_size, self.model.config.vocab_size)
         self.cache = self.model.new_cache(min(self.context, self.model.config.context_length))
         self.device = self.model.device
@@ -102,4 +103,5 @@ def register_drafters(register):
         "model": (str, "", "the draft GGUF: a catalog name or a path (also --draft-model)"),
         "sample": (bool, False, "sample drafts from q instead of argmax (the acceptor then uses the full-q rule)"),
         "context": (int, 4096, "the draft model's KV cache length"),
+        "dtype": (str, "", "the draft model's dtype on the target's backend (empty: the target's)"),
     })
