@@ -97,8 +97,6 @@ def assemble(config: Config, registry: Registry | None = None) -> Assembly:
     target = Target(model=model, tokenizer=tokenizer, gguf=gguf, backend=backend)
     drafter.setup(target)
     controls = DraftControls(draft_min=config["draft_min"], draft_p_min=config["draft_p_min"])
-    if config["draft_max"] < 0:
-        raise ConfigError(f"draft_max must be >= 0, got {config['draft_max']}")
     runner = Runner(target, drafter, acceptor, draft_max=config["draft_max"], controls=controls,
                     context=config["context"])
     return Assembly(runner, tokenizer, gguf, params, specs, resolved, warnings)

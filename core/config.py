@@ -25,6 +25,16 @@ class Setting:
     type: type
     default: Any
     help: str
+    parse: Any = None  # optional converter from text, for settings that are not a plain type
+
+
+def parse_draft_max(value: Any) -> int | str:
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    number = int(value)
+    if number < 0:
+        raise ValueError
+    return number
 
 
 SETTINGS: dict[str, Setting] = {
@@ -33,7 +43,8 @@ SETTINGS: dict[str, Setting] = {
     "drafter": Setting(str, "lookup", "drafter plugin (`none` for plain decoding)"),
     "acceptor": Setting(str, "auto", "acceptor plugin; auto = greedy at temperature 0, sampled above"),
     "draft_model": Setting(str, "", "draft model for the draft-model drafter: a catalog name or a .gguf path"),
-    "draft_max": Setting(int, 8, "most tokens drafted per round"),
+    "draft_max": Setting(object, "auto", "tokens drafted per round: a number, or auto (chosen each round from "
+                         "measured verify cost and acceptance)", parse_draft_max),
     "draft_min": Setting(int, 0, "drop proposals shorter than this"),
     "draft_p_min": Setting(float, 0.0, "drafter-side stop: do not draft a token whose draft probability is below this"),
     "max_tokens": Setting(int, 128, "most tokens to generate"),
@@ -66,6 +77,11 @@ class Config:
 
 def _convert(key: str, value: Any, source: str) -> Any:
     setting = SETTINGS[key]
+    if setting.parse is not None and value is not None:
+        try:
+            return setting.parse(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} from {source} must be a number >= 0 or auto, got {value!r}") from None
     if value is None or isinstance(value, setting.type) and not (setting.type is int and isinstance(value, bool)):
         return value
     try:

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
+from .draft_length import AdaptiveDraftLength, FixedDraftLength
 from .drafting import Draft, DraftControls, Target
 from .errors import OutriderError
 from .sampling import PositionRandom, SamplingParams
@@ -35,7 +36,8 @@ class GenerationStats:
     accepted: int = 0
     drafted_at: list[int] = field(default_factory=list)  # rounds that drafted at least j+1 tokens
     accepted_at: list[int] = field(default_factory=list)  # rounds that accepted draft position j+1
-    draft_lengths: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)  # tokens drafted, per round
+    chosen_lengths: list[int] = field(default_factory=list)  # tokens asked of the drafter, per round
     stop_reason: str = ""
 
     def record_round(self, drafted: int, accepted: int) -> None:
@@ -67,17 +69,26 @@ class GenerationStats:
             "per_position": [round(a / d, 6) for a, d in zip(self.accepted_at, self.drafted_at)],
             "draft_s": round(self.draft_s, 6),
             "verify_s": round(self.verify_s, 6),
+            "chosen_draft_lengths": _histogram(self.chosen_lengths),
             "stop_reason": self.stop_reason,
         }
+
+
+def _histogram(values: list[int]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for v in sorted(values):
+        counts[str(v)] = counts.get(str(v), 0) + 1
+    return counts
 
 
 class Runner:
     """A target model, a drafter and an acceptor, assembled once and reused across generations."""
 
-    def __init__(self, target: Target, drafter: Any, acceptor: Any, draft_max: int = 8,
+    def __init__(self, target: Target, drafter: Any, acceptor: Any, draft_max: int | str = "auto",
                  controls: DraftControls | None = None, context: int | None = None):
         self.target, self.drafter, self.acceptor = target, drafter, acceptor
         self.draft_max = draft_max
+        self.draft_length = AdaptiveDraftLength() if draft_max == "auto" else FixedDraftLength(int(draft_max))
         self.controls = controls or DraftControls()
         self.vocab_size = target.model.config.vocab_size
         self.context = min(context or target.model.config.context_length, target.model.config.context_length)
@@ -94,6 +105,9 @@ class Runner:
             raise OutriderError(f"prompt is {len(prompt)} tokens but the context holds {self.context}; "
                                 "shorten the prompt or raise --context")
         self.stats = stats = GenerationStats(prompt_tokens=len(prompt))
+        if isinstance(self.draft_length, AdaptiveDraftLength):  # verify costs carry over; acceptance does not
+            self.draft_length = AdaptiveDraftLength(verify_s=self.draft_length.verify_s,
+                                                    draft_s_per_token=self.draft_length.draft_s_per_token)
         rng = PositionRandom(params.seed)
         model, cache, acceptor = self.target.model, self.cache, self.acceptor
         max_tokens = min(max_tokens, self.context - len(prompt))
@@ -116,16 +130,20 @@ class Runner:
                 stats.stop_reason = "length"
                 break
             n = len(tokens) - 1  # position of t0, the last token, which the target has not seen yet
-            k = min(self.draft_max, max_tokens - stats.generated_tokens - 1, self.context - len(tokens))
+            chosen = self.draft_length.choose()
+            k = min(chosen, max_tokens - stats.generated_tokens - 1, self.context - len(tokens))
             t = time.perf_counter()
             draft = self._clean(self.drafter.propose(tokens, k) if k > 0 else Draft(), k)
             t_drafted = time.perf_counter()
             batch = torch.tensor([tokens[-1], *draft.tokens], device=self.device)
             logits = model.forward(batch, n, cache).float().cpu()
             result = acceptor.accept(logits, draft.tokens, draft.probs, params, rng, n + 1)
+            t_verified = time.perf_counter()
             stats.draft_s += t_drafted - t
-            stats.verify_s += time.perf_counter() - t_drafted
+            stats.verify_s += t_verified - t_drafted
             stats.record_round(len(draft.tokens), result.accepted)
+            stats.chosen_lengths.append(chosen)
+            self.draft_length.update(len(draft.tokens), result.accepted, t_drafted - t, t_verified - t_drafted)
             cache.truncate(n + 1 + result.accepted)
             self.drafter.rollback(n + 1 + result.accepted)
             for token in result.tokens:

@@ -41,7 +41,7 @@ def test_unknown_config_key_lists_the_valid_ones(tmp_path):
 
 
 def test_bad_values_name_the_setting_and_source(tmp_path):
-    with pytest.raises(ConfigError, match="draft_max from env OUTRIDER_DRAFT_MAX must be a int"):
+    with pytest.raises(ConfigError, match="draft_max from env OUTRIDER_DRAFT_MAX must be a number >= 0 or auto"):
         resolve_config({}, None, {"OUTRIDER_DRAFT_MAX": "many"})
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_config({}, tmp_path / "absent.toml", {})

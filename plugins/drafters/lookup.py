@@ -15,7 +15,7 @@ from outrider.sampling import SamplingParams
 
 
 class LookupDrafter(DrafterBase):
-    def __init__(self, min_n: int = 1, max_n: int = 4):
+    def __init__(self, min_n: int = 2, max_n: int = 4):
         if not 1 <= min_n <= max_n:
             raise ConfigError(f"lookup drafter needs 1 <= min_n <= max_n, got min_n={min_n} max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
@@ -52,6 +52,6 @@ class LookupDrafter(DrafterBase):
 @hookimpl
 def register_drafters(register):
     register("lookup", LookupDrafter, aliases=("ngram", "prompt-lookup"), options={
-        "min_n": (int, 1, "shortest n-gram that may match"),
+        "min_n": (int, 2, "shortest n-gram that may match (1-gram matches are mostly wrong in open text)"),
         "max_n": (int, 4, "longest n-gram tried first"),
     })

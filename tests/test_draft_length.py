@@ -1,0 +1,52 @@
+"""The draft-length policy, on hand-computed cases."""
+
+from __future__ import annotations
+
+from outrider.draft_length import AdaptiveDraftLength
+
+
+def policy(acceptance: float, verify: dict[int, float], cap: int = 8) -> AdaptiveDraftLength:
+    p = AdaptiveDraftLength(cap=cap, verify_s=dict(verify), draft_s_per_token=0.0)
+    p.acceptance = [acceptance] * cap
+    return p
+
+
+def test_picks_the_length_with_the_best_tokens_per_second():
+    # a = 0.5, verify(n) = 1 + 0.1 (n - 1): rate(k) = (2 - 0.5^k) / (1 + 0.1 k)
+    # k = 0: 1.000, 1: 1.364, 2: 1.458, 3: 1.442, 4: 1.384  ->  2
+    p = policy(0.5, {n: 1 + 0.1 * (n - 1) for n in range(1, 10)})
+    assert p.choose() == 2
+    assert abs(p.expected_tokens(3) - 1.875) < 1e-12
+
+
+def test_never_drafts_when_nothing_is_accepted_and_always_when_everything_is():
+    rising = {n: 1 + 0.05 * (n - 1) for n in range(1, 10)}
+    assert policy(0.0, rising).choose() == 0
+    assert policy(1.0, rising).choose() == 8
+
+
+def test_draft_cost_counts_against_long_drafts():
+    p = policy(0.8, {n: 1.0 for n in range(1, 10)})
+    assert p.choose() == 8
+    p.draft_s_per_token = 0.5  # a draft token costs half a verify: rate(k) = E(k) / (1 + k/2), best k = 2
+    # k = 1: 1.8 / 1.5 = 1.2; k = 2: 2.44 / 2 = 1.22; k = 3: 2.952 / 2.5 = 1.181
+    assert p.choose() == 2
+
+
+def test_learns_from_rejections_and_tries_again_later():
+    p = AdaptiveDraftLength(cap=8)
+    p.update(0, 0, 0.0, 1.0)
+    p.update(4, 4, 0.0, 1.05)
+    assert p.choose() > 0
+    for _ in range(20):  # every draft rejected at position 1
+        p.update(4, 0, 0.0, 1.05)
+    assert p.choose() == 0
+    for _ in range(200):  # rounds without drafts: estimates drift back towards the prior
+        p.update(0, 0, 0.0, 1.0)
+    assert p.choose() > 0
+
+
+def test_unmeasured_lengths_are_interpolated():
+    p = AdaptiveDraftLength(verify_s={1: 1.0, 5: 2.0})
+    assert abs(p.verify_cost(3) - 1.5) < 1e-12
+    assert p.verify_cost(9) > 2.0
