@@ -12,6 +12,7 @@ import torch
 from .errors import ConfigError
 from .gguf_file import GGUFFile
 from .models import load_model
+from .models.linear import WEIGHT_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
@@ -20,11 +21,13 @@ DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16"
 class Backend:
     device: torch.device
 
-    def __init__(self, dtype: str = "float32"):
+    def __init__(self, dtype: str = "float32", weights: str = "dense"):
         name = DTYPE_ALIASES.get(dtype, dtype)
         if name not in DTYPES:
             raise ConfigError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
-        self.dtype = DTYPES[name]
+        if weights not in WEIGHT_MODES:
+            raise ConfigError(f"unknown weights mode '{weights}'; choose one of: {', '.join(WEIGHT_MODES)}")
+        self.dtype, self.weights = DTYPES[name], weights
 
     def load_model(self, g: GGUFFile):
-        return load_model(g, dtype=self.dtype, device=self.device)
+        return load_model(g, dtype=self.dtype, device=self.device, weights=self.weights)

@@ -114,7 +114,7 @@ class Runner:
 
         t = time.perf_counter()
         cache.truncate(0)
-        logits = model.forward(torch.tensor(prompt, device=self.device), 0, cache)[-1:]
+        logits = model.forward(torch.tensor(prompt, device=self.device), 0, cache, last_only=True)
         first = acceptor.accept(logits.float().cpu(), [], None, params, rng, len(prompt)).tokens[0]
         stats.prefill_s = time.perf_counter() - t
         self.drafter.begin(list(prompt), params, self.controls)

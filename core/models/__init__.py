@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ModelFileError
+from ..errors import ConfigError, ModelFileError
 from ..gguf_file import GGUFFile
 from .gemma3 import Gemma3
+from .linear import WEIGHT_MODES
 from .llama import Llama
 
 ARCHITECTURES = {cls.architecture: cls for cls in (Llama, Gemma3)}
 
 
-def load_model(g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def load_model(g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               weights: str = "dense"):
+    """The model in `g`. `weights`: `dense` dequantizes to `dtype`; `compact` keeps 4-bit types as int4 and
+    other quantized types as int8 (see `outrider.models.linear`)."""
     cls = ARCHITECTURES.get(g.architecture)
     if cls is None:
         raise ModelFileError(f"{g.path}: unknown architecture '{g.architecture}'; "
                              f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    return cls(g, dtype=dtype, device=device)
+    if weights not in WEIGHT_MODES:
+        raise ConfigError(f"unknown weights mode '{weights}'; choose one of: {', '.join(WEIGHT_MODES)}")
+    return cls(g, dtype=dtype, device=device, weights=weights)

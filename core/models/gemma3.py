@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache
-from .layers import Rotary, attention, rms_norm
+from .layers import PREFILL_CHUNK, Rotary, attention, attention_mask, rms_norm, run_in_chunks, token_embedding
+from .linear import load_linear
 
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp hard-codes the local layers' base; GGUF stores only the global one
 DEFAULT_SWA_PERIOD = 6  # five local layers, then one global
@@ -79,30 +80,37 @@ class Gemma3Config:
 
 
 class _Layer:
-    def __init__(self, g: GGUFFile, i: int, dtype: torch.dtype, device):
-        def load(name: str) -> torch.Tensor:
-            return g.load(f"blk.{i}.{name}.weight").to(dtype).to(device)
+    def __init__(self, g: GGUFFile, i: int, weights: str, dtype: torch.dtype, device):
+        p = f"blk.{i}."
+        linear = lambda *names: load_linear(g, [p + n + ".weight" for n in names], weights, dtype, device)
+        norm = lambda name: g.load(p + name + ".weight").to(dtype).to(device)
+        self.wqkv = linear("attn_q", "attn_k", "attn_v")
+        self.wo = linear("attn_output")
+        self.w_gate_up = linear("ffn_gate", "ffn_up")
+        self.w_down = linear("ffn_down")
+        self.attn_norm, self.q_norm, self.k_norm = norm("attn_norm"), norm("attn_q_norm"), norm("attn_k_norm")
+        self.post_attn_norm, self.ffn_norm, self.post_ffn_norm = norm("post_attention_norm"), norm("ffn_norm"), norm("post_ffw_norm")
 
-        self.wqkv = torch.cat([load("attn_q"), load("attn_k"), load("attn_v")])
-        self.wo = load("attn_output")
-        self.w_gate_up = torch.cat([load("ffn_gate"), load("ffn_up")])
-        self.w_down = load("ffn_down")
-        self.attn_norm, self.q_norm, self.k_norm = load("attn_norm"), load("attn_q_norm"), load("attn_k_norm")
-        self.post_attn_norm, self.ffn_norm = load("post_attention_norm"), load("ffn_norm")
-        self.post_ffn_norm = load("post_ffw_norm")
+    def tensors(self) -> list[torch.Tensor]:
+        out = self.wqkv.tensors() + self.wo.tensors() + self.w_gate_up.tensors() + self.w_down.tensors()
+        return out + [self.attn_norm, self.q_norm, self.k_norm, self.post_attn_norm, self.ffn_norm, self.post_ffn_norm]
 
 
 class Gemma3:
     architecture = "gemma3"
 
-    def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 weights: str = "dense"):
         self.config = cfg = Gemma3Config.from_gguf(g)
         self.dtype, self.device = dtype, torch.device(device)
-        self.embed = g.load("token_embd.weight").to(dtype).to(device)
-        self.output = g.load("output.weight").to(dtype).to(device) if "output.weight" in g.tensors else self.embed
+        self.chunk = PREFILL_CHUNK if weights == "compact" else 0
+        head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+        self.output = load_linear(g, [head], weights, dtype, device)
+        self.embed = token_embedding(g, self.output, dtype, device)
         self.output_norm = g.load("output_norm.weight").to(dtype).to(device)
+        # rounded to the model dtype first, as the reference implementations do
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=dtype)
-        self.layers = [_Layer(g, i, dtype, device) for i in range(cfg.n_layers)]
+        self.layers = [_Layer(g, i, weights, dtype, device) for i in range(cfg.n_layers)]
         self.local_rotary = Rotary(cfg.head_dim, LOCAL_ROPE_BASE, cfg.context_length, 1.0, None, dtype, device)
         self.global_rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.context_length, cfg.rope_freq_scale,
                                     None, dtype, device)
@@ -112,32 +120,41 @@ class Gemma3:
         return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.context_length, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False):
-        """Logits [T, vocab] (float32) for tokens at positions start..start+T-1; with `hidden`, also the
-        final-normed hidden states [T, hidden_size]. Writes the cache and sets its length to start+T."""
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False,
+                last_only: bool = False):
+        """Logits [T, vocab] (float32) for tokens at positions start..start+T-1 (only the last row with
+        `last_only`); with `hidden`, also the final-normed hidden states [T, hidden_size]. Writes the
+        cache and sets its length to start+T."""
+        h = run_in_chunks(self._hidden, tokens, start, cache, self.chunk, last_only)
+        logits = self.output(h).float()
+        if self.config.final_logit_softcap:
+            cap = self.config.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return (logits, h) if hidden else logits
+
+    def _hidden(self, tokens: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
         cfg = self.config
         t = tokens.shape[0]
-        q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        x = self.embed[tokens] * self.embed_scale
+        n_q, n_qk = cfg.n_heads, cfg.n_heads + cfg.n_kv_heads
+        masks = {False: attention_mask(start, t, None, self.device),
+                 True: attention_mask(start, t, cfg.sliding_window or None, self.device)}
+        x = self.embed(tokens) * self.embed_scale
         for i, layer in enumerate(self.layers):
             local = cfg.is_local[i]
             rotary = self.local_rotary if local else self.global_rotary
-            a = rms_norm(x, layer.attn_norm, cfg.eps)
-            q, k, v = F.linear(a, layer.wqkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = rms_norm(q.view(t, cfg.n_heads, cfg.head_dim).transpose(0, 1), layer.q_norm, cfg.eps)
-            k = rms_norm(k.view(t, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1), layer.k_norm, cfg.eps)
-            q, k = rotary(q, start), rotary(k, start)
-            v = v.view(t, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1)
-            keys, values = cache.write(i, start, k, v)
-            o = attention(q, keys, values, start, cfg.attention_scale, cfg.sliding_window if local else None)
-            x = x + rms_norm(F.linear(o.transpose(0, 1).reshape(t, q_size), layer.wo), layer.post_attn_norm, cfg.eps)
-            f = rms_norm(x, layer.ffn_norm, cfg.eps)
-            gate, up = F.linear(f, layer.w_gate_up).chunk(2, dim=-1)
-            f = F.linear(F.gelu(gate, approximate="tanh") * up, layer.w_down)
-            x = x + rms_norm(f, layer.post_ffn_norm, cfg.eps)
+            qkv = layer.wqkv(rms_norm(x, layer.attn_norm, cfg.eps)).view(t, n_qk + cfg.n_kv_heads, cfg.head_dim)
+            q = rms_norm(qkv[:, :n_q], layer.q_norm, cfg.eps)
+            k = rms_norm(qkv[:, n_q:n_qk], layer.k_norm, cfg.eps)
+            qk = rotary(torch.cat([q, k], dim=1), start).transpose(0, 1)
+            keys, values = cache.write(i, start, qk[n_q:], qkv[:, n_qk:].transpose(0, 1))
+            first_key, mask = masks[local]
+            o = attention(qk[:n_q], keys, values, first_key, mask, cfg.attention_scale)
+            x = x + rms_norm(layer.wo(o), layer.post_attn_norm, cfg.eps)
+            gate, up = layer.w_gate_up(rms_norm(x, layer.ffn_norm, cfg.eps)).chunk(2, dim=-1)
+            x = x + rms_norm(layer.w_down(F.gelu(gate, approximate="tanh") * up), layer.post_ffn_norm, cfg.eps)
         cache.length = start + t
-        h = rms_norm(x, self.output_norm, cfg.eps)
-        logits = F.linear(h, self.output).float()
-        if cfg.final_logit_softcap:
-            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
-        return (logits, h) if hidden else logits
+        return rms_norm(x, self.output_norm, cfg.eps)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the model reads per token (the input embedding is a row gather, so it is left out)."""
+        return self.output.tensors() + [self.output_norm] + [t for layer in self.layers for t in layer.tensors()]

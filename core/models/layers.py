@@ -1,4 +1,4 @@
-"""Building blocks shared by the architectures: RMS norm, rotary embeddings, masked attention."""
+"""Building blocks shared by the architectures: RMS norm, rotary embeddings, attention, the output head."""
 
 from __future__ import annotations
 
@@ -7,15 +7,21 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .linear import DenseLinear, Int8Linear
+
+PREFILL_CHUNK = 32  # rows per forward for compact weights (see run_in_chunks)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # GGUF norm weights are used as stored: Gemma's converter already folded in the +1.
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class Rotary:
-    """NEOX-style rotary embedding (pairs i, i + d/2), with cos/sin tabulated for every position."""
+    """NEOX-style rotary embedding (pairs i, i + d/2), with cos/sin tabulated for every position.
+
+    Stored as full-width tables so that one rotation is x * cos + roll(x, d/2) * sin: four ops for the
+    queries and keys of a layer together."""
 
     def __init__(self, head_dim: int, base: float, max_len: int, freq_scale: float = 1.0,
                  freq_factors: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
@@ -24,40 +30,82 @@ class Rotary:
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.double()
         angles = torch.outer(torch.arange(max_len, dtype=torch.float64) * freq_scale, inv_freq)
-        self.cos = angles.cos().to(dtype).to(device)
-        self.sin = angles.sin().to(dtype).to(device)
+        self.half = head_dim // 2
+        self.cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype).to(device)
+        self.sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype).to(device)
 
     def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """x: [heads, T, head_dim] for positions start..start+T-1."""
-        t = x.shape[-2]
-        cos, sin = self.cos[start:start + t], self.sin[start:start + t]
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        """x: [T, heads, head_dim] for positions start..start+T-1."""
+        t = x.shape[0]
+        cos, sin = self.cos[start:start + t, None], self.sin[start:start + t, None]
+        return x * cos + torch.roll(x, self.half, dims=-1) * sin
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
-              window: int | None = None) -> torch.Tensor:
-    """Causal attention of q ([heads, T, d], positions start..) over k, v ([kv_heads, start+T, d]).
+def attention_mask(start: int, t: int, window: int | None, device) -> tuple[int, torch.Tensor | None]:
+    """(first key position to read, boolean mask [T, keys] or None) for queries at start..start+T-1.
 
-    With `window`, a query at position p sees keys at positions > p - window only; keys that no query
-    in this block can see are sliced away before the kernel runs.
-    """
-    t = q.shape[1]
-    first_key = 0
+    With `window`, a query at position p sees keys at positions > p - window only; keys that no query in
+    the block can see are not read at all. Built once per forward and shared by every layer of a kind."""
+    first_key = max(0, start - window + 1) if window is not None else 0
+    if t == 1:
+        return first_key, None  # a single query sees every key from first_key on
+    q_pos = torch.arange(start, start + t, device=device)[:, None]
+    k_pos = torch.arange(first_key, start + t, device=device)[None, :]
+    mask = k_pos <= q_pos
     if window is not None:
-        first_key = max(0, start - window + 1)
-        k, v = k[:, first_key:], v[:, first_key:]
-    mask = None
-    if t > 1 or first_key > 0 or window is not None:
-        q_pos = torch.arange(start, start + t, device=q.device)[:, None]
-        k_pos = torch.arange(first_key, first_key + k.shape[1], device=q.device)[None, :]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask = mask & (q_pos - k_pos < window)
+        mask = mask & (q_pos - k_pos < window)
+    return first_key, mask
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_key: int, mask: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
+    """q [heads, T, d] over k, v [kv_heads, end, d] from `first_key` on; returns [T, heads * d]."""
+    k, v = k[:, first_key:], v[:, first_key:]
     out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[0] != k.shape[0])
-    return out.squeeze(0)
+    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def run_in_chunks(hidden_fn, tokens: torch.Tensor, start: int, cache, chunk: int, last_only: bool) -> torch.Tensor:
+    """Final hidden states of `hidden_fn(tokens, start, cache)`, `chunk` tokens at a time when `chunk` is set:
+    torch's weight-only int kernels are fast for a few rows and slow down per row on long prompts. With
+    `last_only`, only the last row is kept, so a prefill never pays the output head for the whole prompt."""
+    t = tokens.shape[0]
+    if not chunk or t <= chunk:
+        h = hidden_fn(tokens, start, cache)
+        return h[-1:] if last_only else h
+    parts = []
+    for i in range(0, t, chunk):
+        h = hidden_fn(tokens[i:i + chunk], start + i, cache)
+        parts.append(h)
+    return h[-1:] if last_only else torch.cat(parts)
 
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+class TokenEmbedding:
+    """Row lookup in the token table. When the output head holds the same table as int8 (tied
+    embeddings), rows are gathered from the head's codes, so the table is held once, compactly."""
+
+    def __init__(self, table: torch.Tensor | None, head, dtype: torch.dtype):
+        self.head, self.dtype = head, dtype
+        self.table = None if table is None else table.to(dtype)
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:
+            return self.table[tokens]
+        return (self.head.codes[tokens].to(torch.float32) * self.head.scale[tokens, None].float()).to(self.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.table is None else [self.table]
+
+
+def token_embedding(g, head, dtype: torch.dtype, device) -> TokenEmbedding:
+    tied = "output.weight" not in g.tensors
+    if tied and isinstance(head, Int8Linear):
+        return TokenEmbedding(None, head, dtype)
+    if tied and isinstance(head, DenseLinear):
+        return TokenEmbedding(head.weight, head, dtype)
+    return TokenEmbedding(g.load("token_embd.weight").to(device), head, dtype)

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache
-from .layers import Rotary, attention, default_scale, rms_norm
+from .layers import (PREFILL_CHUNK, Rotary, attention, attention_mask, default_scale, rms_norm, run_in_chunks,
+                     token_embedding)
+from .linear import load_linear
 
 
 @dataclass(frozen=True)
@@ -53,40 +55,43 @@ class LlamaConfig:
         )
 
 
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def _unpermute(n_heads: int):
     # convert_hf_to_gguf permutes Q/K rows so ggml's interleaved rope matches HF's rotate_half;
     # undoing it lets llama use the same half-split (NEOX) rotary as every other architecture.
-    out, inp = w.shape
-    return w.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
+    def rows(w: torch.Tensor) -> torch.Tensor:
+        out = w.shape[0]
+        return w.reshape(n_heads, out // n_heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+    return rows
 
 
 class _Layer:
-    def __init__(self, g: GGUFFile, i: int, cfg: LlamaConfig, dtype: torch.dtype, device):
-        def load(name: str) -> torch.Tensor:
-            return g.load(f"blk.{i}.{name}.weight")
-
-        q = _unpermute(load("attn_q"), cfg.n_heads)
-        k = _unpermute(load("attn_k"), cfg.n_kv_heads)
-        self.wqkv = torch.cat([q, k, load("attn_v")]).to(dtype).to(device)
-        self.wo = load("attn_output").to(dtype).to(device)
-        self.w_gate_up = torch.cat([load("ffn_gate"), load("ffn_up")]).to(dtype).to(device)
-        self.w_down = load("ffn_down").to(dtype).to(device)
-        self.attn_norm = load("attn_norm").to(dtype).to(device)
-        self.ffn_norm = load("ffn_norm").to(dtype).to(device)
+    def __init__(self, g: GGUFFile, i: int, cfg: LlamaConfig, weights: str, dtype: torch.dtype, device):
+        p = f"blk.{i}."
+        unpermute = {p + "attn_q.weight": _unpermute(cfg.n_heads), p + "attn_k.weight": _unpermute(cfg.n_kv_heads)}
+        linear = lambda *names: load_linear(g, [p + n + ".weight" for n in names], weights, dtype, device, unpermute)
+        self.wqkv = linear("attn_q", "attn_k", "attn_v")
+        self.wo = linear("attn_output")
+        self.w_gate_up = linear("ffn_gate", "ffn_up")
+        self.w_down = linear("ffn_down")
+        self.attn_norm = g.load(p + "attn_norm.weight").to(dtype).to(device)
+        self.ffn_norm = g.load(p + "ffn_norm.weight").to(dtype).to(device)
 
 
 class Llama:
     architecture = "llama"
 
-    def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 weights: str = "dense"):
         self.config = cfg = LlamaConfig.from_gguf(g)
         self.dtype, self.device = dtype, torch.device(device)
+        self.chunk = PREFILL_CHUNK if weights == "compact" else 0
         if any(name.endswith(".bias") for name in g.tensors) or any("_exps" in name for name in g.tensors):
             raise ModelFileError(f"{g.path}: llama variants with biases or experts are not supported")
-        self.embed = g.load("token_embd.weight").to(dtype).to(device)
-        self.output = g.load("output.weight").to(dtype).to(device) if "output.weight" in g.tensors else self.embed
+        head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
+        self.output = load_linear(g, [head], weights, dtype, device)
+        self.embed = token_embedding(g, self.output, dtype, device)
         self.output_norm = g.load("output_norm.weight").to(dtype).to(device)
-        self.layers = [_Layer(g, i, cfg, dtype, device) for i in range(cfg.n_layers)]
+        self.layers = [_Layer(g, i, cfg, weights, dtype, device) for i in range(cfg.n_layers)]
         freq_factors = g.load("rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.context_length, cfg.rope_freq_scale,
                              freq_factors, dtype, device)
@@ -97,26 +102,35 @@ class Llama:
         return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.context_length, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False):
-        """Logits [T, vocab] (float32) for tokens at positions start..start+T-1; with `hidden`, also the
-        final-normed hidden states [T, hidden_size]. Writes the cache and sets its length to start+T."""
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False,
+                last_only: bool = False):
+        """Logits [T, vocab] (float32) for tokens at positions start..start+T-1 (only the last row with
+        `last_only`); with `hidden`, also the final-normed hidden states [T, hidden_size]. Writes the
+        cache and sets its length to start+T."""
+        h = run_in_chunks(self._hidden, tokens, start, cache, self.chunk, last_only)
+        logits = self.output(h).float()
+        return (logits, h) if hidden else logits
+
+    def _hidden(self, tokens: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
         cfg = self.config
         t = tokens.shape[0]
-        q_size, kv_size = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        x = self.embed[tokens]
+        n_qk = cfg.n_heads + cfg.n_kv_heads
+        first_key, mask = attention_mask(start, t, None, self.device)
+        x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
-            a = rms_norm(x, layer.attn_norm, cfg.eps)
-            q, k, v = F.linear(a, layer.wqkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = self.rotary(q.view(t, cfg.n_heads, cfg.head_dim).transpose(0, 1), start)
-            k = self.rotary(k.view(t, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1), start)
-            v = v.view(t, cfg.n_kv_heads, cfg.head_dim).transpose(0, 1)
-            keys, values = cache.write(i, start, k, v)
-            o = attention(q, keys, values, start, self.scale)
-            x = x + F.linear(o.transpose(0, 1).reshape(t, q_size), layer.wo)
-            f = rms_norm(x, layer.ffn_norm, cfg.eps)
-            gate, up = F.linear(f, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            qkv = layer.wqkv(rms_norm(x, layer.attn_norm, cfg.eps)).view(t, n_qk + cfg.n_kv_heads, cfg.head_dim)
+            qk = self.rotary(qkv[:, :n_qk], start).transpose(0, 1)
+            keys, values = cache.write(i, start, qk[cfg.n_heads:], qkv[:, n_qk:].transpose(0, 1))
+            x = x + layer.wo(attention(qk[:cfg.n_heads], keys, values, first_key, mask, self.scale))
+            gate, up = layer.w_gate_up(rms_norm(x, layer.ffn_norm, cfg.eps)).chunk(2, dim=-1)
+            x = x + layer.w_down(F.silu(gate) * up)
         cache.length = start + t
-        h = rms_norm(x, self.output_norm, cfg.eps)
-        logits = F.linear(h, self.output).float()
-        return (logits, h) if hidden else logits
+        return rms_norm(x, self.output_norm, cfg.eps)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the model reads per token (the input embedding is a row gather, so it is left out)."""
+        out = self.output.tensors() + [self.output_norm]
+        for layer in self.layers:
+            out += layer.wqkv.tensors() + layer.wo.tensors() + layer.w_gate_up.tensors() + layer.w_down.tensors()
+            out += [layer.attn_norm, layer.ffn_norm]
+        return out

@@ -1,18 +1,21 @@
-"""The CPU backend: torch on the host, float32 by default, bfloat16 selectable."""
+"""The CPU backend: torch on the host. Weights stay compact (GGUF 4-bit types as int4, other quantized
+types as int8, run by torch's weight-only kernels) and activations are float32; `weights = dense`
+dequantizes everything to `dtype` instead, for exact float32 arithmetic."""
 
 from __future__ import annotations
 
 import torch
 
 from outrider.backend import DTYPES, Backend
+from outrider.models.linear import WEIGHT_MODES
 from outrider.hookspecs import hookimpl
 
 
 class CPUBackend(Backend):
     device = torch.device("cpu")
 
-    def __init__(self, dtype: str = "float32", threads: int = 0):
-        super().__init__(dtype)
+    def __init__(self, dtype: str = "float32", weights: str = "compact", threads: int = 0):
+        super().__init__(dtype, weights)
         if threads > 0:
             torch.set_num_threads(threads)
 
@@ -21,5 +24,6 @@ class CPUBackend(Backend):
 def register_backends(register):
     register("cpu", CPUBackend, options={
         "dtype": (str, "float32", f"weights and activations: {', '.join(DTYPES)}"),
+        "weights": (str, "compact", f"how weights are held: {', '.join(WEIGHT_MODES)} (see README, Numerics)"),
         "threads": (int, 0, "torch intra-op threads; 0 keeps torch's default (one per core)"),
     })

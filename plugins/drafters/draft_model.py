@@ -84,7 +84,7 @@ class DraftModelDrafter(DrafterBase):
         pending = torch.tensor(tokens[start:], device=self.device)
         drafted, rows = [], []
         for _ in range(k):
-            logits = self.model.forward(pending, start, self.cache)[-1]
+            logits = self.model.forward(pending, start, self.cache, last_only=True)[-1]
             start += pending.shape[0]
             token, q, confidence = self._next(logits)
             if confidence < self.controls.draft_p_min:
