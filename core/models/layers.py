@@ -59,11 +59,18 @@ def attention_mask(start: int, t: int, window: int | None, device) -> tuple[int,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_key: int, mask: torch.Tensor | None,
               scale: float) -> torch.Tensor:
-    """q [heads, T, d] over k, v [kv_heads, end, d] from `first_key` on; returns [T, heads * d]."""
-    k, v = k[:, first_key:], v[:, first_key:]
-    out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+    """q [heads, T, d] over k, v [kv_heads, end, d] from `first_key` on; returns [T, heads * d].
+
+    Computed in float64: in float32, SDPA's result for one query moves by ~1e-7 with the number of queries
+    in the call (its blocking), and the bfloat16 rounding in front of the next int kernel can turn that
+    into a different token at a near-tie. Rounded back from float64, a query's output does not depend on
+    its neighbours, so a verify pass over k+1 tokens gives bit for bit the logits of k+1 single steps
+    (the weight-only int kernels are row-independent already), and greedy speculative decoding stays
+    identical to plain decoding. At these sizes it costs nothing measurable."""
+    k, v = k[:, first_key:].double(), v[:, first_key:].double()
+    out = F.scaled_dot_product_attention(q.double().unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[0] != k.shape[0])
-    return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+    return out[0].transpose(0, 1).reshape(q.shape[1], -1).to(q.dtype)
 
 
 def run_in_chunks(hidden_fn, tokens: torch.Tensor, start: int, cache, chunk: int, last_only: bool) -> torch.Tensor:
