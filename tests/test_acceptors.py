@@ -22,6 +22,7 @@ from outrider.plugins.acceptors.pmin import PMinAcceptor
 from outrider.plugins.acceptors.sampled import SampledAcceptor
 from outrider.sampling import AcceptResult, Acceptor, PositionRandom, SamplingParams, sample_at, warp
 from outrider.testing.stats import chi2_sf, chi2_test
+from outrider.testing.toy import ToyModel
 
 P_THRESHOLD = 1e-4
 
@@ -173,73 +174,10 @@ def test_round_invariants_on_random_rounds(acc, params, with_q):
 
 # ---------------------------------------------------------------------------------------- toy target and drafter
 
-V = 6
-K = 2
-N_POS = 4  # table rows for positions 1..4 (a generation of two tokens needs at most position 4)
-
-
-def _tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target logits T[pos-1, prev, :] and draft logits D[pos-1, prev, :] (drafter close to, not equal to, T)."""
-    g = torch.Generator().manual_seed(seed)
-    target = torch.randn(N_POS, V, V, generator=g) * 0.9
-    draft = 0.7 * target + torch.randn(N_POS, V, V, generator=g) * 0.7
-    return target, draft
-
-
-TARGET, DRAFT = _tables(3)
-PREFIX = 0  # the token before position 1
-
-
-def expected_distributions(params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """Plain sampling from the target: first token ~ p(pos 1 | prefix), second ~ p(pos 2 | first)."""
-    p = warp(TARGET, params).double().numpy()
-    first = p[0, PREFIX]
-    joint = first[:, None] * p[1]
-    return first, joint
-
-
-def simulate(acceptor, params: SamplingParams, drafter: str, n_seq: int, seed: int, k: int = K):
-    """n_seq independent generations of (at least) two tokens. drafter: "q" (x ~ q, q given to the acceptor),
-    "argmax" (x = argmax q, no q given), "argmax-soft-q" (x = argmax q but soft q given: the classic bug)."""
-    q_tab = warp(DRAFT, params)
-    cum = torch.cumsum(q_tab.double(), dim=-1).numpy()
-    top = q_tab.argmax(dim=-1).numpy()
-    gen = np.random.default_rng(seed)
-    draft_u = gen.random((n_seq, 2, k))
-    first = np.zeros(V, dtype=np.int64)
-    joint = np.zeros((V, V), dtype=np.int64)
-    rounds = drafted = accepted = 0
-    for s in range(n_seq):
-        rng = PositionRandom(seed * 1_000_003 + s)
-        out: list[int] = []
-        pos, prev, rnd = 1, PREFIX, 0
-        while len(out) < 2:
-            drafts: list[int] = []
-            ctx = prev
-            for j in range(k):
-                if drafter == "q":
-                    c = cum[pos - 1 + j, ctx]
-                    x = min(int(np.searchsorted(c, draft_u[s, rnd, j] * c[-1], side="right")), V - 1)
-                else:
-                    x = int(top[pos - 1 + j, ctx])
-                drafts.append(x)
-                ctx = x
-            rows = [TARGET[pos - 1, prev]] + [TARGET[pos + j, drafts[j]] for j in range(k)]
-            q = None
-            if drafter != "argmax":
-                ctxs = [prev] + drafts[:-1]
-                q = torch.stack([q_tab[pos - 1 + j, ctxs[j]] for j in range(k)])
-            res = acceptor.accept(torch.stack(rows), drafts, q, params, rng, pos)
-            rounds += 1
-            drafted += k
-            accepted += res.accepted
-            out.extend(res.tokens)
-            pos += len(res.tokens)
-            prev = out[-1]
-            rnd += 1
-        first[out[0]] += 1
-        joint[out[0], out[1]] += 1
-    return first, joint, accepted / drafted
+TOY = ToyModel(seed=3)
+TARGET, DRAFT = TOY.target, TOY.draft
+expected_distributions = TOY.expected_distributions
+simulate = TOY.simulate
 
 
 class WrongResidualAcceptor:
