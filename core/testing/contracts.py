@@ -23,12 +23,14 @@ from typing import Any, ClassVar
 
 import pytest
 
-from outrider.registry import Registry, default_registry
+from outrider import registry as registry_module
+from outrider.registry import Registry
 from outrider.testing.checks import CHECKS, Check, CheckSkipped, Subject
 from outrider.testing.fixtures import ContractFixtures
 
 
 def _run(check: Check, subject: Subject) -> None:
+    __tracebackhide__ = True  # the failure message is the report; the harness frames are noise
     try:
         check.run(subject)
     except CheckSkipped as exc:
@@ -52,7 +54,7 @@ class _Contract:
 
         if not self.plugin_name:
             raise TypeError(f"{type(self).__name__}: set plugin_name, or override make_{self.kind}()")
-        spec = (self.registry or default_registry()).get(self.kind, self.plugin_name)
+        spec = (self.registry or registry_module.default_registry()).get(self.kind, self.plugin_name)
         return subject_for(spec, self.fixtures, self.plugin_options)
 
     def capabilities(self) -> dict[str, Any]:
@@ -74,6 +76,7 @@ class _Contract:
 
 def _test_method(check: Check):
     def test(self, outrider_contract_fixtures: ContractFixtures) -> None:
+        __tracebackhide__ = True
         _run(check, self.subject(outrider_contract_fixtures))
 
     test.__name__ = f"test_{check.name}"
@@ -120,14 +123,14 @@ class ContractCase:
     def run(self, fixtures: ContractFixtures, registry: Registry | None = None) -> None:
         from outrider.testing.report import subject_for
 
-        spec = (registry or default_registry()).get(self.kind, self.name)
+        spec = (registry or registry_module.default_registry()).get(self.kind, self.name)
         _run(self.check, subject_for(spec, fixtures, dict(self.options)))
 
 
 def registry_cases(registry: Registry | None = None,
                    variants: dict[tuple[str, str], list[dict[str, Any]]] | None = None) -> list[ContractCase]:
     """Every check against every registered plugin; `variants[(kind, name)]` adds runs with other options."""
-    registry = registry or default_registry()
+    registry = registry or registry_module.default_registry()
     cases = []
     for spec in registry.all():
         for options in [{}, *(variants or {}).get((spec.kind, spec.name), [])]:

@@ -8,7 +8,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from outrider.registry import PluginSpec, Registry, default_registry
+from outrider import registry as registry_module
+from outrider.registry import PluginSpec, Registry
 from outrider.testing.checks import CHECKS, Check, CheckSkipped, Subject
 from outrider.testing.fixtures import ContractFixtures
 
@@ -51,7 +52,7 @@ def run_contract(subject: Subject) -> list[CheckResult]:
 
 def find_specs(name: str, kind: str | None = None, registry: Registry | None = None) -> list[PluginSpec]:
     """The plugins called `name` (or an alias of it), of `kind` or of every kind; ConfigError if none."""
-    registry = registry or default_registry()
+    registry = registry or registry_module.default_registry()
     kinds = [kind] if kind else list(CHECKS)
     specs = []
     for k in kinds:
