@@ -20,7 +20,7 @@ from outrider.plugins.acceptors.pmin import PMinAcceptor
 from outrider.registry import build_registry
 from outrider.sampling import AcceptResult, sample_at, warp
 from outrider.testing.checks import Subject
-from outrider.testing.report import find_specs, run_contract, subject_for
+from outrider.testing.report import run_contract
 
 pytest_plugins = ("pytester",)
 
