@@ -206,5 +206,31 @@ def plugins(as_json):
             click.echo(f"          -o {row['kind']}.{name} ({opt['type']}, default {opt['default']!r}): {opt['help']}")
 
 
+@main.command()
+@click.argument("name")
+@click.option("--kind", "-k", type=click.Choice(["backend", "drafter", "acceptor"]),
+              help="Which kind NAME is, when more than one kind has a plugin of that name [all of them].")
+@click.option("-o", "--option", "options", type=(str, str), multiple=True, metavar="KEY VALUE",
+              help="Create the plugin with this option, e.g. `-o max_depth 16`.")
+@friendly_errors
+def check(name, kind, options):
+    """Run the plugin contract suite against plugin NAME and print a report; exit 1 if a check fails."""
+    import tempfile
+
+    from .testing.fixtures import ContractFixtures
+    from .testing.report import find_specs, format_report, run_contract, subject_for
+
+    specs = find_specs(name, kind)
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="outrider-check-") as folder:
+        fixtures = ContractFixtures(folder)
+        for i, spec in enumerate(specs):
+            results = run_contract(subject_for(spec, fixtures, dict(options)))
+            click.echo(("\n" if i else "") + format_report(spec, results))
+            failed = failed or any(r.status == "FAIL" for r in results)
+    if failed:
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     main()

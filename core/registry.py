@@ -35,7 +35,8 @@ BUILTIN_MODULES = (
 CAPABILITY_DEFAULTS = {
     "backend": {},
     "drafter": {"gives_draft_probs": False, "needs": frozenset()},
-    "acceptor": {"lossless": True, "needs_draft_probs": False},
+    # greedy_only: lossless at temperature 0 only (it ignores the temperature)
+    "acceptor": {"lossless": True, "needs_draft_probs": False, "greedy_only": False},
 }
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 

@@ -2,7 +2,7 @@
 
 The lossless tests are statistical: many short generations on a toy target/drafter, the distribution of the
 first emitted token and of the first two emitted tokens compared with plain sampling from warp(p) by a
-chi-square test (survival function computed here, no scipy). The expected distributions are products of
+chi-square test (outrider.testing.stats: survival function computed there, no scipy). The expected distributions are products of
 the warped target tables, computed independently of the acceptors. A deliberately wrong acceptor defined in
 this file shows that the same statistic rejects a broken residual.
 """
@@ -21,6 +21,8 @@ from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.plugins.acceptors.pmin import PMinAcceptor
 from outrider.plugins.acceptors.sampled import SampledAcceptor
 from outrider.sampling import AcceptResult, Acceptor, PositionRandom, SamplingParams, sample_at, warp
+from outrider.testing.stats import chi2_sf, chi2_test
+from outrider.testing.toy import ToyModel
 
 P_THRESHOLD = 1e-4
 
@@ -40,72 +42,6 @@ class Measurement(UserWarning):
 
 
 # ------------------------------------------------------------------------------------------------ chi-square
-
-
-def _lower_gamma_series(a: float, x: float) -> float:
-    term = total = 1.0 / a
-    ap = a
-    for _ in range(10000):
-        ap += 1.0
-        term *= x / ap
-        total += term
-        if abs(term) < abs(total) * 1e-16:
-            break
-    return total * math.exp(-x + a * math.log(x) - math.lgamma(a))
-
-
-def _upper_gamma_cf(a: float, x: float) -> float:
-    tiny = 1e-300
-    b = x + 1.0 - a
-    c = 1.0 / tiny
-    d = 1.0 / b
-    h = d
-    for i in range(1, 10000):
-        an = -i * (i - a)
-        b += 2.0
-        d = an * d + b
-        d = tiny if abs(d) < tiny else d
-        c = b + an / c
-        c = tiny if abs(c) < tiny else c
-        d = 1.0 / d
-        delta = d * c
-        h *= delta
-        if abs(delta - 1.0) < 1e-16:
-            break
-    return math.exp(-x + a * math.log(x) - math.lgamma(a)) * h
-
-
-def chi2_sf(stat: float, df: int) -> float:
-    """P(X >= stat) for X ~ chi-square(df): the regularized upper incomplete gamma Q(df/2, stat/2)."""
-    a, x = df / 2.0, stat / 2.0
-    if x <= 0:
-        return 1.0
-    if x < a + 1.0:
-        return max(0.0, 1.0 - _lower_gamma_series(a, x))
-    return _upper_gamma_cf(a, x)
-
-
-def chi2_test(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int, float, int]:
-    """Pearson chi-square of observed counts against probabilities (cells with expected < 5 pooled).
-
-    Returns (statistic, degrees of freedom, p-value, observations in cells of probability zero).
-    """
-    counts = np.asarray(counts, dtype=np.float64).ravel()
-    probs = np.asarray(probs, dtype=np.float64).ravel()
-    n = counts.sum()
-    forbidden = int(counts[probs <= 0].sum())
-    expected = probs * n
-    big = expected >= 5
-    obs = list(counts[big])
-    exp_ = list(expected[big])
-    small = (~big) & (probs > 0)
-    if small.any():
-        obs.append(counts[small].sum())
-        exp_.append(expected[small].sum())
-    obs_a, exp_a = np.array(obs), np.array(exp_)
-    stat = float(((obs_a - exp_a) ** 2 / exp_a).sum())
-    df = len(obs_a) - 1
-    return stat, df, chi2_sf(stat, df), forbidden
 
 
 def test_chi2_sf_against_closed_forms():
@@ -238,73 +174,10 @@ def test_round_invariants_on_random_rounds(acc, params, with_q):
 
 # ---------------------------------------------------------------------------------------- toy target and drafter
 
-V = 6
-K = 2
-N_POS = 4  # table rows for positions 1..4 (a generation of two tokens needs at most position 4)
-
-
-def _tables(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target logits T[pos-1, prev, :] and draft logits D[pos-1, prev, :] (drafter close to, not equal to, T)."""
-    g = torch.Generator().manual_seed(seed)
-    target = torch.randn(N_POS, V, V, generator=g) * 0.9
-    draft = 0.7 * target + torch.randn(N_POS, V, V, generator=g) * 0.7
-    return target, draft
-
-
-TARGET, DRAFT = _tables(3)
-PREFIX = 0  # the token before position 1
-
-
-def expected_distributions(params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """Plain sampling from the target: first token ~ p(pos 1 | prefix), second ~ p(pos 2 | first)."""
-    p = warp(TARGET, params).double().numpy()
-    first = p[0, PREFIX]
-    joint = first[:, None] * p[1]
-    return first, joint
-
-
-def simulate(acceptor, params: SamplingParams, drafter: str, n_seq: int, seed: int, k: int = K):
-    """n_seq independent generations of (at least) two tokens. drafter: "q" (x ~ q, q given to the acceptor),
-    "argmax" (x = argmax q, no q given), "argmax-soft-q" (x = argmax q but soft q given: the classic bug)."""
-    q_tab = warp(DRAFT, params)
-    cum = torch.cumsum(q_tab.double(), dim=-1).numpy()
-    top = q_tab.argmax(dim=-1).numpy()
-    gen = np.random.default_rng(seed)
-    draft_u = gen.random((n_seq, 2, k))
-    first = np.zeros(V, dtype=np.int64)
-    joint = np.zeros((V, V), dtype=np.int64)
-    rounds = drafted = accepted = 0
-    for s in range(n_seq):
-        rng = PositionRandom(seed * 1_000_003 + s)
-        out: list[int] = []
-        pos, prev, rnd = 1, PREFIX, 0
-        while len(out) < 2:
-            drafts: list[int] = []
-            ctx = prev
-            for j in range(k):
-                if drafter == "q":
-                    c = cum[pos - 1 + j, ctx]
-                    x = min(int(np.searchsorted(c, draft_u[s, rnd, j] * c[-1], side="right")), V - 1)
-                else:
-                    x = int(top[pos - 1 + j, ctx])
-                drafts.append(x)
-                ctx = x
-            rows = [TARGET[pos - 1, prev]] + [TARGET[pos + j, drafts[j]] for j in range(k)]
-            q = None
-            if drafter != "argmax":
-                ctxs = [prev] + drafts[:-1]
-                q = torch.stack([q_tab[pos - 1 + j, ctxs[j]] for j in range(k)])
-            res = acceptor.accept(torch.stack(rows), drafts, q, params, rng, pos)
-            rounds += 1
-            drafted += k
-            accepted += res.accepted
-            out.extend(res.tokens)
-            pos += len(res.tokens)
-            prev = out[-1]
-            rnd += 1
-        first[out[0]] += 1
-        joint[out[0], out[1]] += 1
-    return first, joint, accepted / drafted
+TOY = ToyModel(seed=3)
+TARGET, DRAFT = TOY.target, TOY.draft
+expected_distributions = TOY.expected_distributions
+simulate = TOY.simulate
 
 
 class WrongResidualAcceptor:

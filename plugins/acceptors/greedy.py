@@ -61,6 +61,7 @@ class GreedyAcceptor:
 
     lossless = True
     needs_draft_probs = False
+    greedy_only = True  # lossless at temperature 0 only
 
     def accept(
         self,

@@ -78,7 +78,7 @@ class DraftModelDrafter(DrafterBase):
     def propose(self, tokens: list[int], k: int) -> Draft:
         room = self.cache.max_len - len(tokens)
         k = min(k, room)
-        if k <= 0:
+        if k <= 0 or not tokens:  # nothing to condition on (found by the contract suite: it used to raise)
             return Draft()
         start = self.cache.length
         pending = torch.tensor(tokens[start:], device=self.device)

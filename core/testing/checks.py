@@ -1,0 +1,613 @@
+"""The plugin contract: every check a backend, drafter or acceptor must pass, as plain functions.
+
+A check takes a :class:`Subject` (how to make fresh instances of the plugin under test, its capabilities,
+the shared tiny-model fixtures) and returns normally (pass), raises AssertionError with a readable message
+(fail) or raises :class:`CheckSkipped` when one of the plugin's capabilities makes the check meaningless.
+Two front ends run them: the pytest classes in `outrider.testing.contracts` and `outrider check NAME`
+(`outrider.testing.report`). Expected values come from independent oracles (plain decoding written as
+the obvious loop, analytic distributions of toy tables), never from the code under test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from outrider.drafting import Draft, DraftControls
+from outrider.errors import OutriderError
+from outrider.gguf_file import GGUFFile
+from outrider.runner import Runner
+from outrider.sampling import PositionRandom, SamplingParams, warp
+from outrider.testing.fixtures import ARCHITECTURES, ContractFixtures
+from outrider.testing.stats import chi2_test, tv_distance
+from outrider.testing.toy import ToyModel
+
+KINDS = ("backend", "drafter", "acceptor")
+# A prompt with repeats, so drafters that look things up have something to find.
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=7)
+E2E_TOKENS = 24
+# Per chi-square statistic; four statistics per acceptor, so a correct acceptor is failed with probability
+# below 4e-4 (and, the seeds being fixed, the outcome never changes from run to run).
+P_THRESHOLD = 1e-4
+
+
+class CheckSkipped(Exception):
+    """The check does not apply to this plugin (a capability makes it meaningless, or hardware is missing)."""
+
+
+@dataclass
+class Subject:
+    """The plugin under test: `make()` returns a fresh, unconfigured instance."""
+
+    kind: str
+    name: str
+    make: Callable[[], Any]
+    capabilities: dict[str, Any] = field(default_factory=dict)
+    fixtures: ContractFixtures | None = None
+    memo: dict[Any, Any] = field(default_factory=dict)  # loaded models, shared by the checks of one subject
+
+    def new(self) -> Any:
+        if self.kind == "backend":
+            try:
+                return self.make()
+            except OutriderError as exc:  # a backend for hardware this machine lacks
+                raise CheckSkipped(f"cannot be created on this machine: {exc}") from None
+        return self.make()
+
+    def capability(self, key: str, instance: Any = None, default: Any = None) -> Any:
+        """The instance's attribute wins (the runner asks the instance), then the registered capability."""
+        if instance is not None and hasattr(instance, key):
+            return getattr(instance, key)
+        return self.capabilities.get(key, default)
+
+
+@dataclass(frozen=True)
+class Check:
+    kind: str
+    name: str
+    description: str
+    run: Callable[[Subject], None]
+    gpu: bool = False
+
+
+CHECKS: dict[str, list[Check]] = {kind: [] for kind in KINDS}
+
+
+def _check(kind: str, gpu: bool = False):
+    def register(fn: Callable[[Subject], None]) -> Callable[[Subject], None]:
+        CHECKS[kind].append(Check(kind, fn.__name__, (fn.__doc__ or fn.__name__).strip().splitlines()[0], fn, gpu))
+        return fn
+
+    return register
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    # the toy tensors are tiny: OpenMP hand-offs cost more than they save and stall on a busy machine
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _on_one_thread(fn: Callable[[Subject], None]) -> Callable[[Subject], None]:
+    @functools.wraps(fn)
+    def wrapper(subject: Subject) -> None:
+        with one_torch_thread():
+            fn(subject)
+
+    return wrapper
+
+
+# ------------------------------------------------------------------------------------------------ drafters
+
+
+def _ready_drafter(subject: Subject, params: SamplingParams = GREEDY, prompt: list[int] = PROMPT):
+    drafter = subject.new()
+    drafter.setup(subject.fixtures.target("llama"))
+    drafter.begin(list(prompt), params, DraftControls())
+    return drafter
+
+
+def _vocab(subject: Subject) -> int:
+    return subject.fixtures.target("llama").model.config.vocab_size
+
+
+def _valid_ids(draft: Draft, vocab: int) -> list[int]:
+    ids = []
+    for x in draft.tokens:
+        if not isinstance(x, (int, np.integer)) or not 0 <= int(x) < vocab:
+            break
+        ids.append(int(x))
+    return ids
+
+
+@dataclass
+class Round:
+    tokens: list[int]
+    k: int
+    draft: Draft
+
+    def where(self) -> str:
+        return f"propose(tokens of length {len(self.tokens)} ending {self.tokens[-3:]}, k={self.k})"
+
+
+# k per round; 0 included (the runner never asks for k=0 today, but the protocol allows it)
+ROUND_KS = (1, 4, 8, 0, 2, 6, 3)
+# tokens the simulated target emits after the accepted drafts: keeps the context repetitive
+CONTINUATION = (7, 8, 9, 5, 6)
+
+
+def _session(subject: Subject, params: SamplingParams = GREEDY) -> list[Round]:
+    """Drive a drafter the way the runner does: propose, accept a prefix, roll back, append the target's token."""
+    vocab = _vocab(subject)
+    drafter = _ready_drafter(subject, params)
+    tokens = PROMPT + [7]
+    rounds = []
+    for i, k in enumerate(ROUND_KS):
+        draft = drafter.propose(list(tokens), k)
+        if not isinstance(draft, Draft):
+            raise AssertionError(f"propose must return an outrider.drafting.Draft, got {type(draft).__name__}")
+        rounds.append(Round(list(tokens), k, draft))
+        accepted = _valid_ids(draft, vocab)[: min(k, i % 3)]  # accept 0, 1 or 2 of the drafts
+        drafter.rollback(len(tokens) + len(accepted))
+        tokens += accepted + [CONTINUATION[i % len(CONTINUATION)]]
+    return rounds
+
+
+@_check("drafter")
+def never_more_than_k_tokens(subject: Subject) -> None:
+    """A proposal has at most k tokens (none when k = 0)."""
+    for params in (GREEDY, SAMPLED):
+        for r in _session(subject, params):
+            n = len(r.draft.tokens)
+            assert n <= r.k, f"{r.where()} returned {n} tokens, more than k={r.k}: {list(r.draft.tokens)}"
+
+
+@_check("drafter")
+def ids_inside_the_vocabulary(subject: Subject) -> None:
+    """Every proposed id is a Python/numpy int in [0, vocab_size)."""
+    vocab = _vocab(subject)
+    for params in (GREEDY, SAMPLED):
+        for r in _session(subject, params):
+            bad = [x for x in r.draft.tokens if not isinstance(x, (int, np.integer)) or not 0 <= int(x) < vocab]
+            assert not bad, f"{r.where()} proposed ids outside the vocabulary [0, {vocab}): {bad}"
+
+
+@_check("drafter")
+def probability_rows_sum_to_one(subject: Subject) -> None:
+    """When it gives draft probabilities: one row per token, non-negative, summing to 1, q(x) > 0."""
+    probe = subject.new()
+    if not subject.capability("gives_draft_probs", probe, False):
+        raise CheckSkipped("gives_draft_probs is False: the drafter gives no probabilities")
+    vocab = _vocab(subject)
+    for r in _session(subject, SAMPLED):
+        n, q = len(r.draft.tokens), r.draft.probs
+        if n == 0:
+            continue
+        assert q is not None, f"{r.where()} drafted {n} tokens at temperature {SAMPLED.temperature} but gave no " \
+                              "probabilities, though gives_draft_probs is True"
+        assert q.dim() == 2 and q.shape[0] == n and q.shape[1] <= vocab, \
+            f"{r.where()}: probs must be [{n}, vocab_size={vocab}], got {tuple(q.shape)}"
+        q = q.detach().double().cpu()
+        assert bool(torch.isfinite(q).all()) and bool((q >= 0).all()), f"{r.where()}: negative or non-finite probs"
+        sums = q.sum(-1)
+        assert bool(((sums - 1).abs() < 1e-3).all()), f"{r.where()}: probability rows sum to {sums.tolist()}, not 1"
+        for i, x in enumerate(r.draft.tokens):
+            if 0 <= int(x) < q.shape[1]:
+                assert q[i, int(x)] > 0, f"{r.where()}: token {i} ({x}) has draft probability 0 in its own row"
+
+
+@_check("drafter")
+def same_proposal_for_the_same_state(subject: Subject) -> None:
+    """Two fresh instances driven identically propose the same; a deterministic one repeats itself after rollback."""
+    for params in (GREEDY, SAMPLED):
+        a, b = _session(subject, params), _session(subject, params)
+        for ra, rb in zip(a, b):
+            assert list(ra.draft.tokens) == list(rb.draft.tokens), \
+                f"two fresh instances given the same calls (temperature {params.temperature}, seed {params.seed}) " \
+                f"differ at {ra.where()}: {list(ra.draft.tokens)} vs {list(rb.draft.tokens)}"
+    probe = subject.new()
+    if subject.capability("gives_draft_probs", probe, False):
+        return  # a sampling drafter's repeat draws from the next part of its random stream
+    drafter = _ready_drafter(subject)
+    tokens = PROMPT + [7]
+    for k in (4, 1, 8):
+        first = list(drafter.propose(list(tokens), k).tokens)
+        drafter.rollback(len(tokens) - 1)  # the last token is unseen again: the same state as before
+        again = list(drafter.propose(list(tokens), k).tokens)
+        assert first == again, f"propose(..., k={k}), rollback({len(tokens) - 1}), the same propose again " \
+                               f"gave {first} then {again}"
+        drafter.rollback(len(tokens))
+        tokens.append(CONTINUATION[k % len(CONTINUATION)])
+
+
+@_check("drafter")
+def sane_on_an_empty_or_one_token_context(subject: Subject) -> None:
+    """An empty or one-token prompt/context gives a valid (possibly empty) proposal, not an exception."""
+    vocab = _vocab(subject)
+    for prompt, tokens in (([], []), ([], [9]), ([9], [9]), ([9], [9, 9])):
+        drafter = _ready_drafter(subject, GREEDY, prompt)
+        for k in (1, 4):
+            where = f"begin(prompt={prompt}), propose({tokens}, k={k})"
+            try:
+                draft = drafter.propose(list(tokens), k)
+            except Exception as exc:
+                raise AssertionError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+            assert isinstance(draft, Draft), f"{where} returned {type(draft).__name__}, not a Draft"
+            assert len(draft.tokens) <= k, f"{where} returned {len(draft.tokens)} tokens"
+            assert len(_valid_ids(draft, vocab)) == len(draft.tokens), f"{where} proposed ids out of range"
+            drafter.rollback(max(len(tokens) - 1, 0))  # the same state again for the next k
+
+
+@_check("drafter")
+def consistent_after_rollback(subject: Subject) -> None:
+    """After rejected drafts are rolled back, it proposes what a fresh instance shown only the kept tokens would."""
+    probe = subject.new()
+    if subject.capability("gives_draft_probs", probe, False):
+        raise CheckSkipped("gives_draft_probs is True: a sampling drafter's proposals depend on its random stream")
+    vocab = _vocab(subject)
+    for keep in (0, 1, 3):
+        a = _ready_drafter(subject)
+        tokens = PROMPT + [7]
+        draft = _valid_ids(a.propose(list(tokens), 4), vocab)
+        kept = draft[:keep]
+        # the target's own token after the kept drafts: anything but the next draft, so that one is rejected
+        rejected = draft[len(kept)] if len(draft) > len(kept) else None
+        replacement = next(t for t in (9, 8, 5, 6, 7) if t != rejected)
+        a.rollback(len(tokens) + len(kept))
+        after = tokens + kept + [replacement]
+        got = list(a.propose(list(after), 4).tokens)
+        b = _ready_drafter(subject)
+        want = list(b.propose(list(after), 4).tokens)
+        assert got == want, f"after proposing {draft}, keeping {kept} and rolling back to {len(tokens) + len(kept)}, " \
+                            f"it proposed {got}; a fresh instance shown only the kept tokens proposes {want}"
+
+
+class _Greedy:
+    """The argmax-chain acceptor, written out here so a drafter's check does not depend on a built-in acceptor."""
+
+    lossless, needs_draft_probs = True, False
+
+    def accept(self, target_logits, draft_tokens, draft_probs, params, rng, position):
+        from outrider.sampling import AcceptResult
+
+        top = [int(t) for t in target_logits.argmax(-1)]
+        n = 0
+        while n < len(draft_tokens) and draft_tokens[n] == top[n]:
+            n += 1
+        return AcceptResult(list(draft_tokens[:n]) + [top[n]], n)
+
+
+def _run(target, drafter, acceptor, params: SamplingParams, n: int = E2E_TOKENS, draft_max: int | str = 4,
+         prompt: list[int] = PROMPT) -> tuple[list[int], Any]:
+    drafter.setup(target)
+    runner = Runner(target, drafter, acceptor, draft_max=draft_max, context=256)
+    return list(runner.generate(list(prompt), n, params)), runner.stats
+
+
+@_check("drafter")
+def greedy_output_equals_plain_decoding(subject: Subject) -> None:
+    """End to end with greedy acceptance, the output is identical to plain greedy decoding."""
+    fx = subject.fixtures
+    want = fx.plain_greedy("llama", PROMPT, E2E_TOKENS)
+    for draft_max in (4, 8):
+        got, stats = _run(fx.target("llama"), subject.new(), _Greedy(), GREEDY, draft_max=draft_max)
+        assert got == want, f"draft_max {draft_max}: speculative output {got} differs from plain greedy {want} " \
+                            f"(first difference at token {_first_difference(got, want)})"
+
+
+@_check("drafter")
+def seeded_sampling_equals_plain_sampling(subject: Subject) -> None:
+    """End to end with the sampled acceptor and a seed, a deterministic drafter reproduces plain sampling exactly."""
+    from outrider.plugins.acceptors.sampled import SampledAcceptor
+
+    fx = subject.fixtures
+    drafter = subject.new()
+    got, _ = _run(fx.target("llama"), drafter, SampledAcceptor(), SAMPLED)
+    vocab = _vocab(subject)
+    assert len(got) == E2E_TOKENS and all(0 <= t < vocab for t in got), f"bad output {got}"
+    if subject.capability("gives_draft_probs", drafter, False):
+        raise CheckSkipped("gives_draft_probs is True: a sampling drafter preserves the distribution, not the tokens")
+    want = fx.plain_sampled("llama", PROMPT, E2E_TOKENS, SAMPLED)
+    assert got == want, f"seed {SAMPLED.seed}: speculative output {got} differs from plain sampling {want} " \
+                        f"(first difference at token {_first_difference(got, want)})"
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# ------------------------------------------------------------------------------------------------ acceptors
+
+
+class AdversarialDrafter:
+    """Random ids, out-of-range ids, more tokens than asked; with `probs`, garbage-shaped probability rows too."""
+
+    needs = frozenset()
+
+    def __init__(self, vocab_size: int, seed: int = 0, probs: bool = False):
+        self.vocab_size, self.random, self.gives_draft_probs = vocab_size, random.Random(seed), probs
+
+    def setup(self, target) -> None:
+        pass
+
+    def begin(self, prompt, params, controls) -> None:
+        self.params = params
+
+    def rollback(self, length: int) -> None:
+        pass
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        choices = lambda: [self.random.randrange(self.vocab_size), -1, self.vocab_size + 5, tokens[-1]]  # noqa: E731
+        ids = [self.random.choice(choices()) for _ in range(k + 3)]
+        if not self.gives_draft_probs:
+            return Draft(ids)
+        gen = torch.Generator().manual_seed(self.random.randrange(2**31))
+        q = warp(torch.randn(len(ids), self.vocab_size, generator=gen) * 3, self.params)
+        return Draft(ids, q)
+
+
+def _acceptor_caps(subject: Subject, acceptor: Any) -> tuple[bool, bool, bool]:
+    return (bool(subject.capability("lossless", acceptor, True)),
+            bool(subject.capability("needs_draft_probs", acceptor, False)),
+            bool(subject.capability("greedy_only", acceptor, False)))
+
+
+def _result_shape_problem(res: Any, drafts: list[int], vocab: int) -> str | None:
+    k = len(drafts)
+    if not hasattr(res, "tokens") or not hasattr(res, "accepted"):
+        return f"returned {type(res).__name__}, not an AcceptResult"
+    tokens, accepted = list(res.tokens), res.accepted
+    if not (isinstance(accepted, int) and 1 <= len(tokens) == accepted + 1 <= k + 1):
+        return f"emitted {len(tokens)} tokens with accepted={accepted!r} for k={k}; need 1 <= emitted = accepted + 1 <= k + 1"
+    if tokens[:accepted] != list(drafts[:accepted]):
+        return f"the first accepted={accepted} emitted tokens {tokens[:accepted]} are not the drafts {drafts[:accepted]}"
+    bad = [t for t in tokens if type(t) is not int or not 0 <= t < vocab]
+    if bad:
+        return f"emitted {bad}: not Python ints in [0, {vocab})"
+    return None
+
+
+def _random_rounds(seed: int, n: int, vocab: int, params: SamplingParams, with_q: bool):
+    """(logits [k+1, V], drafts with some out-of-range ids, q or None, position) for random rounds."""
+    g = np.random.default_rng(seed)
+    tg = torch.Generator().manual_seed(seed)
+    for r in range(n):
+        k = int(g.integers(0, 6))
+        logits = torch.randn(k + 1, vocab, generator=tg) * 2
+        drafts = [int(v) for v in g.integers(-1, vocab + 1, size=k)]
+        q = warp(torch.randn(k, vocab, generator=tg), params) if with_q else None
+        yield logits, drafts, q, 3 * r + 1
+
+
+@_check("acceptor")
+@_on_one_thread
+def greedy_is_the_argmax_chain(subject: Subject) -> None:
+    """At temperature 0: drafts kept while they equal the target's argmax, then the argmax (bonus if all kept)."""
+    acceptor = subject.new()
+    lossless, needs_q, _ = _acceptor_caps(subject, acceptor)
+    g = np.random.default_rng(1)
+    tg = torch.Generator().manual_seed(1)
+    vocab = 7
+    for r in range(120):
+        k = int(g.integers(0, 6))
+        logits = torch.randn(k + 1, vocab, generator=tg) * 2
+        top = [int(t) for t in logits.argmax(-1)]  # the oracle: the argmax chain
+        # a lossy acceptor may keep a probable non-argmax draft, so it only gets drafts that are the chain
+        mismatch = int(g.integers(0, k + 1)) if lossless else k
+        drafts = top[:k]
+        if mismatch < k:
+            drafts[mismatch] = (top[mismatch] + 1 + int(g.integers(0, vocab - 1))) % vocab
+        with_q = needs_q or r % 2 == 1
+        q = warp(torch.randn(k, vocab, generator=tg), SamplingParams(1.0)) if with_q else None
+        res = acceptor.accept(logits, drafts, q, GREEDY, PositionRandom(r), 10)
+        want = top[:mismatch] + [top[mismatch]]
+        assert (list(res.tokens), res.accepted) == (want, mismatch), \
+            f"temperature 0, target argmax chain {top}, drafts {drafts}{' with q' if with_q else ''}: emitted " \
+            f"{list(res.tokens)} (accepted {res.accepted}); the argmax chain gives {want} (accepted {mismatch})"
+
+
+@_check("acceptor")
+@_on_one_thread
+def emitted_is_accepted_plus_one(subject: Subject) -> None:
+    """1 <= emitted = accepted + 1 <= k + 1, kept tokens are the drafts, ids in range; lossless: p(token) > 0."""
+    acceptor = subject.new()
+    lossless, needs_q, _ = _acceptor_caps(subject, acceptor)
+    vocab = 7
+    for params in (GREEDY, SamplingParams(0.8), SamplingParams(0.7, top_k=3, top_p=0.8)):
+        for with_q in ((True,) if needs_q else (False, True)):
+            rng = PositionRandom(11)
+            for logits, drafts, q, pos in _random_rounds(5, 80, vocab, params, with_q):
+                res = acceptor.accept(logits, drafts, q, params, rng, pos)
+                where = f"temperature {params.temperature}, drafts {drafts}{' with q' if with_q else ''}"
+                problem = _result_shape_problem(res, drafts, vocab)
+                assert problem is None, f"{where}: {problem}"
+                if lossless and not params.greedy and not subject.capability("greedy_only", acceptor, False):
+                    p = warp(logits, params)
+                    zero = [(i, t) for i, t in enumerate(res.tokens) if not p[i, t] > 0]
+                    assert not zero, f"{where}: emitted tokens the target's warped distribution forbids: {zero}"
+
+
+@_check("acceptor")
+@_on_one_thread
+def lossless_in_distribution(subject: Subject) -> None:
+    """Statistical: the emitted tokens are distributed as plain sampling from the target (chi-square, toy tables)."""
+    acceptor = subject.new()
+    lossless, needs_q, greedy_only = _acceptor_caps(subject, acceptor)
+    if not lossless:
+        raise CheckSkipped("lossless is False: the acceptor does not claim to preserve the target's distribution")
+    if greedy_only:
+        raise CheckSkipped("greedy_only is True: lossless at temperature 0 only, which greedy_is_the_argmax_chain checks")
+    toy = ToyModel(seed=3)
+    # top-k and top-p leave three tokens in play: a wrong residual moves a lot of mass between them
+    params = SamplingParams(0.7, top_k=3, top_p=0.8)
+    want_first, want_joint = toy.expected_distributions(params)
+    modes = (("q", 6000),) if needs_q else (("q", 6000), ("argmax", 5000))
+    for mode, n in modes:
+        first, joint, rate = toy.simulate(subject.new(), params, mode, n, seed=101)
+        for label, counts, want in (("first token", first, want_first), ("first two tokens", joint, want_joint)):
+            stat, df, pval, forbidden = chi2_test(counts, want)
+            drafter = "a sampling drafter (q given)" if mode == "q" else "a deterministic drafter (no q)"
+            detail = (f"with {drafter}, over {n} seeded generations the distribution of the {label} differs from "
+                      f"plain sampling from the target: chi2={stat:.1f} df={df} p={pval:.2g} (threshold "
+                      f"{P_THRESHOLD}), TV distance {tv_distance(counts, want):.3f}, acceptance rate {rate:.2f}")
+            assert forbidden == 0, f"{detail}; {forbidden} tokens the target forbids were emitted"
+            assert pval > P_THRESHOLD, detail
+
+
+@_check("acceptor")
+@_on_one_thread
+def seeded_determinism(subject: Subject) -> None:
+    """The same seed gives the same result, on a fresh instance as on a reused one."""
+    reused = subject.new()
+    _, needs_q, _ = _acceptor_caps(subject, reused)
+    vocab = 7
+    params = SamplingParams(0.9, top_k=5)
+    for with_q in ((True,) if needs_q else (False, True)):
+        rounds = list(_random_rounds(8, 60, vocab, params, with_q))
+        runs = []
+        for acceptor in (reused, reused, subject.new()):
+            rng = PositionRandom(123)
+            runs.append([(list(r.tokens), r.accepted) for r in (acceptor.accept(*rd[:3], params, rng, rd[3])
+                                                                for rd in rounds)])
+        for i, (a, b, c) in enumerate(zip(*runs)):
+            assert a == b == c, f"round {i} (seed 123, drafts {rounds[i][1]}{' with q' if with_q else ''}) gave " \
+                                f"{a}, then {b}, then on a fresh instance {c}"
+
+
+@_check("acceptor")
+def adversarial_drafter_cannot_change_the_output(subject: Subject) -> None:
+    """A drafter proposing random, out-of-range and too many ids neither crashes the runner nor changes the output."""
+    fx = subject.fixtures
+    acceptor = subject.new()
+    lossless, needs_q, greedy_only = _acceptor_caps(subject, acceptor)
+    target = fx.target("llama")
+    vocab = target.model.config.vocab_size
+    for params in (GREEDY, SAMPLED):
+        got, _ = _run(target, AdversarialDrafter(vocab, seed=3, probs=needs_q), subject.new(), params)
+        where = f"temperature {params.temperature}, seed {params.seed}"
+        assert len(got) == E2E_TOKENS and all(type(t) is int and 0 <= t < vocab for t in got), \
+            f"{where}: the output {got} is not {E2E_TOKENS} ids in [0, {vocab})"
+        if not lossless:
+            continue  # a lossy acceptor may be moved by its drafter; surviving it is all that is asked
+        if params.greedy:
+            want = fx.plain_greedy("llama", PROMPT, E2E_TOKENS)
+        elif needs_q or greedy_only:
+            continue  # with q the same seed only preserves the distribution (lossless_in_distribution checks it)
+        else:
+            # the PositionRandom convention: with a deterministic drafter, token i is drawn with rng.uniform(i)
+            want = fx.plain_sampled("llama", PROMPT, E2E_TOKENS, params)
+        assert got == want, f"{where}: with the adversarial drafter the output {got} differs from plain decoding " \
+                            f"{want} (first difference at token {_first_difference(got, want)})"
+
+
+# ------------------------------------------------------------------------------------------------ backends
+
+
+def _tolerance(backend: Any, reference: torch.Tensor) -> float:
+    scale = max(1.0, float(reference.abs().max()))
+    dtype = getattr(backend, "dtype", torch.float32)
+    return (1e-3 if dtype == torch.float32 else 5e-2) * scale
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, atol: float, what: str) -> None:
+    got, want = got.float().cpu(), want.float().cpu()
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    diff = float((got - want).abs().max()) if got.numel() else 0.0
+    assert diff <= atol, f"{what}: max abs difference {diff:.3g} > tolerance {atol:.3g}"
+
+
+def _models(subject: Subject):
+    if "backend" not in subject.memo:
+        subject.memo["backend"] = subject.new()
+    backend = subject.memo["backend"]
+    for arch in ARCHITECTURES:
+        if arch not in subject.memo:
+            subject.memo[arch] = backend.load_model(GGUFFile(subject.fixtures.model_path(arch)))
+        model = subject.memo[arch]
+        yield arch, backend, model, getattr(model, "device", torch.device("cpu"))
+
+
+def _ids(n: int, vocab: int, seed: int, device) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+@_check("backend")
+def k_token_forward_equals_k_single_forwards(subject: Subject) -> None:
+    """A forward over k tokens gives the logits of k one-token forwards (the verify pass is exact)."""
+    for arch, backend, model, device in _models(subject):
+        vocab = model.config.vocab_size
+        for k in (1, 4, 7):
+            # a prefix of 5 puts the block across the tiny gemma3's 8-token sliding-window boundary
+            prefix, block = _ids(5, vocab, k, device), _ids(k, vocab, 100 + k, device)
+            cache_a, cache_b = model.new_cache(64), model.new_cache(64)
+            model.forward(prefix, 0, cache_a)
+            model.forward(prefix, 0, cache_b)
+            batched = model.forward(block, 5, cache_a)
+            single = torch.cat([model.forward(block[i:i + 1], 5 + i, cache_b) for i in range(k)])
+            assert tuple(batched.shape) == (k, vocab), f"{arch}: logits of a {k}-token forward have shape " \
+                                                       f"{tuple(batched.shape)}, not ({k}, {vocab})"
+            _close(batched, single, _tolerance(backend, single), f"{arch}, k={k}: {k}-token forward vs {k} single forwards")
+
+
+@_check("backend")
+def truncate_then_replay_equals_a_fresh_run(subject: Subject) -> None:
+    """After cache.truncate(n), forwarding other tokens at n gives what a fresh cache gives."""
+    for arch, backend, model, device in _models(subject):
+        vocab = model.config.vocab_size
+        prefix, rejected, replacement = (_ids(n, vocab, 3 + n, device) for n in (6, 7, 5))
+        cache = model.new_cache(64)
+        model.forward(prefix, 0, cache)
+        model.forward(rejected, 6, cache)
+        assert cache.length == 13, f"{arch}: cache.length is {cache.length} after 13 tokens"
+        cache.truncate(6)
+        assert cache.length == 6, f"{arch}: cache.length is {cache.length} after truncate(6)"
+        replayed = model.forward(replacement, 6, cache)
+        fresh = model.forward(torch.cat([prefix, replacement]), 0, model.new_cache(64))[6:]
+        _close(replayed, fresh, _tolerance(backend, fresh), f"{arch}: truncate-then-replay vs a fresh run")
+
+
+@_check("backend")
+def hidden_states_have_the_declared_shape(subject: Subject) -> None:
+    """forward(..., hidden=True) returns (logits [T, V], hidden [T, config.hidden_size]); the logits are unchanged."""
+    for arch, backend, model, device in _models(subject):
+        tokens = _ids(6, model.config.vocab_size, 9, device)
+        out = model.forward(tokens, 0, model.new_cache(16), hidden=True)
+        assert isinstance(out, tuple) and len(out) == 2, f"{arch}: forward(hidden=True) must return (logits, hidden)"
+        logits, hidden = out
+        want = (6, model.config.hidden_size)
+        assert tuple(hidden.shape) == want, f"{arch}: hidden states have shape {tuple(hidden.shape)}, declared {want}"
+        plain = model.forward(tokens, 0, model.new_cache(16))
+        _close(logits, plain, _tolerance(backend, plain), f"{arch}: logits with hidden=True vs without")
+
+
+@_check("backend", gpu=True)
+def matches_the_cpu_reference(subject: Subject) -> None:
+    """An accelerator backend's logits match the float32 CPU backend within its dtype's tolerance."""
+    backend = subject.new()
+    device = torch.device(getattr(backend, "device", "cpu"))
+    if device.type == "cpu":
+        raise CheckSkipped("the backend runs on the CPU: it is the reference")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CheckSkipped("no CUDA device on this machine")
+    from outrider.plugins.backends.cpu import CPUBackend
+
+    reference_backend = CPUBackend()
+    for arch in ARCHITECTURES:
+        gguf = GGUFFile(subject.fixtures.model_path(arch))
+        model, reference = backend.load_model(gguf), reference_backend.load_model(gguf)
+        tokens = _ids(12, reference.config.vocab_size, 4, "cpu")
+        want = reference.forward(tokens, 0, reference.new_cache(16))
+        got = model.forward(tokens.to(getattr(model, "device", device)), 0, model.new_cache(16))
+        _close(got, want, _tolerance(backend, want), f"{arch}: {device} vs the float32 CPU reference")

@@ -1,0 +1,89 @@
+"""What the contract checks run on: tiny random-weight GGUF models written on the fly, loaded once, and the
+independent oracles (plain decoding written as the obvious loop) their outputs are compared with."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from outrider.drafting import Target
+from outrider.gguf_file import GGUFFile
+from outrider.sampling import PositionRandom, SamplingParams, sample_at, warp
+from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama
+from outrider.tokenizer import Tokenizer
+
+ARCHITECTURES = ("llama", "gemma3")
+
+
+def plain_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    """Plain greedy decoding: a fresh full forward per token, no cache reuse, no drafter."""
+    device = getattr(model, "device", torch.device("cpu"))
+    tokens = list(prompt)
+    for _ in range(n):
+        logits = model.forward(torch.tensor(tokens, device=device), 0, model.new_cache(len(tokens)))[-1]
+        tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):]
+
+
+def plain_sampled(model: Any, prompt: list[int], n: int, params: SamplingParams) -> list[int]:
+    """Plain sampling: token at position i is sample_at(warp(p_i), rng.uniform(i)) (the PositionRandom rule)."""
+    device = getattr(model, "device", torch.device("cpu"))
+    rng = PositionRandom(params.seed)
+    tokens = list(prompt)
+    for _ in range(n):
+        logits = model.forward(torch.tensor(tokens, device=device), 0, model.new_cache(len(tokens)))[-1]
+        tokens.append(sample_at(warp(logits.float().cpu(), params), rng.uniform(len(tokens))))
+    return tokens[len(prompt):]
+
+
+class ContractFixtures:
+    """Tiny models in `folder`, written on first use and loaded once on the CPU backend (float32)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._targets: dict[str, Target] = {}
+        self._oracles: dict[tuple, list[int]] = {}
+
+    @functools.cached_property
+    def tiny_llama_path(self) -> Path:
+        return write_tiny_llama(self.folder / "tiny-llama.gguf", seed=0)
+
+    @functools.cached_property
+    def tiny_draft_llama_path(self) -> Path:
+        """A smaller llama with the tiny llama's vocabulary: the draft model for drafters that need one."""
+        return write_tiny_llama(self.folder / "tiny-llama-draft.gguf", seed=1, n_layers=1)
+
+    @functools.cached_property
+    def tiny_gemma3_path(self) -> Path:
+        return write_tiny_gemma3(self.folder / "tiny-gemma3.gguf", seed=0)
+
+    def model_path(self, arch: str) -> Path:
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"no tiny model for architecture {arch!r}; have {ARCHITECTURES}")
+        return self.tiny_llama_path if arch == "llama" else self.tiny_gemma3_path
+
+    def target(self, arch: str = "llama") -> Target:
+        if arch not in self._targets:
+            from outrider.plugins.backends.cpu import CPUBackend
+
+            gguf = GGUFFile(self.model_path(arch))
+            backend = CPUBackend()
+            self._targets[arch] = Target(model=backend.load_model(gguf), tokenizer=Tokenizer.from_gguf(gguf),
+                                         gguf=gguf, backend=backend)
+        return self._targets[arch]
+
+    def plain_greedy(self, arch: str, prompt: list[int], n: int) -> list[int]:
+        key = ("greedy", arch, tuple(prompt), n)
+        if key not in self._oracles:
+            self._oracles[key] = plain_greedy(self.target(arch).model, prompt, n)
+        return self._oracles[key]
+
+    def plain_sampled(self, arch: str, prompt: list[int], n: int, params: SamplingParams) -> list[int]:
+        key = ("sampled", arch, tuple(prompt), n, params)
+        if key not in self._oracles:
+            self._oracles[key] = plain_sampled(self.target(arch).model, prompt, n, params)
+        return self._oracles[key]

@@ -1,0 +1,89 @@
+"""Running the contract checks outside pytest (`outrider check NAME`): subjects built from the registry,
+one result per check, and the readable report."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from outrider import registry as registry_module
+from outrider.registry import PluginSpec, Registry
+from outrider.testing.checks import CHECKS, Check, CheckSkipped, Subject
+from outrider.testing.fixtures import ContractFixtures
+
+
+@dataclass
+class CheckResult:
+    check: Check
+    status: str  # "PASS", "FAIL" or "SKIP"
+    message: str = ""
+    seconds: float = 0.0
+
+
+def subject_for(spec: PluginSpec, fixtures: ContractFixtures, options: dict[str, Any] | None = None) -> Subject:
+    """A subject that creates `spec`'s plugin with `options`; a drafter that needs a draft model gets the tiny one."""
+    settings = dict(options or {})
+    if spec.kind == "drafter" and "draft_model" in spec.capabilities.get("needs", ()) and "model" in spec.options:
+        settings.setdefault("model", str(fixtures.tiny_draft_llama_path))
+    spec.resolve_options(settings)  # an unknown or ill-typed option is the user's error, reported up front
+    return Subject(spec.kind, spec.name, lambda: spec.create(settings), dict(spec.capabilities), fixtures)
+
+
+def run_check(check: Check, subject: Subject) -> CheckResult:
+    start = time.perf_counter()
+    try:
+        check.run(subject)
+    except CheckSkipped as exc:
+        return CheckResult(check, "SKIP", str(exc), time.perf_counter() - start)
+    except AssertionError as exc:
+        return CheckResult(check, "FAIL", str(exc) or "assertion failed", time.perf_counter() - start)
+    except Exception as exc:  # a crash inside the plugin is a failure of the contract, reported with its origin
+        origin = traceback.extract_tb(exc.__traceback__)[-1]
+        message = f"raised {type(exc).__name__}: {exc} (at {origin.filename}:{origin.lineno})"
+        return CheckResult(check, "FAIL", message, time.perf_counter() - start)
+    return CheckResult(check, "PASS", "", time.perf_counter() - start)
+
+
+def run_contract(subject: Subject) -> list[CheckResult]:
+    return [run_check(check, subject) for check in CHECKS[subject.kind]]
+
+
+def find_specs(name: str, kind: str | None = None, registry: Registry | None = None) -> list[PluginSpec]:
+    """The plugins called `name` (or an alias of it), of `kind` or of every kind; ConfigError if none."""
+    registry = registry or registry_module.default_registry()
+    kinds = [kind] if kind else list(CHECKS)
+    specs = []
+    for k in kinds:
+        try:
+            specs.append(registry.get(k, name))
+        except Exception:
+            continue
+    if not specs:
+        from outrider.errors import ConfigError
+
+        installed = "; ".join(f"{k}s: {', '.join(sorted(registry.plugins[k]))}" for k in kinds)
+        what = f"{kind} " if kind else "plugin "
+        raise ConfigError(f"unknown {what}'{name}'; installed {installed}")
+    return specs
+
+
+def format_report(spec: PluginSpec, results: list[CheckResult]) -> str:
+    lines = [f"{spec.label} from {spec.package}"]
+    width = max(len(r.check.name) for r in results) if results else 0
+    for r in results:
+        head = f"  {r.status}  {r.check.name:{width}}  {r.seconds:6.2f}s"
+        if r.status == "PASS":
+            lines.append(head)
+        elif r.status == "SKIP":
+            lines.append(f"{head}  ({r.message})")
+        else:
+            lines.append(head)
+            lines.extend(f"        {line}" for line in r.message.splitlines())
+            lines.append(f"        the contract: {r.check.description}")
+    counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
+    total = sum(r.seconds for r in results)
+    lines.append(f"{len(results)} checks: {counts['PASS']} passed, {counts['FAIL']} failed, "
+                 f"{counts['SKIP']} skipped ({total:.1f}s)")
+    return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""Small seeded toy distributions for the acceptor tests: a target and a drafter given as logit tables
+indexed by (position, previous token), and a simulator of speculative rounds on them.
+
+The expected distribution of the emitted tokens is computed analytically from the warped target tables
+(plain sampling: first token ~ p(pos 1 | prefix), second ~ p(pos 2 | first)), never by an acceptor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from outrider.sampling import PositionRandom, SamplingParams, warp
+
+V = 6  # toy vocabulary
+K = 2  # drafted tokens per round
+N_POS = 4  # table rows for positions 1..4 (a generation of two tokens needs at most position 4)
+PREFIX = 0  # the token before position 1
+DRAFTER_MODES = ("q", "argmax", "argmax-soft-q")
+
+
+class ToyModel:
+    """Target logits T[pos-1, prev, :] and draft logits D[pos-1, prev, :] (drafter close to, not equal to, T)."""
+
+    def __init__(self, seed: int = 3) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.target = torch.randn(N_POS, V, V, generator=g) * 0.9
+        self.draft = 0.7 * self.target + torch.randn(N_POS, V, V, generator=g) * 0.7
+
+    def expected_distributions(self, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+        """Plain sampling from the target: (P(first token), P(first, second))."""
+        p = warp(self.target, params).double().numpy()
+        first = p[0, PREFIX]
+        return first, first[:, None] * p[1]
+
+    def simulate(self, acceptor, params: SamplingParams, drafter: str, n_seq: int, seed: int, k: int = K):
+        """n_seq independent generations of (at least) two tokens; returns (first counts, joint counts, rate).
+
+        drafter: "q" (x ~ q, q given to the acceptor), "argmax" (x = argmax q, no q given), "argmax-soft-q"
+        (x = argmax q but the soft q given: the classic bug, which a correct acceptor cannot undo).
+        """
+        if drafter not in DRAFTER_MODES:
+            raise ValueError(f"drafter must be one of {DRAFTER_MODES}, got {drafter!r}")
+        q_tab = warp(self.draft, params)
+        cum = torch.cumsum(q_tab.double(), dim=-1).numpy()
+        top = q_tab.argmax(dim=-1).numpy()
+        gen = np.random.default_rng(seed)
+        draft_u = gen.random((n_seq, 2, k))
+        first = np.zeros(V, dtype=np.int64)
+        joint = np.zeros((V, V), dtype=np.int64)
+        drafted = accepted = 0
+        for s in range(n_seq):
+            rng = PositionRandom(seed * 1_000_003 + s)
+            out: list[int] = []
+            pos, prev, rnd = 1, PREFIX, 0
+            while len(out) < 2:
+                drafts: list[int] = []
+                ctx = prev
+                for j in range(k):
+                    if drafter == "q":
+                        c = cum[pos - 1 + j, ctx]
+                        x = min(int(np.searchsorted(c, draft_u[s, rnd, j] * c[-1], side="right")), V - 1)
+                    else:
+                        x = int(top[pos - 1 + j, ctx])
+                    drafts.append(x)
+                    ctx = x
+                rows = [self.target[pos - 1, prev]] + [self.target[pos + j, drafts[j]] for j in range(k)]
+                q = None
+                if drafter != "argmax":
+                    ctxs = [prev] + drafts[:-1]
+                    q = torch.stack([q_tab[pos - 1 + j, ctxs[j]] for j in range(k)])
+                res = acceptor.accept(torch.stack(rows), drafts, q, params, rng, pos)
+                drafted += k
+                accepted += res.accepted
+                out.extend(res.tokens)
+                pos += len(res.tokens)
+                prev = out[-1]
+                rnd += 1
+            first[out[0]] += 1
+            joint[out[0], out[1]] += 1
+        return first, joint, accepted / drafted

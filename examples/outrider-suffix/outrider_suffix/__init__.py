@@ -1,0 +1,18 @@
+"""outrider-suffix: the `suffix` drafter, registered through the `outrider` entry-point group."""
+
+from __future__ import annotations
+
+from outrider.hookspecs import hookimpl
+
+from .drafter import SuffixDrafter
+
+__all__ = ["SuffixDrafter", "register_drafters"]
+
+
+@hookimpl
+def register_drafters(register):
+    register("suffix", SuffixDrafter, aliases=("suffix-cache",), options={
+        "max_depth": (int, 8, "longest suffix matched (tokens); longer matches are tried first"),
+        "min_match": (int, 2, "shortest suffix that may match; 1 drafts more often but more wrongly"),
+        "max_history_tokens": (int, 1_000_000, "tokens of earlier requests remembered; oldest dropped first"),
+    })

@@ -1,0 +1,168 @@
+"""The contract suite fails deliberately broken plugins, with messages that say what is wrong.
+
+Fixtures: drafters each broken in one way (too many tokens, out-of-range ids, a different proposal on
+every call, ignoring rollback) and acceptors that claim `lossless = True` but are not (a Leviathan rule
+that resamples from p instead of the residual; p-min). They are caught by the check functions, through
+the pytest contract classes (pytester) and through `outrider check`.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from outrider.drafting import Draft, DrafterBase
+from outrider.hookspecs import hookimpl
+from outrider.plugins.acceptors.pmin import PMinAcceptor
+from outrider.registry import build_registry
+from outrider.sampling import AcceptResult, sample_at, warp
+from outrider.testing.checks import Subject
+from outrider.testing.report import run_contract
+
+pytest_plugins = ("pytester",)
+
+
+class BrokenDrafter(DrafterBase):
+    """Proposes the context's continuation 5, 6, 7, ... but with one deliberate flaw."""
+
+    FLAWS = ("too-many", "out-of-range", "nondeterministic", "ignores-rollback")
+
+    def __init__(self, flaw: str = "too-many"):
+        self.flaw, self.calls, self.seen = flaw, 0, []
+
+    def propose(self, tokens, k):
+        self.calls += 1
+        ids = [(tokens[-1] + 1 + i) % 200 for i in range(k)]
+        if self.flaw == "too-many":
+            ids += [1, 2]
+        elif self.flaw == "out-of-range" and ids:
+            ids[-1] = 100_000
+        elif self.flaw == "nondeterministic":
+            ids = [(t + self.calls) % 200 for t in ids]
+        elif self.flaw == "ignores-rollback":
+            self.seen += ids  # treats its own drafts as accepted context, whatever rollback says
+            ids = [(t + len(self.seen)) % 200 for t in ids]
+        return Draft(ids)
+
+
+class WrongResidualAcceptor:
+    """Leviathan acceptance, but at a rejection it resamples from p instead of norm(max(0, p - q))."""
+
+    lossless = True
+    needs_draft_probs = False
+
+    def accept(self, target_logits, draft_tokens, draft_probs, params, rng, position):
+        p = warp(target_logits, params)
+        k = len(draft_tokens)
+        q = draft_probs if draft_probs is not None else torch.zeros(k, p.shape[-1])
+        for i, x in enumerate(draft_tokens):
+            valid = 0 <= x < p.shape[-1]
+            qx = float(q[i, x]) if valid and draft_probs is not None else 1.0
+            if not (valid and rng.uniform_aux(position + i) * qx <= float(p[i, x])):
+                return AcceptResult(list(draft_tokens[:i]) + [sample_at(p[i], rng.uniform(position + i))], i)
+        return AcceptResult(list(draft_tokens) + [sample_at(p[k], rng.uniform(position + k))], k)
+
+
+class LosslessClaimingPMin(PMinAcceptor):
+    lossless = True  # false: p-min keeps any draft the target gives >= p_min
+
+
+def _results(kind, make, fixtures):
+    return {r.check.name: r for r in run_contract(Subject(kind, "broken", make, {}, fixtures))}
+
+
+@pytest.mark.parametrize("flaw,check,fragment", [
+    ("too-many", "never_more_than_k_tokens", "returned 3 tokens, more than k=1"),
+    ("out-of-range", "ids_inside_the_vocabulary", "outside the vocabulary [0, 265): [100000]"),
+    ("nondeterministic", "same_proposal_for_the_same_state", "the same propose again gave"),
+    ("ignores-rollback", "consistent_after_rollback", "a fresh instance shown only the kept tokens"),
+])
+def test_broken_drafter_is_caught_with_a_readable_message(outrider_contract_fixtures, flaw, check, fragment):
+    results = _results("drafter", lambda: BrokenDrafter(flaw), outrider_contract_fixtures)
+    assert results[check].status == "FAIL", results[check]
+    assert fragment in results[check].message, results[check].message
+    # the runner's guard keeps even a broken drafter from changing greedy output
+    assert results["greedy_output_equals_plain_decoding"].status == "PASS"
+
+
+@pytest.mark.parametrize("make", [WrongResidualAcceptor, LosslessClaimingPMin])
+def test_lossy_acceptor_claiming_lossless_is_caught(outrider_contract_fixtures, make):
+    from outrider.testing.checks import lossless_in_distribution
+
+    with pytest.raises(AssertionError, match=r"differs from plain sampling from the target: chi2=.* p="):
+        lossless_in_distribution(Subject("acceptor", make.__name__, make, {}, outrider_contract_fixtures))
+
+
+def test_pmin_claiming_lossless_breaks_the_argmax_chain(outrider_contract_fixtures):
+    from outrider.testing.checks import greedy_is_the_argmax_chain
+
+    with pytest.raises(AssertionError, match="the argmax chain gives"):
+        greedy_is_the_argmax_chain(Subject("acceptor", "p-min", LosslessClaimingPMin, {}, outrider_contract_fixtures))
+
+
+def test_contract_class_reports_the_failure_through_pytest(pytester):
+    pytester.makepyfile(test_broken_plugin='''
+        from outrider.drafting import Draft, DrafterBase
+        from outrider.testing.contracts import DrafterContract
+
+        class TooMany(DrafterBase):
+            def propose(self, tokens, k):
+                return Draft([5] * (k + 2))
+
+        class TestTooMany(DrafterContract):
+            def make_drafter(self):
+                return TooMany()
+    ''')
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-k", "never_more or ids_inside or probability")
+    result.assert_outcomes(passed=1, failed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*TestTooMany.test_never_more_than_k_tokens*", "*returned 3 tokens, more than k=1*"])
+
+
+@pytest.fixture
+def registry_with_broken_plugins(monkeypatch):
+    module = types.ModuleType("broken_plugins")
+    module.register_drafters = hookimpl(lambda register: register(
+        "broken", BrokenDrafter, options={"flaw": (str, "too-many", "which flaw")}))
+    module.register_acceptors = hookimpl(lambda register: register("lossy-but-claims-lossless", WrongResidualAcceptor))
+    registry = build_registry(third_party=False)
+    registry.add_plugin(module, "broken_plugins", "broken-plugins 0.0 (test fixture)")
+    registry.plugins = {kind: {} for kind in registry.plugins}  # collect again, with the fixture module
+    registry._aliases = {kind: {} for kind in registry.plugins}
+    registry.collect()
+    import outrider.registry
+
+    monkeypatch.setattr(outrider.registry, "default_registry", lambda: registry)
+    return registry
+
+
+def test_outrider_check_reports_a_broken_drafter(registry_with_broken_plugins):
+    from outrider.cli import main
+
+    result = CliRunner().invoke(main, ["check", "broken", "-o", "flaw", "out-of-range"])
+    assert result.exit_code == 1, result.output
+    assert "drafter 'broken' from broken-plugins 0.0 (test fixture)" in result.output
+    assert "FAIL  ids_inside_the_vocabulary" in result.output
+    assert "proposed ids outside the vocabulary" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_outrider_check_reports_a_lossy_acceptor_claiming_lossless(registry_with_broken_plugins):
+    from outrider.cli import main
+
+    result = CliRunner().invoke(main, ["check", "lossy-but-claims-lossless", "--kind", "acceptor"])
+    assert result.exit_code == 1, result.output
+    assert "FAIL  lossless_in_distribution" in result.output
+    assert "PASS  greedy_is_the_argmax_chain" in result.output
+
+
+def test_outrider_check_unknown_name_is_one_line():
+    from outrider.cli import main
+
+    result = CliRunner().invoke(main, ["check", "no-such-plugin"])
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: unknown plugin 'no-such-plugin'; installed backends:")
+    assert "drafters:" in lines[0] and "lookup" in lines[0]
