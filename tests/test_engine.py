@@ -228,12 +228,12 @@ def real(request):
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     model = load_model(GGUFFile(path))
-    return request.param, model, hf_model, hf_tokenizer
+    return request.param, model, hf_model, hf_tokenizer, path
 
 
 @pytest.mark.slow
 def test_last_position_logits_match_transformers(real):
-    _, model, hf_model, hf_tokenizer = real
+    _, model, hf_model, hf_tokenizer, _ = real
     for prompt in PROMPTS:
         ids = hf_tokenizer.encode(prompt)
         ours = model.forward(torch.tensor(ids), 0, model.new_cache(256))[-1]
@@ -251,7 +251,7 @@ def test_greedy_continuation_matches_transformers(real):
     from outrider.runner import Runner
     from outrider.sampling import SamplingParams
 
-    _, model, hf_model, hf_tokenizer = real
+    _, model, hf_model, hf_tokenizer, _ = real
     runner = Runner(Target(model, None, None, None), NoDrafter(), GreedyAcceptor(), draft_max=0, context=512)
     for prompt in PROMPTS[:3]:
         ids = hf_tokenizer.encode(prompt)
@@ -269,7 +269,7 @@ def test_greedy_continuation_matches_transformers(real):
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_real_batched_forward_equals_single_forwards(real, k):
-    name, model, _, _ = real
+    name, model, _, _, _ = real
     gen = torch.Generator().manual_seed(k)
     # 509 + k crosses gemma3's 512-token sliding window inside the block
     prefix = torch.randint(10, 20000, (509,), generator=gen)
@@ -279,7 +279,46 @@ def test_real_batched_forward_equals_single_forwards(real, k):
 
 @pytest.mark.slow
 def test_real_truncate_then_replay_equals_fresh_run(real):
-    _, model, _, _ = real
+    _, model, _, _, _ = real
     gen = torch.Generator().manual_seed(7)
     prefix, rejected, replacement = (torch.randint(10, 20000, (n,), generator=gen) for n in (505, 8, 8))
     _check_truncate_then_replay(model, prefix, rejected, replacement)
+
+
+# Compact weights (the CPU backend's default) compute each matmul from bfloat16 activations and requantize
+# the 5-, 6- and 8-bit GGUF types to int8 per row; measured against transformers' float32 on PROMPTS:
+# KL(transformers || ours) <= 0.006 (SmolLM2) and <= 0.013 (Gemma 3), largest logit gap 0.7 / 1.3.
+COMPACT_MAX_KL = 0.03
+COMPACT_LOGIT_ATOL = 2.0
+
+
+@pytest.mark.slow
+def test_compact_weights_stay_close_to_transformers(real):
+    _, _, hf_model, hf_tokenizer, path = real
+    model = load_model(GGUFFile(path), weights="compact")
+    for prompt in PROMPTS:
+        ids = hf_tokenizer.encode(prompt)
+        ours = model.forward(torch.tensor(ids), 0, model.new_cache(256))[-1]
+        with torch.no_grad():
+            theirs = hf_model(torch.tensor([ids])).logits[0, -1]
+        assert int(ours.argmax()) == int(theirs.argmax()), prompt
+        kl = torch.nn.functional.kl_div(ours.log_softmax(-1), theirs.log_softmax(-1), log_target=True,
+                                        reduction="sum")
+        assert float(kl) < COMPACT_MAX_KL, prompt
+        torch.testing.assert_close(ours, theirs, atol=COMPACT_LOGIT_ATOL, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [4, 9])
+def test_compact_batched_forward_is_bitwise_single_forwards(real, k):
+    """What keeps greedy speculation identical to plain decoding with compact weights."""
+    model = load_model(GGUFFile(real[4]), weights="compact")
+    gen = torch.Generator().manual_seed(k)
+    prefix = torch.randint(10, 20000, (300,), generator=gen)
+    block = torch.randint(10, 20000, (k,), generator=gen)
+    cache = model.new_cache(512)
+    model.forward(prefix, 0, cache)
+    batched = model.forward(block, 300, cache)
+    cache.truncate(300)
+    singles = torch.cat([model.forward(block[i:i + 1], 300 + i, cache) for i in range(k)])
+    assert torch.equal(batched, singles)
