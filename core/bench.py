@@ -343,11 +343,23 @@ class TransformersEngine(Engine):
         import transformers  # noqa: F401  (ImportError = the peer is not installed)
 
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
-        path = Path(self.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                          dtype=torch.float32)
-        self.model.eval()
+        hf_logging.disable_progress_bar()  # progress bars would interleave with the table
+        hf_logging.set_verbosity_error()
+        if self.model_path not in _HF_MODELS:  # plain and lookup share one dequantized copy
+            path = Path(self.model_path)
+            quiet = os.environ.get("TQDM_DISABLE")
+            os.environ["TQDM_DISABLE"] = "1"  # the GGUF conversion bar ignores transformers' own switch
+            try:
+                _HF_MODELS[self.model_path] = AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+            finally:
+                if quiet is None:
+                    os.environ.pop("TQDM_DISABLE")
+                else:
+                    os.environ["TQDM_DISABLE"] = quiet
+        self.model = _HF_MODELS[self.model_path]
 
     def run(self, prompt_ids, n_tokens, temperature, seed):
         streamer = _TimingStreamer()
@@ -372,6 +384,10 @@ class TransformersEngine(Engine):
 
     def close(self):
         self.model = None
+        _HF_MODELS.pop(self.model_path, None)
+
+
+_HF_MODELS: dict[str, Any] = {}
 
 
 class _TimingStreamer:
@@ -481,11 +497,12 @@ def tensor_bytes(root: Any) -> int:
 def forward_cost_curve(model, ks: Iterable[int], prompt_len: int = 128, reps: int = 5) -> dict[int, float]:
     """Median time of one forward over k new tokens, relative to k = 1, after a prompt_len-token prefix."""
     ks = list(ks)
+    high = min(1000, model.config.vocab_size)
     cache = model.new_cache(prompt_len + max(ks) + 1)
-    model.forward(torch.randint(10, 1000, (prompt_len,)), 0, cache)
+    model.forward(torch.randint(0, high, (prompt_len,)), 0, cache)
     seconds = {}
     for k in ks:
-        block = torch.randint(10, 1000, (k,))
+        block = torch.randint(0, high, (k,))
         times = []
         for _ in range(reps):
             t = time.perf_counter()
