@@ -137,6 +137,7 @@ class RunResult:
     accepted: int | None = None
     rounds: int | None = None
     acceptance_approximate: bool = False  # counted from outside the engine, not by it
+    extra: dict[str, Any] = field(default_factory=dict)  # engine-specific detail, kept in the JSON only
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -150,7 +151,7 @@ class RunResult:
     def acceptance_rate(self) -> float | None:
         if self.drafted is None or self.accepted is None:
             return None
-        return self.accepted / self.drafted if self.drafted else 0.0
+        return self.accepted / self.drafted if self.drafted else None  # nothing drafted: undefined
 
     @property
     def mean_acceptance_length(self) -> float | None:
@@ -253,6 +254,8 @@ class OutriderEngine(Engine):
         stats = runner.stats
         if self.drafter != "none":
             result.drafted, result.accepted, result.rounds = stats.drafted, stats.accepted, stats.rounds
+            result.extra = {key: value for key, value in stats.as_dict().items()
+                            if key in ("chosen_draft_lengths", "per_position", "draft_s", "verify_s")}
         return result
 
     def held_bytes(self) -> int:

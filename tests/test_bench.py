@@ -42,6 +42,7 @@ def test_run_result_definitions_are_the_same_for_every_engine():
     several_first = bench.RunResult(0.5, 2.0, 100, 9, n_first=3)
     assert several_first.decode_tokens_per_s == 3.0
     assert several_first.acceptance_rate is None and several_first.mean_acceptance_length is None
+    assert bench.RunResult(1.0, 1.0, 1, 2, drafted=0, accepted=0, rounds=1).acceptance_rate is None
 
     runs = [bench.RunResult(1.0, d, 10, 5) for d in (1.0, 4.0, 2.0)]
     m = bench.medians(runs)
@@ -91,10 +92,12 @@ def test_bench_on_a_tiny_model(tiny, short_prompts, tmp_path):
         decode = sorted(r["decode_tokens_per_s"] for r in cell["runs"])
         assert cell["median"]["decode_tokens_per_s"] == pytest.approx(sum(decode) / 2)
         assert cell["median"]["ratio_to_llama_cpp"] is None
-        if cell["config"] == "outrider":
+        if cell["config"] == "outrider":  # plain decoding drafts nothing: no acceptance to report
             assert cell["median"]["acceptance_rate"] is None
+            assert cell["median"]["mean_acceptance_length"] is None
         else:
-            assert cell["median"]["acceptance_rate"] is not None
+            assert cell["median"]["mean_acceptance_length"] >= 1.0
+            assert all("chosen_draft_lengths" in r["extra"] for r in cell["runs"])
     assert entry["held_weight_bytes"] > 0 and entry["stored_weight_bytes"] > 0
 
     table = bench.markdown(report)
