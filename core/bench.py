@@ -284,7 +284,7 @@ class LlamaCppEngine(Engine):
         if self.lookup:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-            self.counter = _CountingDraft(LlamaPromptLookupDecoding(num_pred_tokens=PEER_LOOKUP_TOKENS))
+            self.counter = _counting(LlamaPromptLookupDecoding)(num_pred_tokens=PEER_LOOKUP_TOKENS)
             # without logits_all, eval fails with a broadcast ValueError once the context passes n_batch
             kwargs = {"draft_model": self.counter, "logits_all": True}
         self.llm = Llama(model_path=self.model_path, n_ctx=self.context, n_threads=self.threads,
@@ -315,21 +315,25 @@ class LlamaCppEngine(Engine):
         self.llm = None
 
 
-class _CountingDraft:
-    """Wraps a llama-cpp-python draft model to count rounds and drafted tokens, which it does not report."""
+def _counting(draft_class):
+    """A subclass of a llama-cpp-python draft model that counts rounds and drafted tokens, which the library
+    does not report (a subclass, so it still passes as a LlamaDraftModel)."""
 
-    def __init__(self, inner):
-        self.inner = inner
-        self.reset()
+    class Counting(draft_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.reset()
 
-    def reset(self):
-        self.calls, self.drafted = 0, 0
+        def reset(self):
+            self.calls, self.drafted = 0, 0
 
-    def __call__(self, input_ids, *args, **kwargs):
-        draft = self.inner(input_ids, *args, **kwargs)
-        self.calls += 1
-        self.drafted += len(draft)
-        return draft
+        def __call__(self, input_ids, *args, **kwargs):
+            draft = super().__call__(input_ids, *args, **kwargs)
+            self.calls += 1
+            self.drafted += len(draft)
+            return draft
+
+    return Counting
 
 
 class TransformersEngine(Engine):

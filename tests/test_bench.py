@@ -137,3 +137,56 @@ def test_cli_bench_rejects_unknown_names_in_one_line(tiny):
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == ["error: unknown engine 'vllm'; choose from outrider, llama.cpp, "
                                                   "transformers"]
+
+
+def test_llama_cpp_adapter_counts_rounds_with_a_fake_library(monkeypatch):
+    """The adapter's contract with llama-cpp-python, without it: reset before each run (no prefix reuse),
+    all warpers off, exactly n tokens, and draft rounds counted through the draft model's calls."""
+    import sys
+    import types
+
+    import numpy as np
+
+    calls = {}
+
+    class FakeLookup:
+        def __init__(self, num_pred_tokens):
+            self.n = num_pred_tokens
+
+        def __call__(self, input_ids):
+            return np.array([7] * 3)
+
+    class FakeLlama:
+        def __init__(self, **kwargs):
+            calls["init"] = kwargs
+            self.draft_model = kwargs.get("draft_model")
+
+        def reset(self):
+            calls["reset"] = calls.get("reset", 0) + 1
+
+        def set_seed(self, seed):
+            calls["seed"] = seed
+
+        def generate(self, tokens, **kwargs):
+            calls["generate"] = kwargs
+            yield 1  # after the prefill
+            while True:  # each round: a draft of 3, of which 2 are accepted, then the recovered token
+                self.draft_model(np.array(tokens))
+                yield from (7, 7, 2)
+
+    llama_cpp = types.ModuleType("llama_cpp")
+    llama_cpp.Llama = FakeLlama
+    speculative = types.ModuleType("llama_cpp.llama_speculative")
+    speculative.LlamaPromptLookupDecoding = FakeLookup
+    monkeypatch.setitem(sys.modules, "llama_cpp", llama_cpp)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
+
+    engine = bench.LlamaCppEngine("model.gguf", threads=2, lookup=True)
+    engine.load()
+    assert calls["init"]["logits_all"] is True and calls["init"]["n_threads_batch"] == 2
+    result = engine.run([5, 6, 7], 7, 0.7, seed=3)
+    assert calls["reset"] == 1 and calls["seed"] == 3
+    assert calls["generate"]["temp"] == 0.7 and calls["generate"]["top_k"] == 0 and calls["generate"]["min_p"] == 0
+    assert result.n_generated == 7 and result.n_prompt == 3
+    assert (result.rounds, result.drafted, result.accepted) == (2, 6, 4)
+    assert result.mean_acceptance_length == 3.0 and result.acceptance_approximate
