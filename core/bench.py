@@ -381,7 +381,7 @@ class TransformersEngine(Engine):
         with torch.inference_mode():
             output = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                          max_new_tokens=n_tokens, min_new_tokens=n_tokens, streamer=streamer,
-                                         pad_token_id=self.model.generation_config.eos_token_id or 0, **kwargs)
+                                         pad_token_id=_first(self.model.generation_config.eos_token_id), **kwargs)
         end = time.perf_counter()
         n_generated = output.shape[-1] - input_ids.shape[-1]
         if streamer.first_at is None:
@@ -395,6 +395,13 @@ class TransformersEngine(Engine):
 
 
 _HF_MODELS: dict[str, Any] = {}
+
+
+def _first(ids) -> int:
+    """generation_config.eos_token_id may be one id, a list of them, or None; padding needs one."""
+    if isinstance(ids, (list, tuple)):
+        return int(ids[0]) if ids else 0
+    return int(ids) if ids is not None else 0
 
 
 class _TimingStreamer:
