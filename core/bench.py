@@ -26,6 +26,8 @@ slow drifts of a shared machine hit all configurations alike; the report gives m
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import json
 import os
@@ -144,8 +146,11 @@ class RunResult:
         return self.n_prompt / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
-    def decode_tokens_per_s(self) -> float:
-        return (self.n_generated - self.n_first) / self.decode_s if self.decode_s > 0 else 0.0
+    def decode_tokens_per_s(self) -> float | None:
+        # None when the first delivery held every token (transformers' lookup on a short run): no decode phase
+        if self.n_generated <= self.n_first or self.decode_s <= 0:
+            return None
+        return (self.n_generated - self.n_first) / self.decode_s
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -356,16 +361,9 @@ class TransformersEngine(Engine):
         hf_logging.set_verbosity_error()
         if self.model_path not in _HF_MODELS:  # plain and lookup share one dequantized copy
             path = Path(self.model_path)
-            quiet = os.environ.get("TQDM_DISABLE")
-            os.environ["TQDM_DISABLE"] = "1"  # the GGUF conversion bar ignores transformers' own switch
-            try:
+            with _quiet_gguf_conversion():
                 _HF_MODELS[self.model_path] = AutoModelForCausalLM.from_pretrained(
                     str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-            finally:
-                if quiet is None:
-                    os.environ.pop("TQDM_DISABLE")
-                else:
-                    os.environ["TQDM_DISABLE"] = quiet
         self.model = _HF_MODELS[self.model_path]
 
     def run(self, prompt_ids, n_tokens, temperature, seed):
@@ -395,6 +393,25 @@ class TransformersEngine(Engine):
 
 
 _HF_MODELS: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def _quiet_gguf_conversion():
+    """transformers' GGUF conversion draws a tqdm bar that ignores its own progress-bar switch (and tqdm reads
+    TQDM_DISABLE at import): silence that one bar for the load, as it would interleave with the table."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is not None:
+        gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf_utils.tqdm = original
 
 
 def _first(ids) -> int:
@@ -662,8 +679,8 @@ def _add_ratios(cells: list[dict]) -> None:
     base = {(c["prompt"], c["temperature"]): c["median"]["decode_tokens_per_s"]
             for c in cells if c["config"] == "llama.cpp"}
     for c in cells:
-        b = base.get((c["prompt"], c["temperature"]))
-        c["median"]["ratio_to_llama_cpp"] = c["median"]["decode_tokens_per_s"] / b if b else None
+        b, v = base.get((c["prompt"], c["temperature"])), c["median"]["decode_tokens_per_s"]
+        c["median"]["ratio_to_llama_cpp"] = v / b if b and v is not None else None
 
 
 def _machine() -> dict[str, Any]:

@@ -43,6 +43,7 @@ def test_run_result_definitions_are_the_same_for_every_engine():
     assert several_first.decode_tokens_per_s == 3.0
     assert several_first.acceptance_rate is None and several_first.mean_acceptance_length is None
     assert bench.RunResult(1.0, 1.0, 1, 2, drafted=0, accepted=0, rounds=1).acceptance_rate is None
+    assert bench.RunResult(1.0, 0.001, 1, 8, n_first=8).decode_tokens_per_s is None  # all in the first delivery
 
     runs = [bench.RunResult(1.0, d, 10, 5) for d in (1.0, 4.0, 2.0)]
     m = bench.medians(runs)
