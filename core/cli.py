@@ -178,6 +178,82 @@ def models_pull(name):
     click.echo(str(path))
 
 
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _split(values: tuple[str, ...]) -> list[str]:
+    """Options that take a list accept repetition and commas alike: `--models a,b` or `--models a --models b`."""
+    return [item.strip() for value in values for item in value.split(",") if item.strip()]
+
+
+@main.command()
+@click.option("--models", multiple=True, help="Catalog names or .gguf paths [smollm2-135m,gemma3-270m].")
+@click.option("--tokens", "-n", type=int, default=128, show_default=True, help="New tokens per run.")
+@click.option("--runs", type=int, default=3, show_default=True, help="Measured rounds (after one warm-up round).")
+@click.option("--threads", type=int, default=0, help="Threads for every engine [torch's default].")
+@click.option("--prompts", multiple=True, help="Any of code, summary, story [all].")
+@click.option("--temperatures", multiple=True, help="Comma-separated [0,0.7].")
+@click.option("--engines", multiple=True, help="Any of outrider, llama.cpp, transformers [all installed].")
+@click.option("--drafters", multiple=True, help="Outrider drafters: none, lookup, draft-model [all].")
+@click.option("--draft-max", default="auto", show_default=True, help="Outrider draft length: a number or auto.")
+@click.option("--seed", type=int, default=1, show_default=True, help="Seed of the first measured round.")
+@click.option("--chat/--no-chat", default=True, show_default=True,
+              help="Apply the model's chat template (raw text when the file has none).")
+@click.option("--bandwidth/--no-bandwidth", default=True, show_default=True,
+              help="Measure DRAM read bandwidth and print the bound it puts on decode speed.")
+@click.option("--cost-curve", is_flag=True, help="Also print Outrider's k-token forward cost curve.")
+@click.option("--json-out", default="bench.json", show_default=True, type=click.Path(dir_okay=False),
+              help="Where to write every run and the medians.")
+@click.option("--chart", default="bench.png", show_default=True, type=click.Path(dir_okay=False),
+              help="Where to draw the PNG chart ('' for none).")
+@friendly_errors
+def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafters, draft_max, seed, chat,
+          bandwidth, cost_curve, json_out, chart):
+    """Outrider plain and with each drafter beside llama.cpp and transformers (plain and prompt lookup), on
+    the same files, threads and prompt tokens; prints a markdown table, writes JSON and a PNG chart.
+    Peers are optional (`pip install 'outrider[bench]'`, llama-cpp-python built by scripts/install-peers)."""
+    import shlex
+
+    from . import bench as harness
+    from .config import parse_draft_max
+    from .errors import ConfigError
+
+    try:
+        temps = [float(t) for t in _split(temperatures)] or [0.0, 0.7]
+        draft_length = parse_draft_max(draft_max)
+    except ValueError:
+        raise ConfigError("--temperatures takes numbers (e.g. 0,0.7); --draft-max a number >= 0 or auto") from None
+    settings = harness.BenchSettings(
+        models=_split(models) or list(harness.DEFAULT_MODELS), tokens=tokens, runs=runs, threads=threads,
+        prompts=_split(prompts) or list(harness.PROMPTS), temperatures=temps,
+        engines=_split(engines) or list(harness.ENGINES), drafters=_split(drafters) or list(harness.DRAFTERS),
+        chat=chat, seed=seed, draft_max=draft_length, bandwidth=bandwidth, cost_curve=cost_curve)
+    settings.check()
+    # rebuilt from the parsed settings, so the committed table says exactly what produced it
+    command = shlex.join([
+        "outrider", "bench", "--models", ",".join(settings.models), "--tokens", str(tokens), "--runs", str(runs),
+        "--threads", str(threads or _torch_threads()), "--prompts", ",".join(settings.prompts),
+        "--temperatures", ",".join(f"{t:g}" for t in temps), "--engines", ",".join(settings.engines),
+        "--drafters", ",".join(settings.drafters), "--draft-max", str(draft_length), "--seed", str(seed),
+        "--chat" if chat else "--no-chat", *([] if bandwidth else ["--no-bandwidth"]),
+        *(["--cost-curve"] if cost_curve else []),
+        "--json-out", json_out, "--chart", chart])
+    click.echo(f"`{command}`\n")
+    report = harness.run_bench(settings, echo=lambda line: click.echo(line, err=True))
+    report["command"] = command
+    click.echo(harness.markdown(report))
+    harness.write_json(report, json_out)
+    click.echo(f"wrote {json_out}", err=True)
+    if chart:
+        if harness.draw_chart(report, chart):
+            click.echo(f"wrote {chart}", err=True)
+        else:
+            click.echo("note: no chart: matplotlib is not installed (pip install 'outrider[bench]')", err=True)
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @friendly_errors

@@ -1,0 +1,193 @@
+"""`outrider bench` on a tiny GGUF file with Outrider only: report structure, medians, table and JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from outrider import bench
+from outrider.cli import main
+from outrider.testing.tiny_models import write_tiny_llama
+
+SHORT_PROMPTS = {"code": "def f(x):\n    return x + 1\n\ndef f(x):\n", "story": "Once upon a time"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("bench") / "tiny.gguf")
+
+
+@pytest.fixture
+def short_prompts(monkeypatch):
+    # the tiny model's context is 256 byte-level tokens: the real prompts do not fit
+    monkeypatch.setattr(bench, "PROMPTS", SHORT_PROMPTS)
+
+
+def test_median_of_hand_values():
+    assert bench.median([3.0, 1.0, 2.0]) == 2.0
+    assert bench.median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    assert bench.median([None, 5.0, None]) == 5.0
+    assert bench.median([None]) is None
+
+
+def test_run_result_definitions_are_the_same_for_every_engine():
+    r = bench.RunResult(prefill_s=0.5, decode_s=2.0, n_prompt=100, n_generated=9, drafted=10, accepted=4, rounds=4)
+    assert r.prefill_tokens_per_s == 200.0
+    assert r.decode_tokens_per_s == 4.0  # (9 - 1) tokens after the first / 2 s
+    assert r.acceptance_rate == 0.4
+    assert r.mean_acceptance_length == 2.0
+    several_first = bench.RunResult(0.5, 2.0, 100, 9, n_first=3)
+    assert several_first.decode_tokens_per_s == 3.0
+    assert several_first.acceptance_rate is None and several_first.mean_acceptance_length is None
+    assert bench.RunResult(1.0, 1.0, 1, 2, drafted=0, accepted=0, rounds=1).acceptance_rate is None
+    assert bench.RunResult(1.0, 0.001, 1, 8, n_first=8).decode_tokens_per_s is None  # all in the first delivery
+
+    runs = [bench.RunResult(1.0, d, 10, 5) for d in (1.0, 4.0, 2.0)]
+    m = bench.medians(runs)
+    assert m["decode_tokens_per_s"] == 2.0 and m["prefill_tokens_per_s"] == 10.0
+    assert m["acceptance_rate"] is None
+
+
+def test_ratio_to_llama_cpp_pairs_prompt_and_temperature():
+    cells = [{"prompt": "code", "temperature": 0.0, "config": "llama.cpp", "median": {"decode_tokens_per_s": 50.0}},
+             {"prompt": "code", "temperature": 0.0, "config": "outrider", "median": {"decode_tokens_per_s": 25.0}},
+             {"prompt": "code", "temperature": 0.7, "config": "outrider", "median": {"decode_tokens_per_s": 25.0}}]
+    bench._add_ratios(cells)
+    assert [c["median"]["ratio_to_llama_cpp"] for c in cells] == [1.0, 0.5, None]
+
+
+def test_tensor_bytes_counts_each_storage_once_and_skips_embeddings():
+    class Layer:
+        pass
+
+    class Model:
+        pass
+
+    w = torch.zeros(10, 10)
+    layer = Layer()
+    layer.wq, layer.alias, layer.view = w, w, w[2:]
+    model = Model()
+    model.layers = [layer]
+    model.token_embd = torch.zeros(100, dtype=torch.uint8)
+    Layer.__module__ = Model.__module__ = "outrider.test_fake"
+    assert bench.tensor_bytes(model) == 400
+    model.output = model.token_embd  # a tied head is read every token
+    assert bench.tensor_bytes(model) == 500
+
+
+def test_bench_on_a_tiny_model(tiny, short_prompts, tmp_path):
+    settings = bench.BenchSettings(models=[str(tiny)], tokens=4, runs=2, prompts=["code", "story"],
+                                   temperatures=[0.0, 0.7], engines=["outrider"], drafters=["none", "lookup"],
+                                   bandwidth=False)
+    report = bench.run_bench(settings, echo=lambda line: None)
+    entry = report["models"][str(tiny)]
+    assert entry["chat_template"] is False  # the tiny file has none: raw text
+    assert len(entry["cells"]) == 2 * 2 * 2
+    for cell in entry["cells"]:
+        assert len(cell["runs"]) == 2
+        for run in cell["runs"]:
+            assert run["n_generated"] == 4 and run["n_first"] == 1
+        decode = sorted(r["decode_tokens_per_s"] for r in cell["runs"])
+        assert cell["median"]["decode_tokens_per_s"] == pytest.approx(sum(decode) / 2)
+        assert cell["median"]["ratio_to_llama_cpp"] is None
+        if cell["config"] == "outrider":  # plain decoding drafts nothing: no acceptance to report
+            assert cell["median"]["acceptance_rate"] is None
+            assert cell["median"]["mean_acceptance_length"] is None
+        else:
+            assert cell["median"]["mean_acceptance_length"] >= 1.0
+            assert all("chosen_draft_lengths" in r["extra"] for r in cell["runs"])
+    assert entry["held_weight_bytes"] > 0 and entry["stored_weight_bytes"] > 0
+
+    table = bench.markdown(report)
+    rows = [line for line in table.splitlines() if line.startswith("| code") or line.startswith("| story")]
+    assert len(rows) == 8 and all(line.count("|") == 9 for line in rows)
+    path = tmp_path / "bench.json"
+    bench.write_json(report, path)
+    assert json.loads(path.read_text())["models"][str(tiny)]["cells"][0]["runs"]
+
+
+def test_cli_bench_writes_table_json_and_notes_missing_peers(tiny, short_prompts, tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_peers(name, *args, **kwargs):
+        if name.split(".")[0] in ("llama_cpp", "transformers"):
+            raise ImportError(f"No module named '{name}'", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_peers)
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(main, ["bench", "--models", str(tiny), "--tokens", "3", "--runs", "1",
+                                       "--prompts", "story", "--temperatures", "0", "--drafters", "none",
+                                       "--no-bandwidth", "--json-out", str(out), "--chart", ""])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("`outrider bench --models ")
+    assert "| story | 0 | outrider |" in result.output
+    assert "llama.cpp skipped" in result.output and "transformers skipped" in result.output
+    data = json.loads(out.read_text())
+    assert data["command"].startswith("outrider bench")
+    assert [c["config"] for c in data["models"][str(tiny)]["cells"]] == ["outrider"]
+
+
+def test_cli_bench_rejects_unknown_names_in_one_line(tiny):
+    result = CliRunner().invoke(main, ["bench", "--models", str(tiny), "--engines", "vllm", "--chart", ""])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == ["error: unknown engine 'vllm'; choose from outrider, llama.cpp, "
+                                                  "transformers"]
+
+
+def test_llama_cpp_adapter_counts_rounds_with_a_fake_library(monkeypatch):
+    """The adapter's contract with llama-cpp-python, without it: reset before each run (no prefix reuse),
+    all warpers off, exactly n tokens, and draft rounds counted through the draft model's calls."""
+    import sys
+    import types
+
+    import numpy as np
+
+    calls = {}
+
+    class FakeLookup:
+        def __init__(self, num_pred_tokens):
+            self.n = num_pred_tokens
+
+        def __call__(self, input_ids):
+            return np.array([7] * 3)
+
+    class FakeLlama:
+        def __init__(self, **kwargs):
+            calls["init"] = kwargs
+            self.draft_model = kwargs.get("draft_model")
+
+        def reset(self):
+            calls["reset"] = calls.get("reset", 0) + 1
+
+        def set_seed(self, seed):
+            calls["seed"] = seed
+
+        def generate(self, tokens, **kwargs):
+            calls["generate"] = kwargs
+            yield 1  # after the prefill
+            while True:  # each round: a draft of 3, of which 2 are accepted, then the recovered token
+                self.draft_model(np.array(tokens))
+                yield from (7, 7, 2)
+
+    llama_cpp = types.ModuleType("llama_cpp")
+    llama_cpp.Llama = FakeLlama
+    speculative = types.ModuleType("llama_cpp.llama_speculative")
+    speculative.LlamaPromptLookupDecoding = FakeLookup
+    monkeypatch.setitem(sys.modules, "llama_cpp", llama_cpp)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
+
+    engine = bench.LlamaCppEngine("model.gguf", threads=2, lookup=True)
+    engine.load()
+    assert calls["init"]["logits_all"] is True and calls["init"]["n_threads_batch"] == 2
+    result = engine.run([5, 6, 7], 7, 0.7, seed=3)
+    assert calls["reset"] == 1 and calls["seed"] == 3
+    assert calls["generate"]["temp"] == 0.7 and calls["generate"]["top_k"] == 0 and calls["generate"]["min_p"] == 0
+    assert result.n_generated == 7 and result.n_prompt == 3
+    assert (result.rounds, result.drafted, result.accepted) == (2, 6, 4)
+    assert result.mean_acceptance_length == 3.0 and result.acceptance_approximate
