@@ -264,7 +264,11 @@ class OutriderEngine(Engine):
         return result
 
     def held_bytes(self) -> int:
-        return tensor_bytes(self.assembly.runner.target.model)
+        model = self.assembly.runner.target.model
+        if hasattr(model, "weight_tensors"):  # the built-in architectures say exactly what a token reads
+            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in model.weight_tensors()}.values())
+        return tensor_bytes(model)
 
     def close(self):
         self.assembly = None
