@@ -21,13 +21,14 @@ DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16"
 class Backend:
     device: torch.device
 
-    def __init__(self, dtype: str = "float32", weights: str = "dense"):
+    def __init__(self, dtype: str = "float32", weights: str = "dense", batch_invariant: bool = True):
         name = DTYPE_ALIASES.get(dtype, dtype)
         if name not in DTYPES:
             raise ConfigError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
         if weights not in WEIGHT_MODES:
             raise ConfigError(f"unknown weights mode '{weights}'; choose one of: {', '.join(WEIGHT_MODES)}")
-        self.dtype, self.weights = DTYPES[name], weights
+        self.dtype, self.weights, self.batch_invariant = DTYPES[name], weights, batch_invariant
 
     def load_model(self, g: GGUFFile):
-        return load_model(g, dtype=self.dtype, device=self.device, weights=self.weights)
+        return load_model(g, dtype=self.dtype, device=self.device, weights=self.weights,
+                          batch_invariant=self.batch_invariant)

@@ -14,13 +14,15 @@ ARCHITECTURES = {cls.architecture: cls for cls in (Llama, Gemma3)}
 
 
 def load_model(g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               weights: str = "dense"):
+               weights: str = "dense", batch_invariant: bool = True):
     """The model in `g`. `weights`: `dense` dequantizes to `dtype`; `compact` keeps 4-bit types as int4 and
-    other quantized types as int8 (see `outrider.models.linear`)."""
+    other quantized types as int8 (see `outrider.models.linear`). `batch_invariant`: attention in float64,
+    so a forward over k tokens gives bit for bit the logits of k single steps (see `layers.attention`)."""
     cls = ARCHITECTURES.get(g.architecture)
     if cls is None:
         raise ModelFileError(f"{g.path}: unknown architecture '{g.architecture}'; "
                              f"supported: {', '.join(sorted(ARCHITECTURES))}")
     if weights not in WEIGHT_MODES:
         raise ConfigError(f"unknown weights mode '{weights}'; choose one of: {', '.join(WEIGHT_MODES)}")
-    return cls(g, dtype=dtype, device=device, weights=weights)
+    attention_dtype = torch.float64 if batch_invariant else dtype
+    return cls(g, dtype=dtype, device=device, weights=weights, attention_dtype=attention_dtype)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache
-from .layers import PREFILL_CHUNK, Rotary, attention, attention_mask, rms_norm, run_in_chunks, token_embedding
+from .layers import (ATTENTION_DTYPE, PREFILL_CHUNK, Rotary, attention, attention_mask, rms_norm, run_in_chunks,
+                     token_embedding)
 from .linear import load_linear
 
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp hard-codes the local layers' base; GGUF stores only the global one
@@ -100,10 +101,11 @@ class Gemma3:
     architecture = "gemma3"
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 weights: str = "dense"):
+                 weights: str = "dense", attention_dtype: torch.dtype = ATTENTION_DTYPE):
         self.config = cfg = Gemma3Config.from_gguf(g)
         self.dtype, self.device = dtype, torch.device(device)
         self.chunk = PREFILL_CHUNK if weights == "compact" else 0
+        self.attention_dtype = attention_dtype
         head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
         self.output = load_linear(g, [head], weights, dtype, device)
         self.embed = token_embedding(g, self.output, dtype, device)
@@ -117,7 +119,8 @@ class Gemma3:
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         cfg = self.config
-        return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.context_length, self.dtype, self.device)
+        return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.context_length,
+                       self.attention_dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False,

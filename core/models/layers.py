@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from .linear import DenseLinear, Int8Linear
 
+ATTENTION_DTYPE = torch.float64  # see attention(); the KV cache is held in it, so reading it converts nothing
 PREFILL_CHUNK = 32  # rows per forward for compact weights (see run_in_chunks)
 
 
@@ -66,9 +67,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_key: int,
     into a different token at a near-tie. Rounded back from float64, a query's output does not depend on
     its neighbours, so a verify pass over k+1 tokens gives bit for bit the logits of k+1 single steps
     (the weight-only int kernels are row-independent already), and greedy speculative decoding stays
-    identical to plain decoding. At these sizes it costs nothing measurable."""
-    k, v = k[:, first_key:].double(), v[:, first_key:].double()
-    out = F.scaled_dot_product_attention(q.double().unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
+    identical to plain decoding. At these sizes it costs nothing measurable. k and v come from a cache
+    held in float64."""
+    k, v = k[:, first_key:], v[:, first_key:]
+    out = F.scaled_dot_product_attention(q.to(k.dtype).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[0] != k.shape[0])
     return out[0].transpose(0, 1).reshape(q.shape[1], -1).to(q.dtype)
 

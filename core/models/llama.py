@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache
-from .layers import (PREFILL_CHUNK, Rotary, attention, attention_mask, default_scale, rms_norm, run_in_chunks,
+from .layers import (ATTENTION_DTYPE, PREFILL_CHUNK, Rotary, attention, attention_mask, default_scale, rms_norm, run_in_chunks,
                      token_embedding)
 from .linear import load_linear
 
@@ -81,10 +81,11 @@ class Llama:
     architecture = "llama"
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 weights: str = "dense"):
+                 weights: str = "dense", attention_dtype: torch.dtype = ATTENTION_DTYPE):
         self.config = cfg = LlamaConfig.from_gguf(g)
         self.dtype, self.device = dtype, torch.device(device)
         self.chunk = PREFILL_CHUNK if weights == "compact" else 0
+        self.attention_dtype = attention_dtype
         if any(name.endswith(".bias") for name in g.tensors) or any("_exps" in name for name in g.tensors):
             raise ModelFileError(f"{g.path}: llama variants with biases or experts are not supported")
         head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
@@ -99,7 +100,8 @@ class Llama:
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         cfg = self.config
-        return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.context_length, self.dtype, self.device)
+        return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.context_length,
+                       self.attention_dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False,

@@ -10,10 +10,10 @@ from outrider.hookspecs import hookimpl
 
 
 class CUDABackend(Backend):
-    def __init__(self, dtype: str = "bfloat16", device: int = 0):
+    def __init__(self, dtype: str = "bfloat16", device: int = 0, batch_invariant: bool = False):
         if not torch.cuda.is_available():
             raise ConfigError("backend 'cuda' needs a CUDA GPU and a CUDA build of torch; use --backend cpu")
-        super().__init__(dtype)
+        super().__init__(dtype, batch_invariant=batch_invariant)
         self.device = torch.device("cuda", device)
 
 
@@ -22,4 +22,6 @@ def register_backends(register):
     register("cuda", CUDABackend, aliases=("gpu",), options={
         "dtype": (str, "bfloat16", f"weights and activations: {', '.join(DTYPES)}"),
         "device": (int, 0, "CUDA device index"),
+        "batch_invariant": (bool, False, "attention in float64 (see the cpu backend); cuBLAS matmuls still vary "
+                            "with the number of rows, so on the GPU this alone does not make verify passes exact"),
     })
