@@ -592,6 +592,18 @@ def hidden_states_have_the_declared_shape(subject: Subject) -> None:
         _close(logits, plain, _tolerance(backend, plain), f"{arch}: logits with hidden=True vs without")
 
 
+@_check("backend")
+def last_only_gives_the_last_row(subject: Subject) -> None:
+    """forward(..., last_only=True) returns the last row of the full logits (what a prefill asks for)."""
+    for arch, backend, model, device in _models(subject):
+        tokens = _ids(40, model.config.vocab_size, 11, device)  # longer than a 32-token prefill chunk
+        last = model.forward(tokens, 0, model.new_cache(64), last_only=True)
+        full = model.forward(tokens, 0, model.new_cache(64))
+        assert tuple(last.shape) == (1, model.config.vocab_size), \
+            f"{arch}: forward(last_only=True) has shape {tuple(last.shape)}, not (1, {model.config.vocab_size})"
+        _close(last, full[-1:], _tolerance(backend, full), f"{arch}: last_only row vs the full forward's last row")
+
+
 @_check("backend", gpu=True)
 def matches_the_cpu_reference(subject: Subject) -> None:
     """An accelerator backend's logits match the float32 CPU backend within its dtype's tolerance."""
