@@ -201,6 +201,7 @@ def test_real_same_seed_same_output(real_target):
     _, target = real_target
     params = SamplingParams(temperature=0.7, seed=11)
     prompt = target.tokenizer.encode(ECHO_PROMPT)
-    plain, _ = run(target, NoDrafter(), SampledAcceptor(), prompt, 32, params)
-    spec, stats = run(target, LookupDrafter(), SampledAcceptor(), prompt, 32, params, draft_max=6)
+    # 64 tokens: sampled text takes a while to start repeating itself, and the test needs accepted drafts
+    plain, _ = run(target, NoDrafter(), SampledAcceptor(), prompt, 64, params)
+    spec, stats = run(target, LookupDrafter(), SampledAcceptor(), prompt, 64, params, draft_max=6)
     assert spec == plain and stats.accepted > 0
