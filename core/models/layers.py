@@ -62,13 +62,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_key: int,
               scale: float) -> torch.Tensor:
     """q [heads, T, d] over k, v [kv_heads, end, d] from `first_key` on; returns [T, heads * d].
 
-    Computed in float64: in float32, SDPA's result for one query moves by ~1e-7 with the number of queries
+    Computed in the cache's dtype, float64 by default: in float32, SDPA's result for one query moves by ~1e-7 with the number of queries
     in the call (its blocking), and the bfloat16 rounding in front of the next int kernel can turn that
     into a different token at a near-tie. Rounded back from float64, a query's output does not depend on
     its neighbours, so a verify pass over k+1 tokens gives bit for bit the logits of k+1 single steps
     (the weight-only int kernels are row-independent already), and greedy speculative decoding stays
-    identical to plain decoding. At these sizes it costs nothing measurable. k and v come from a cache
-    held in float64."""
+    identical to plain decoding. k and v come from a cache held in float64 (`batch_invariant`); it costs
+    about 5% of decode speed at 300 tokens of context and 20% at 700, measured on SmolLM2."""
     k, v = k[:, first_key:], v[:, first_key:]
     out = F.scaled_dot_product_attention(q.to(k.dtype).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[0] != k.shape[0])
