@@ -12,7 +12,7 @@ import torch
 from .errors import ConfigError
 from .gguf_file import GGUFFile
 from .models import load_model
-from .models.linear import WEIGHT_MODES
+from .models.linear import check_weights_mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}
@@ -25,8 +25,7 @@ class Backend:
         name = DTYPE_ALIASES.get(dtype, dtype)
         if name not in DTYPES:
             raise ConfigError(f"unknown dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
-        if weights not in WEIGHT_MODES:
-            raise ConfigError(f"unknown weights mode '{weights}'; choose one of: {', '.join(WEIGHT_MODES)}")
+        check_weights_mode(weights)  # before any file is read
         self.dtype, self.weights, self.batch_invariant = DTYPES[name], weights, batch_invariant
 
     def load_model(self, g: GGUFFile):

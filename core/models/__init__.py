@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError, ModelFileError
+from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
 from .gemma3 import Gemma3
-from .linear import WEIGHT_MODES
+from .layers import ATTENTION_DTYPE
+from .linear import check_weights_mode
 from .llama import Llama
 
 ARCHITECTURES = {cls.architecture: cls for cls in (Llama, Gemma3)}
@@ -22,7 +23,6 @@ def load_model(g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | to
     if cls is None:
         raise ModelFileError(f"{g.path}: unknown architecture '{g.architecture}'; "
                              f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    if weights not in WEIGHT_MODES:
-        raise ConfigError(f"unknown weights mode '{weights}'; choose one of: {', '.join(WEIGHT_MODES)}")
-    attention_dtype = torch.float64 if batch_invariant else dtype
+    check_weights_mode(weights)
+    attention_dtype = ATTENTION_DTYPE if batch_invariant else dtype
     return cls(g, dtype=dtype, device=device, weights=weights, attention_dtype=attention_dtype)

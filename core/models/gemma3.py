@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache
-from .layers import (ATTENTION_DTYPE, PREFILL_CHUNK, Rotary, attention, attention_mask, rms_norm, run_in_chunks,
-                     token_embedding)
+from .layers import (ATTENTION_DTYPE, PREFILL_CHUNK, Rotary, attention, attention_mask, load_ends, rms_norm,
+                     run_in_chunks)
 from .linear import load_linear
 
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp hard-codes the local layers' base; GGUF stores only the global one
@@ -106,10 +106,7 @@ class Gemma3:
         self.dtype, self.device = dtype, torch.device(device)
         self.chunk = PREFILL_CHUNK if weights == "compact" else 0
         self.attention_dtype = attention_dtype
-        head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
-        self.output = load_linear(g, [head], weights, dtype, device)
-        self.embed = token_embedding(g, self.output, dtype, device)
-        self.output_norm = g.load("output_norm.weight").to(dtype).to(device)
+        self.output, self.embed, self.output_norm = load_ends(g, weights, dtype, device)
         # rounded to the model dtype first, as the reference implementations do
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=dtype)
         self.layers = [_Layer(g, i, weights, dtype, device) for i in range(cfg.n_layers)]

@@ -7,9 +7,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .linear import DenseLinear, Int8Linear
+from .linear import DenseLinear, Int8Linear, load_linear
 
-ATTENTION_DTYPE = torch.float64  # see attention(); the KV cache is held in it, so reading it converts nothing
+ATTENTION_DTYPE = torch.float64  # attention and the KV cache with batch_invariant (the default); see attention()
 PREFILL_CHUNK = 32  # rows per forward for compact weights (see run_in_chunks)
 
 
@@ -111,10 +111,15 @@ class TokenEmbedding:
         return [] if self.table is None else [self.table]
 
 
-def token_embedding(g, head, dtype: torch.dtype, device) -> TokenEmbedding:
+def load_ends(g, weights: str, dtype: torch.dtype, device) -> tuple[object, TokenEmbedding, torch.Tensor]:
+    """(output head, token embedding, final norm weight): the parts every architecture shares. The head is
+    `output.weight`, or the embedding table when the file ties them."""
     tied = "output.weight" not in g.tensors
+    head = load_linear(g, ["token_embd.weight" if tied else "output.weight"], weights, dtype, device)
     if tied and isinstance(head, Int8Linear):
-        return TokenEmbedding(None, head, dtype)
-    if tied and isinstance(head, DenseLinear):
-        return TokenEmbedding(head.weight, head, dtype)
-    return TokenEmbedding(g.load("token_embd.weight").to(device), head, dtype)
+        embed = TokenEmbedding(None, head, dtype)
+    elif tied and isinstance(head, DenseLinear):
+        embed = TokenEmbedding(head.weight, head, dtype)
+    else:
+        embed = TokenEmbedding(g.load("token_embd.weight").to(device), head, dtype)
+    return head, embed, g.load("output_norm.weight").to(dtype).to(device)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+from ..errors import ConfigError
 from ..gguf_file import GGUFFile
 
 GROUP = 32
@@ -30,6 +31,11 @@ INT4_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q4_K}
 FLOAT_TYPES = {Q.F32, Q.F16, Q.BF16}
 WEIGHT_MODES = ("compact", "dense")
 RowMap = Callable[[torch.Tensor], torch.Tensor]  # a row permutation, applied to anything with rows first
+
+
+def check_weights_mode(weights: str) -> None:
+    if weights not in WEIGHT_MODES:
+        raise ConfigError(f"unknown weights mode '{weights}'; choose one of: {', '.join(WEIGHT_MODES)}")
 
 
 class DenseLinear:
@@ -102,17 +108,15 @@ def load_linear(g: GGUFFile, names: Sequence[str], mode: str, dtype: torch.dtype
                 row_maps: dict[str, RowMap] | None = None):
     """One linear layer from the GGUF tensors `names`, their rows stacked in order (fused projections).
     `row_maps` reorders a tensor's rows (llama's q/k un-permutation) in whatever form it is held."""
-    row_maps = row_maps or {}
+    remap = lambda name: (row_maps or {}).get(name, lambda rows: rows)
     infos = [g.tensors[name] for name in names]
     cpu = torch.device(device).type == "cpu"
     if mode == "compact" and cpu and all(info.type in INT4_TYPES for info in infos):
         parts = []
         for info in infos:
-            codes, scale, zero = int4_parts(g.raw(info.name), info.type, info.shape[0])
-            remap = row_maps.get(info.name, lambda t: t)
-            parts.append((remap(codes), remap(scale), remap(zero)))
+            parts.append(tuple(map(remap(info.name), int4_parts(g.raw(info.name), info.type, info.shape[0]))))
         return Int4Linear(*(torch.cat(column) for column in zip(*parts)))
-    weight = torch.cat([row_maps.get(name, lambda t: t)(g.load(name)) for name in names])
+    weight = torch.cat([remap(name)(g.load(name)) for name in names])
     if mode == "compact" and cpu and not any(info.type in FLOAT_TYPES for info in infos):
         return Int8Linear(weight)
     return DenseLinear(weight.to(dtype).to(device))

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache
-from .layers import (ATTENTION_DTYPE, PREFILL_CHUNK, Rotary, attention, attention_mask, default_scale, rms_norm, run_in_chunks,
-                     token_embedding)
+from .layers import (ATTENTION_DTYPE, PREFILL_CHUNK, Rotary, attention, attention_mask, default_scale, load_ends,
+                     rms_norm, run_in_chunks)
 from .linear import load_linear
 
 
@@ -76,6 +76,10 @@ class _Layer:
         self.attn_norm = g.load(p + "attn_norm.weight").to(dtype).to(device)
         self.ffn_norm = g.load(p + "ffn_norm.weight").to(dtype).to(device)
 
+    def tensors(self) -> list[torch.Tensor]:
+        out = self.wqkv.tensors() + self.wo.tensors() + self.w_gate_up.tensors() + self.w_down.tensors()
+        return out + [self.attn_norm, self.ffn_norm]
+
 
 class Llama:
     architecture = "llama"
@@ -88,10 +92,7 @@ class Llama:
         self.attention_dtype = attention_dtype
         if any(name.endswith(".bias") for name in g.tensors) or any("_exps" in name for name in g.tensors):
             raise ModelFileError(f"{g.path}: llama variants with biases or experts are not supported")
-        head = "output.weight" if "output.weight" in g.tensors else "token_embd.weight"
-        self.output = load_linear(g, [head], weights, dtype, device)
-        self.embed = token_embedding(g, self.output, dtype, device)
-        self.output_norm = g.load("output_norm.weight").to(dtype).to(device)
+        self.output, self.embed, self.output_norm = load_ends(g, weights, dtype, device)
         self.layers = [_Layer(g, i, cfg, weights, dtype, device) for i in range(cfg.n_layers)]
         freq_factors = g.load("rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.context_length, cfg.rope_freq_scale,
@@ -131,8 +132,4 @@ class Llama:
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor the model reads per token (the input embedding is a row gather, so it is left out)."""
-        out = self.output.tensors() + [self.output_norm]
-        for layer in self.layers:
-            out += layer.wqkv.tensors() + layer.wo.tensors() + layer.w_gate_up.tensors() + layer.w_down.tensors()
-            out += [layer.attn_norm, layer.ffn_norm]
-        return out
+        return self.output.tensors() + [self.output_norm] + [t for layer in self.layers for t in layer.tensors()]
