@@ -265,10 +265,8 @@ class OutriderEngine(Engine):
 
     def held_bytes(self) -> int:
         model = self.assembly.runner.target.model
-        if hasattr(model, "weight_tensors"):  # the built-in architectures say exactly what a token reads
-            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                        for t in model.weight_tensors()}.values())
-        return tensor_bytes(model)
+        # the built-in architectures list exactly what a token reads; other models get the attribute walk
+        return tensor_bytes(model.weight_tensors() if hasattr(model, "weight_tensors") else model)
 
     def close(self):
         self.assembly = None

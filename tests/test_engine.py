@@ -312,7 +312,8 @@ def test_compact_weights_stay_close_to_transformers(real):
 @pytest.mark.parametrize("k", [4, 9])
 def test_compact_batched_forward_is_bitwise_single_forwards(real, k):
     """What keeps greedy speculation identical to plain decoding with compact weights."""
-    model = load_model(GGUFFile(real[4]), weights="compact")
+    *_, path = real
+    model = load_model(GGUFFile(path), weights="compact")
     gen = torch.Generator().manual_seed(k)
     prefix = torch.randint(10, 20000, (300,), generator=gen)
     block = torch.randint(10, 20000, (k,), generator=gen)
