@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
+from ..native import NativeUnavailable
+from ..native import load as load_native
 from .gemma3 import Gemma3
 from .layers import ATTENTION_DTYPE
 from .linear import check_weights_mode
@@ -16,13 +20,22 @@ ARCHITECTURES = {cls.architecture: cls for cls in (Llama, Gemma3)}
 
 def load_model(g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                weights: str = "dense", batch_invariant: bool = True):
-    """The model in `g`. `weights`: `dense` dequantizes to `dtype`; `compact` keeps 4-bit types as int4 and
-    other quantized types as int8 (see `outrider.models.linear`). `batch_invariant`: attention in float64,
-    so a forward over k tokens gives bit for bit the logits of k single steps (see `layers.attention`)."""
+    """The model in `g`. `weights`: `dense` dequantizes to `dtype` and runs torch ops; `compact` keeps the
+    GGUF's codes and runs Outrider's CPU kernels (float32 on the CPU only; see `outrider.models.linear`),
+    and falls back to `dense`, with a warning, where the kernels cannot be built. `batch_invariant`
+    (torch ops only; the kernels are batch invariant by construction): attention in float64, so a forward
+    over k tokens gives bit for bit the logits of k single steps (see `layers.attention`)."""
     cls = ARCHITECTURES.get(g.architecture)
     if cls is None:
         raise ModelFileError(f"{g.path}: unknown architecture '{g.architecture}'; "
                              f"supported: {', '.join(sorted(ARCHITECTURES))}")
     check_weights_mode(weights)
+    native = weights == "compact" and torch.device(device).type == "cpu" and dtype == torch.float32
+    if native:
+        try:
+            load_native()
+        except NativeUnavailable as e:
+            warnings.warn(f"{e}; using dense float32 weights (slower)", stacklevel=2)
+            native = False
     attention_dtype = ATTENTION_DTYPE if batch_invariant else dtype
-    return cls(g, dtype=dtype, device=device, weights=weights, attention_dtype=attention_dtype)
+    return cls(g, dtype=dtype, device=device, native=native, attention_dtype=attention_dtype)

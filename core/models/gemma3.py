@@ -7,14 +7,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache
-from .layers import (ATTENTION_DTYPE, PREFILL_CHUNK, Rotary, attention, attention_mask, load_ends, rms_norm,
-                     run_in_chunks)
-from .linear import load_linear
+from .layers import ATTENTION_DTYPE, PREFILL_CHUNK, Attention, Rotary, load_ends, run_in_chunks
+from .linear import load_linear, rms_norm
 
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp hard-codes the local layers' base; GGUF stores only the global one
 DEFAULT_SWA_PERIOD = 6  # five local layers, then one global
@@ -81,9 +79,9 @@ class Gemma3Config:
 
 
 class _Layer:
-    def __init__(self, g: GGUFFile, i: int, weights: str, dtype: torch.dtype, device):
+    def __init__(self, g: GGUFFile, i: int, packed: bool, dtype: torch.dtype, device):
         p = f"blk.{i}."
-        linear = lambda *names: load_linear(g, [p + n + ".weight" for n in names], weights, dtype, device)
+        linear = lambda *names: load_linear(g, [p + n + ".weight" for n in names], packed, dtype, device)
         norm = lambda name: g.load(p + name + ".weight").to(dtype).to(device)
         self.wqkv = linear("attn_q", "attn_k", "attn_v")
         self.wo = linear("attn_output")
@@ -101,15 +99,19 @@ class Gemma3:
     architecture = "gemma3"
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 weights: str = "dense", attention_dtype: torch.dtype = ATTENTION_DTYPE):
+                 native: bool = False, attention_dtype: torch.dtype = ATTENTION_DTYPE):
+        """`native`: weights packed for, and attention run by, the CPU kernels (`outrider.native`)."""
         self.config = cfg = Gemma3Config.from_gguf(g)
         self.dtype, self.device = dtype, torch.device(device)
-        self.chunk = PREFILL_CHUNK if weights == "compact" else 0
-        self.attention_dtype = attention_dtype
-        self.output, self.embed, self.output_norm = load_ends(g, weights, dtype, device)
+        self.chunk = PREFILL_CHUNK if native else 0
+        self.output, self.embed, self.output_norm = load_ends(g, native, dtype, device)
         # rounded to the model dtype first, as the reference implementations do
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=dtype)
-        self.layers = [_Layer(g, i, weights, dtype, device) for i in range(cfg.n_layers)]
+        self.layers = [_Layer(g, i, native, dtype, device) for i in range(cfg.n_layers)]
+        native_attention = native and cfg.head_dim % 16 == 0
+        self.attention = Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.attention_scale, cfg.eps,
+                                   native_attention)
+        self.attention_dtype = torch.float32 if native_attention else attention_dtype
         self.local_rotary = Rotary(cfg.head_dim, LOCAL_ROPE_BASE, cfg.context_length, 1.0, None, dtype, device)
         self.global_rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.context_length, cfg.rope_freq_scale,
                                     None, dtype, device)
@@ -126,34 +128,22 @@ class Gemma3:
         `last_only`); with `hidden`, also the final-normed hidden states [T, hidden_size]. Writes the
         cache and sets its length to start+T."""
         h = run_in_chunks(self._hidden, tokens, start, cache, self.chunk, last_only)
-        logits = self.output(h).float()
-        if self.config.final_logit_softcap:
-            cap = self.config.final_logit_softcap
-            logits = torch.tanh(logits / cap) * cap
+        logits = self.output(h, softcap=self.config.final_logit_softcap).float()
         return (logits, h) if hidden else logits
 
     def _hidden(self, tokens: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
-        cfg = self.config
-        t = tokens.shape[0]
-        n_q, n_qk = cfg.n_heads, cfg.n_heads + cfg.n_kv_heads
-        masks = {False: attention_mask(start, t, None, self.device),
-                 True: attention_mask(start, t, cfg.sliding_window or None, self.device)}
+        cfg, eps = self.config, self.config.eps
         x = self.embed(tokens) * self.embed_scale
         for i, layer in enumerate(self.layers):
             local = cfg.is_local[i]
-            rotary = self.local_rotary if local else self.global_rotary
-            qkv = layer.wqkv(rms_norm(x, layer.attn_norm, cfg.eps)).view(t, n_qk + cfg.n_kv_heads, cfg.head_dim)
-            q = rms_norm(qkv[:, :n_q], layer.q_norm, cfg.eps)
-            k = rms_norm(qkv[:, n_q:n_qk], layer.k_norm, cfg.eps)
-            qk = rotary(torch.cat([q, k], dim=1), start).transpose(0, 1)
-            keys, values = cache.write(i, start, qk[n_q:], qkv[:, n_qk:].transpose(0, 1))
-            first_key, mask = masks[local]
-            o = attention(qk[:n_q], keys, values, first_key, mask, cfg.attention_scale)
-            x = x + rms_norm(layer.wo(o), layer.post_attn_norm, cfg.eps)
-            gate, up = layer.w_gate_up(rms_norm(x, layer.ffn_norm, cfg.eps)).chunk(2, dim=-1)
-            x = x + rms_norm(layer.w_down(F.gelu(gate, approximate="tanh") * up), layer.post_ffn_norm, cfg.eps)
-        cache.length = start + t
-        return rms_norm(x, self.output_norm, cfg.eps)
+            rotary, window = (self.local_rotary, cfg.sliding_window or None) if local else (self.global_rotary, None)
+            qkv = layer.wqkv(x, in_norm=layer.attn_norm, eps=eps)
+            o = self.attention(qkv, i, start, cache, rotary, layer.q_norm, layer.k_norm, window)
+            x = layer.wo(o, out_norm=layer.post_attn_norm, residual=x, eps=eps)
+            gate_up = layer.w_gate_up(x, in_norm=layer.ffn_norm, eps=eps)
+            x = layer.w_down(gate_up, act="gelu_tanh", out_norm=layer.post_ffn_norm, residual=x, eps=eps)
+        cache.length = start + tokens.shape[0]
+        return rms_norm(x, self.output_norm, eps)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor the model reads per token (the input embedding is a row gather, so it is left out)."""

@@ -1,4 +1,4 @@
-"""Building blocks shared by the architectures: RMS norm, rotary embeddings, attention, the output head."""
+"""Building blocks shared by the architectures: rotary embeddings, attention, the embedding and head."""
 
 from __future__ import annotations
 
@@ -7,22 +7,17 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .linear import DenseLinear, Int8Linear, load_linear
+from .linear import load_linear, rms_norm
 
-ATTENTION_DTYPE = torch.float64  # attention and the KV cache with batch_invariant (the default); see attention()
-PREFILL_CHUNK = 32  # rows per forward for compact weights (see run_in_chunks)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # GGUF norm weights are used as stored: Gemma's converter already folded in the +1.
-    return F.rms_norm(x, weight.shape, weight, eps)
+ATTENTION_DTYPE = torch.float64  # torch attention and its KV cache with batch_invariant; see attention()
+PREFILL_CHUNK = 64  # rows per forward with packed weights (see run_in_chunks)
 
 
 class Rotary:
     """NEOX-style rotary embedding (pairs i, i + d/2), with cos/sin tabulated for every position.
 
     Stored as full-width tables so that one rotation is x * cos + roll(x, d/2) * sin: four ops for the
-    queries and keys of a layer together."""
+    queries and keys of a layer together (the native kernel reads the same tables)."""
 
     def __init__(self, head_dim: int, base: float, max_len: int, freq_scale: float = 1.0,
                  freq_factors: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
@@ -32,8 +27,8 @@ class Rotary:
             inv_freq = inv_freq / freq_factors.double()
         angles = torch.outer(torch.arange(max_len, dtype=torch.float64) * freq_scale, inv_freq)
         self.half = head_dim // 2
-        self.cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype).to(device)
-        self.sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype).to(device)
+        self.cos = torch.cat([angles.cos(), angles.cos()], dim=-1).to(dtype).to(device).contiguous()
+        self.sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).to(dtype).to(device).contiguous()
 
     def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x: [T, heads, head_dim] for positions start..start+T-1."""
@@ -46,7 +41,7 @@ def attention_mask(start: int, t: int, window: int | None, device) -> tuple[int,
     """(first key position to read, boolean mask [T, keys] or None) for queries at start..start+T-1.
 
     With `window`, a query at position p sees keys at positions > p - window only; keys that no query in
-    the block can see are not read at all. Built once per forward and shared by every layer of a kind."""
+    the block can see are not read at all."""
     first_key = max(0, start - window + 1) if window is not None else 0
     if t == 1:
         return first_key, None  # a single query sees every key from first_key on
@@ -62,23 +57,53 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_key: int,
               scale: float) -> torch.Tensor:
     """q [heads, T, d] over k, v [kv_heads, end, d] from `first_key` on; returns [T, heads * d].
 
-    Computed in the cache's dtype, float64 by default: in float32, SDPA's result for one query moves by ~1e-7 with the number of queries
-    in the call (its blocking), and the bfloat16 rounding in front of the next int kernel can turn that
-    into a different token at a near-tie. Rounded back from float64, a query's output does not depend on
-    its neighbours, so a verify pass over k+1 tokens gives bit for bit the logits of k+1 single steps
-    (the weight-only int kernels are row-independent already), and greedy speculative decoding stays
-    identical to plain decoding. k and v come from a cache held in float64 (`batch_invariant`); it costs
-    about 5% of decode speed at 300 tokens of context and 20% at 700, measured on SmolLM2."""
+    Computed in the cache's dtype, float64 with `batch_invariant`: in float32, SDPA's result for one
+    query moves by ~1e-7 with the number of queries in the call (its blocking), which can turn into a
+    different token at a near-tie. Rounded back from float64, a query's output does not depend on its
+    neighbours, so a verify pass over k+1 tokens gives the logits of k+1 single steps."""
     k, v = k[:, first_key:], v[:, first_key:]
     out = F.scaled_dot_product_attention(q.to(k.dtype).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[0] != k.shape[0])
     return out[0].transpose(0, 1).reshape(q.shape[1], -1).to(q.dtype)
 
 
+class Attention:
+    """A layer's attention from its fused q/k/v projection [T, (heads + 2 kv_heads) * head_dim]: optional
+    per-head RMS norms of q and k (Gemma), rotary, the cache write, causal (optionally windowed)
+    attention. `native` runs it as one call to the CPU kernel, which computes every query on its own in
+    float32 (batch invariant by construction); otherwise torch ops, in the cache's dtype."""
+
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, scale: float, eps: float, native: bool):
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale, self.eps = scale, eps
+        self.kernels = None
+        if native:
+            from .. import native as native_kernels
+
+            self.kernels = native_kernels.load()
+
+    def __call__(self, qkv: torch.Tensor, layer: int, start: int, cache, rotary: Rotary,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 window: int | None = None) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.attend(qkv, cache.keys[layer], cache.values[layer], start, self.n_heads,
+                                       self.n_kv_heads, self.head_dim, rotary.cos, rotary.sin, q_norm, k_norm,
+                                       self.eps, window or 0, self.scale)
+        t, n_q, n_qk = qkv.shape[0], self.n_heads, self.n_heads + self.n_kv_heads
+        qkv = qkv.view(t, n_qk + self.n_kv_heads, self.head_dim)
+        q, k = qkv[:, :n_q], qkv[:, n_q:n_qk]
+        if q_norm is not None:
+            q, k = rms_norm(q, q_norm, self.eps), rms_norm(k, k_norm, self.eps)
+        qk = rotary(torch.cat([q, k], dim=1), start).transpose(0, 1)
+        keys, values = cache.write(layer, start, qk[n_q:], qkv[:, n_qk:].transpose(0, 1))
+        first_key, mask = attention_mask(start, t, window, qkv.device)
+        return attention(qk[:n_q], keys, values, first_key, mask, self.scale)
+
+
 def run_in_chunks(hidden_fn, tokens: torch.Tensor, start: int, cache, chunk: int, last_only: bool) -> torch.Tensor:
-    """Final hidden states of `hidden_fn(tokens, start, cache)`, `chunk` tokens at a time when `chunk` is set:
-    torch's weight-only int kernels are fast for a few rows and slow down per row on long prompts. With
-    `last_only`, only the last row is kept, so a prefill never pays the output head for the whole prompt."""
+    """Final hidden states of `hidden_fn(tokens, start, cache)`, `chunk` tokens at a time when `chunk` is set,
+    which bounds the memory a long prompt takes. With `last_only`, only the last row is kept, so a
+    prefill never pays the output head for the whole prompt."""
     t = tokens.shape[0]
     if not chunk or t <= chunk:
         h = hidden_fn(tokens, start, cache)
@@ -95,8 +120,8 @@ def default_scale(head_dim: int) -> float:
 
 
 class TokenEmbedding:
-    """Row lookup in the token table. When the output head holds the same table as int8 (tied
-    embeddings), rows are gathered from the head's codes, so the table is held once, compactly."""
+    """Row lookup in the token table. With tied embeddings the rows come from the output head, in
+    whatever form it is held, so the table is held once."""
 
     def __init__(self, table: torch.Tensor | None, head, dtype: torch.dtype):
         self.head, self.dtype = head, dtype
@@ -105,21 +130,16 @@ class TokenEmbedding:
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
             return self.table[tokens]
-        return (self.head.codes[tokens].to(torch.float32) * self.head.scale[tokens, None].float()).to(self.dtype)
+        return self.head.rows(tokens).to(self.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [] if self.table is None else [self.table]
 
 
-def load_ends(g, weights: str, dtype: torch.dtype, device) -> tuple[object, TokenEmbedding, torch.Tensor]:
+def load_ends(g, packed: bool, dtype: torch.dtype, device) -> tuple[object, TokenEmbedding, torch.Tensor]:
     """(output head, token embedding, final norm weight): the parts every architecture shares. The head is
-    `output.weight`, or the embedding table when the file ties them."""
+    `output.weight`, or the embedding table when the file ties them (then held once, in the head)."""
     tied = "output.weight" not in g.tensors
-    head = load_linear(g, ["token_embd.weight" if tied else "output.weight"], weights, dtype, device)
-    if tied and isinstance(head, Int8Linear):
-        embed = TokenEmbedding(None, head, dtype)
-    elif tied and isinstance(head, DenseLinear):
-        embed = TokenEmbedding(head.weight, head, dtype)
-    else:
-        embed = TokenEmbedding(g.load("token_embd.weight").to(device), head, dtype)
-    return head, embed, g.load("output_norm.weight").to(dtype).to(device)
+    head = load_linear(g, ["token_embd.weight" if tied else "output.weight"], packed, dtype, device)
+    table = None if tied else g.load("token_embd.weight").to(device)
+    return head, TokenEmbedding(table, head, dtype), g.load("output_norm.weight").to(dtype).to(device)

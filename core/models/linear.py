@@ -1,17 +1,20 @@
-"""Linear layers that keep GGUF weights compact in memory.
+"""Linear layers, and how a GGUF weight is held for them.
 
-Decoding a small model on a CPU is bound by how fast weights stream from memory and through the matmul
-kernel, so how a weight is held decides the speed. Three forms, chosen per tensor (`load_linear`):
+Decoding a small model on a CPU is bound by how fast weights stream from memory through the matmul, so
+how a weight is held decides the speed. Two forms:
 
-- `Int4Linear`: 4-bit GGUF types (Q4_0, Q4_1, Q4_K) repacked for torch's weight-only int4 CPU kernel, one
-  scale and zero per 32 weights. These are the numbers the file stores; only the scales are rounded to
-  bfloat16.
-- `Int8Linear`: other quantized types (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) as int8 with one scale per row, for
-  torch's weight-only int8 kernel. Requantizing rounds each weight by at most half of 1/127 of its row's
-  largest magnitude.
-- `DenseLinear`: a dequantized matrix in the model's dtype (`weights = dense`, and float tensors).
+- `PackedLinear` (`weights = compact`, the CPU backend's default): the integers the GGUF file stores,
+  with float32 scales and zeros (w = scale * code + zero, exactly the file's values), run by Outrider's
+  own kernel (`outrider.native`), which dequantizes in registers and keeps activations in float32.
+  4-bit types (Q4_0, Q4_1, Q4_K) as packed nibbles, one scale and zero per 32 weights; 5-, 6- and 8-bit
+  types (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) as int8 codes, one scale (and zero) per 32 weights, per 16 for
+  Q6_K; float tensors as float32.
+- `DenseLinear` (`weights = dense`, the CUDA backend, or where the kernels cannot be built): the
+  dequantized matrix in the model's dtype, through torch.
 
-The int kernels take bfloat16 activations; their results come back in the caller's dtype.
+Both take the same call: `linear(x, in_norm=..., act=..., out_norm=..., residual=..., softcap=...)` is
+post(W @ pre(x)), the steps around a matmul in a transformer layer, so the native kernel can do them
+in one call and `DenseLinear` spells out what that call means.
 """
 
 from __future__ import annotations
@@ -28,8 +31,12 @@ from ..gguf_file import GGUFFile
 
 GROUP = 32
 INT4_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q4_K}
+INT8_TYPES = {Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0}
 FLOAT_TYPES = {Q.F32, Q.F16, Q.BF16}
 WEIGHT_MODES = ("compact", "dense")
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+KIND_Q4, KIND_Q8, KIND_F32 = 0, 1, 2
+NATIVE_ACT = {None: 0, "silu": 1, "gelu_tanh": 2}
 RowMap = Callable[[torch.Tensor], torch.Tensor]  # a row permutation, applied to anything with rows first
 
 
@@ -38,43 +45,67 @@ def check_weights_mode(weights: str) -> None:
         raise ConfigError(f"unknown weights mode '{weights}'; choose one of: {', '.join(WEIGHT_MODES)}")
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # GGUF norm weights are used as stored: Gemma's converter already folded in the +1.
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
 class DenseLinear:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+    def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
+                 act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                 softcap: float = 0.0) -> torch.Tensor:
+        if in_norm is not None:
+            x = rms_norm(x, in_norm, eps)
+        if act is not None:
+            gate, up = x.chunk(2, dim=-1)
+            x = ACTIVATIONS[act](gate) * up
+        y = F.linear(x, self.weight)
+        if out_norm is not None:
+            y = rms_norm(y, out_norm, eps)
+        if residual is not None:
+            y = residual + y
+        if softcap:
+            y = torch.tanh(y / softcap) * softcap
+        return y
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight]
 
 
-class Int8Linear:
-    def __init__(self, weight: torch.Tensor):
-        scale = weight.abs().amax(dim=1).clamp(min=1e-30) / 127.0
-        self.codes = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self.scale = scale.to(torch.bfloat16)
+class PackedLinear:
+    def __init__(self, kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 group: int, n_out: int, k: int):
+        from .. import native
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scale).to(x.dtype)
+        self.kernels = native.load()
+        self.kind, self.group, self.n_out, self.k = kind, group, n_out, k
+        self.codes = codes.contiguous()
+        self.scales = scales.to(torch.float32).contiguous()
+        self.zeros = (torch.empty(0) if zeros is None else zeros.to(torch.float32)).contiguous()
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.scale]
+    def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
+                 act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                 softcap: float = 0.0) -> torch.Tensor:
+        return self.kernels.linear(x.contiguous(), self.kind, self.codes, self.scales, self.zeros, self.group,
+                                   self.n_out, self.k, in_norm, eps, NATIVE_ACT[act], residual, out_norm, softcap)
 
-
-class Int4Linear:
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor):
-        """codes [N, K] in 0..15; scale, zero [N, K/32]: w = scale * codes + zero."""
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-        # torch's kernel computes (code - 8) * scale + zero', so zero' = zero + 8 * scale; layout [K/32, N, 2].
-        self.scales_zeros = torch.stack([scale, zero + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
-        return out.to(x.dtype)
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.kernels.dequantize_rows(ids, self.kind, self.codes, self.scales, self.zeros, self.group, self.k)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.packed, self.scales_zeros]
+        return [self.codes, self.scales, self.zeros]
+
+
+# ------------------------------------------------------------------------ GGUF blocks to codes
+
+def _f16(column: np.ndarray) -> np.ndarray:
+    return column.copy().view(np.float16).astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
@@ -83,40 +114,105 @@ def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
     return (qs & np.uint8(0x0F)).reshape(qs.shape[0], -1)
 
 
-def int4_parts(raw: np.ndarray, qtype: Q, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The GGUF's own 4-bit codes and per-32 scale and zero (w = scale * code + zero), rows first."""
-    if qtype == Q.Q4_K:
-        from gguf.quants import Q4_K
+def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """Bit i of each block's little-endian 32-bit qh, for i < count (Q5_0, Q5_1)."""
+    bits = qh.copy().view(np.uint32).reshape(-1, 1) >> np.arange(count, dtype=np.uint32).reshape(1, -1)
+    return (bits & 1).astype(np.uint8)
 
-        blocks = raw.reshape(-1, 144)
-        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())
-        scale, zero = d * sc.astype(np.float32), -dmin * mn.astype(np.float32)
-        codes = _nibbles(blocks[:, 16:].copy(), 32)
-    else:
+
+def block_codes(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+    """(codes, scale, zero or None, group) with w = scale * code + zero, from GGUF blocks: codes [B, block]
+    (uint8 0..15 for 4-bit types, int8 otherwise), scale and zero [B, block / group]. The layouts are
+    those of the `gguf` package's reference dequantizers."""
+    from gguf.quants import Q4_K
+
+    if qtype in (Q.Q4_0, Q.Q4_1):
         size = 18 if qtype == Q.Q4_0 else 20
-        blocks = raw.reshape(-1, size)
-        scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-        zero = (-8 * scale if qtype == Q.Q4_0 else blocks[:, 2:4].copy().view(np.float16).astype(np.float32))
-        codes = _nibbles(blocks[:, size - 16:].copy(), 16)
+        b = raw.reshape(-1, size)
+        scale = _f16(b[:, 0:2])
+        zero = -8 * scale if qtype == Q.Q4_0 else _f16(b[:, 2:4])
+        return _nibbles(b[:, size - 16:].copy(), 16), scale, zero, 32
+    if qtype == Q.Q4_K:
+        b = raw.reshape(-1, 144)
+        sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())
+        scale, zero = _f16(b[:, 0:2]) * sc.astype(np.float32), -_f16(b[:, 2:4]) * mn.astype(np.float32)
+        return _nibbles(b[:, 16:].copy(), 32), scale, zero, 32
+    if qtype == Q.Q8_0:
+        b = raw.reshape(-1, 34)
+        return b[:, 2:].copy().view(np.int8), _f16(b[:, 0:2]), None, 32
+    if qtype in (Q.Q5_0, Q.Q5_1):
+        size = 22 if qtype == Q.Q5_0 else 24
+        b = raw.reshape(-1, size)
+        q = _nibbles(b[:, size - 16:].copy(), 16) | (_high_bits(b[:, size - 20:size - 16], 32) << 4)
+        if qtype == Q.Q5_0:
+            return (q.astype(np.int8) - 16), _f16(b[:, 0:2]), None, 32
+        return q.astype(np.int8), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 32
+    if qtype == Q.Q5_K:
+        b = raw.reshape(-1, 176)
+        sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())
+        scale, zero = _f16(b[:, 0:2]) * sc.astype(np.float32), -_f16(b[:, 2:4]) * mn.astype(np.float32)
+        low = _nibbles(b[:, 48:].copy(), 32).reshape(-1, 8, 32)
+        high = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+        return (low | (high << 4)).reshape(-1, 256).astype(np.int8), scale, zero, 32
+    if qtype == Q.Q6_K:
+        b = raw.reshape(-1, 210)
+        low = _nibbles(b[:, :128].copy(), 64).reshape(-1, 4, 32)
+        high = (b[:, 128:192].reshape(-1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)) & 3
+        # low and high are [2B, 4, 32]: two halves of 128 weights per block
+        q = (low | (high << 4)).reshape(-1, 256).astype(np.int8) - 32
+        return q, _f16(b[:, 208:210]) * b[:, 192:208].copy().view(np.int8).astype(np.float32), None, 16
+    raise ValueError(f"no codes for {qtype.name}")
+
+
+def int4_parts(raw: np.ndarray, qtype: Q, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GGUF's own 4-bit codes [rows, K] and per-32 scale and zero [rows, K/32], rows first."""
+    codes, scale, zero, _ = block_codes(raw, qtype)
     as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, -1)
     return as_rows(codes), as_rows(scale), as_rows(zero)
 
 
-def load_linear(g: GGUFFile, names: Sequence[str], mode: str, dtype: torch.dtype, device: torch.device | str,
-                row_maps: dict[str, RowMap] | None = None):
-    """One linear layer from the GGUF tensors `names`, their rows stacked in order (fused projections).
-    `row_maps` reorders a tensor's rows (llama's q/k un-permutation) in whatever form it is held."""
-    remap = lambda name: (row_maps or {}).get(name, lambda rows: rows)
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes 0..15 -> [N, K/2] bytes, byte j of each group of 32 = code j | code j+16 << 4."""
+    c = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(codes.shape[0], -1)
+
+
+def _packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
+    """Stack the tensors `names` (fused projections) in one form they all fit exactly: 4-bit nibbles if
+    every part is 4-bit, else int8 codes (per 16 if any part needs it, zeros if any part has them),
+    else float32 when any part is a float tensor."""
     infos = [g.tensors[name] for name in names]
-    cpu = torch.device(device).type == "cpu"
-    if mode == "compact" and cpu and all(info.type in INT4_TYPES for info in infos):
-        parts = []
-        for info in infos:
-            parts.append(tuple(map(remap(info.name), int4_parts(g.raw(info.name), info.type, info.shape[0]))))
-        return Int4Linear(*(torch.cat(column) for column in zip(*parts)))
+    k, n_out = infos[0].shape[1], sum(info.shape[0] for info in infos)
+    if any(info.type in FLOAT_TYPES for info in infos):
+        weight = torch.cat([remap(name)(g.load(name)) for name in names])
+        return PackedLinear(KIND_F32, weight.float(), torch.empty(0), None, 32, n_out, k)
+    parts = []
+    for info in infos:
+        codes, scale, zero, group = block_codes(g.raw(info.name), info.type)
+        rows = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(info.shape[0], -1)
+        parts.append((rows(codes), rows(scale), None if zero is None else rows(zero), group))
+    group = min(p[3] for p in parts)
+    with_zero = any(p[2] is not None for p in parts)
+    four_bit = all(info.type in INT4_TYPES for info in infos)
+    codes, scales, zeros = [], [], []
+    for info, (c, s, z, gsize) in zip(infos, parts):
+        z = torch.zeros_like(s) if z is None else z
+        repeat = gsize // group  # per-32 scales where per-16 are held: each scale serves two groups of 16
+        s, z = s.repeat_interleave(repeat, dim=1), z.repeat_interleave(repeat, dim=1)
+        c = _pack_nibbles(c) if four_bit else c.to(torch.int8)
+        fix = remap(info.name)
+        codes.append(fix(c)), scales.append(fix(s)), zeros.append(fix(z))
+    return PackedLinear(KIND_Q4 if four_bit else KIND_Q8, torch.cat(codes), torch.cat(scales),
+                        torch.cat(zeros) if with_zero else None, group, n_out, k)
+
+
+def load_linear(g: GGUFFile, names: Sequence[str], packed: bool, dtype: torch.dtype, device: torch.device | str,
+                row_maps: dict[str, RowMap] | None = None):
+    """One linear layer from the GGUF tensors `names`, their rows stacked in order (fused projections):
+    a `PackedLinear` when `packed` (and the shape allows), else a `DenseLinear` in `dtype`. `row_maps`
+    reorders a tensor's rows (llama's q/k un-permutation) in whatever form it is held."""
+    remap = lambda name: (row_maps or {}).get(name, lambda rows: rows)
+    if packed and g.tensors[names[0]].shape[1] % GROUP == 0:
+        return _packed(g, names, remap)
     weight = torch.cat([remap(name)(g.load(name)) for name in names])
-    if mode == "compact" and cpu and not any(info.type in FLOAT_TYPES for info in infos):
-        return Int8Linear(weight)
     return DenseLinear(weight.to(dtype).to(device))

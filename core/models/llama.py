@@ -5,14 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache
-from .layers import (ATTENTION_DTYPE, PREFILL_CHUNK, Rotary, attention, attention_mask, default_scale, load_ends,
-                     rms_norm, run_in_chunks)
-from .linear import load_linear
+from .layers import ATTENTION_DTYPE, PREFILL_CHUNK, Attention, Rotary, default_scale, load_ends, run_in_chunks
+from .linear import load_linear, rms_norm
 
 
 @dataclass(frozen=True)
@@ -65,10 +63,10 @@ def _unpermute(n_heads: int):
 
 
 class _Layer:
-    def __init__(self, g: GGUFFile, i: int, cfg: LlamaConfig, weights: str, dtype: torch.dtype, device):
+    def __init__(self, g: GGUFFile, i: int, cfg: LlamaConfig, packed: bool, dtype: torch.dtype, device):
         p = f"blk.{i}."
         unpermute = {p + "attn_q.weight": _unpermute(cfg.n_heads), p + "attn_k.weight": _unpermute(cfg.n_kv_heads)}
-        linear = lambda *names: load_linear(g, [p + n + ".weight" for n in names], weights, dtype, device, unpermute)
+        linear = lambda *names: load_linear(g, [p + n + ".weight" for n in names], packed, dtype, device, unpermute)
         self.wqkv = linear("attn_q", "attn_k", "attn_v")
         self.wo = linear("attn_output")
         self.w_gate_up = linear("ffn_gate", "ffn_up")
@@ -85,19 +83,22 @@ class Llama:
     architecture = "llama"
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 weights: str = "dense", attention_dtype: torch.dtype = ATTENTION_DTYPE):
+                 native: bool = False, attention_dtype: torch.dtype = ATTENTION_DTYPE):
+        """`native`: weights packed for, and attention run by, the CPU kernels (`outrider.native`)."""
         self.config = cfg = LlamaConfig.from_gguf(g)
         self.dtype, self.device = dtype, torch.device(device)
-        self.chunk = PREFILL_CHUNK if weights == "compact" else 0
-        self.attention_dtype = attention_dtype
+        self.chunk = PREFILL_CHUNK if native else 0
         if any(name.endswith(".bias") for name in g.tensors) or any("_exps" in name for name in g.tensors):
             raise ModelFileError(f"{g.path}: llama variants with biases or experts are not supported")
-        self.output, self.embed, self.output_norm = load_ends(g, weights, dtype, device)
-        self.layers = [_Layer(g, i, cfg, weights, dtype, device) for i in range(cfg.n_layers)]
+        self.output, self.embed, self.output_norm = load_ends(g, native, dtype, device)
+        self.layers = [_Layer(g, i, cfg, native, dtype, device) for i in range(cfg.n_layers)]
         freq_factors = g.load("rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.context_length, cfg.rope_freq_scale,
                              freq_factors, dtype, device)
-        self.scale = default_scale(cfg.head_dim)
+        native_attention = native and cfg.head_dim % 16 == 0
+        self.attention = Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, default_scale(cfg.head_dim), cfg.eps,
+                                   native_attention)
+        self.attention_dtype = torch.float32 if native_attention else attention_dtype
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         cfg = self.config
@@ -115,20 +116,14 @@ class Llama:
         return (logits, h) if hidden else logits
 
     def _hidden(self, tokens: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
-        cfg = self.config
-        t = tokens.shape[0]
-        n_qk = cfg.n_heads + cfg.n_kv_heads
-        first_key, mask = attention_mask(start, t, None, self.device)
+        eps = self.config.eps
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
-            qkv = layer.wqkv(rms_norm(x, layer.attn_norm, cfg.eps)).view(t, n_qk + cfg.n_kv_heads, cfg.head_dim)
-            qk = self.rotary(qkv[:, :n_qk], start).transpose(0, 1)
-            keys, values = cache.write(i, start, qk[cfg.n_heads:], qkv[:, n_qk:].transpose(0, 1))
-            x = x + layer.wo(attention(qk[:cfg.n_heads], keys, values, first_key, mask, self.scale))
-            gate, up = layer.w_gate_up(rms_norm(x, layer.ffn_norm, cfg.eps)).chunk(2, dim=-1)
-            x = x + layer.w_down(F.silu(gate) * up)
-        cache.length = start + t
-        return rms_norm(x, self.output_norm, cfg.eps)
+            qkv = layer.wqkv(x, in_norm=layer.attn_norm, eps=eps)
+            x = layer.wo(self.attention(qkv, i, start, cache, self.rotary), residual=x)
+            x = layer.w_down(layer.w_gate_up(x, in_norm=layer.ffn_norm, eps=eps), act="silu", residual=x)
+        cache.length = start + tokens.shape[0]
+        return rms_norm(x, self.output_norm, eps)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor the model reads per token (the input embedding is a row gather, so it is left out)."""

@@ -1,0 +1,448 @@
+// Outrider's CPU kernels: matrix-vector products straight from GGUF-quantized weights, and attention.
+//
+// Written with GCC/Clang vector extensions rather than intrinsics, so one source compiles (with
+// -march=native) to AVX-512, AVX2 or NEON code. Two promises shape every loop here:
+//
+// - Row independence. A row of the output depends only on the same row of the input: tiles of rows
+//   share the dequantized weights but never an accumulator, and every row runs the same sequence of
+//   float operations whatever the tile size. So a verify pass over k+1 tokens gives bit for bit the
+//   logits of k+1 single steps, and greedy speculation equals plain decoding.
+// - Exact weights. Every GGUF type is held as the integers the file stores with float32 scales (and
+//   zeros), w = scale * code + zero, dequantized in registers; activations stay float32.
+//
+// Threads: at::parallel_for, i.e. torch's own OpenMP pool (torch's wheel ships libgomp.so.1, which this
+// library then shares), so our kernels and torch's ops never fight over cores.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+
+#if defined(__AVX512F__)
+constexpr int MAX_TILE = 8;  // rows of input per pass over a weight row: 8 accumulators fit in 32 registers
+#else
+constexpr int MAX_TILE = 4;
+#endif
+
+static inline v16f load16(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+static inline v16f splat(float x) { return v16f{} + x; }
+
+// 16 bytes to 16 int32 lanes. GCC scalarizes __builtin_convertvector from byte vectors, so x86 gets the
+// widening moves by name.
+static inline v16i widen_u8(const uint8_t* p) {
+  v16i w;
+#if defined(__AVX512F__)
+  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&w, &v, sizeof w);
+#elif defined(__AVX2__)
+  __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&w, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&w) + 32, &hi, 32);
+#else
+  v16u8 raw;
+  std::memcpy(&raw, p, 16);
+  w = __builtin_convertvector(raw, v16i);
+#endif
+  return w;
+}
+
+static inline v16f widen_i8(const int8_t* p) {
+  v16i w;
+#if defined(__AVX512F__)
+  __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&w, &v, sizeof w);
+#elif defined(__AVX2__)
+  __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&w, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&w) + 32, &hi, 32);
+#else
+  v16u8 raw;
+  std::memcpy(&raw, p, 16);
+  w = __builtin_convertvector(raw, v16i);
+  w = (w ^ 128) - 128;
+#endif
+  return __builtin_convertvector(w, v16f);
+}
+
+// A fixed reduction tree: the same sum for the same lanes, on every call.
+static inline float hsum(v16f v) {
+  float lanes[16];
+  std::memcpy(lanes, &v, sizeof lanes);
+  float a[8];
+  for (int i = 0; i < 8; ++i) a[i] = lanes[i] + lanes[i + 8];
+  for (int i = 0; i < 4; ++i) a[i] = a[i] + a[i + 4];
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+static inline float hmax(v16f v) {
+  float lanes[16];
+  std::memcpy(lanes, &v, sizeof lanes);
+  float m = lanes[0];
+  for (int i = 1; i < 16; ++i) m = lanes[i] > m ? lanes[i] : m;
+  return m;
+}
+
+// exp(x) to about 2 ulp: x = n ln2 + r with |r| <= ln2/2, a degree-6 polynomial for exp(r), 2^n from
+// the exponent bits. Vectorized, so softmax and the activations cost a few cycles per element.
+static inline v16f vexp(v16f x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  x = x > 88.0f ? splat(88.0f) : x;
+  v16f t = x * 1.44269504088896341f + 0.5f;
+  v16i n = __builtin_convertvector(t, v16i);        // truncates towards zero
+  v16f nf = __builtin_convertvector(n, v16f);
+  v16i down = nf > t;                               // -1 where truncation went up (negative t)
+  n = n + down;
+  nf = __builtin_convertvector(n, v16f);
+  v16f r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  v16f p = splat(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  v16i bits = (n + 127) << 23;
+  v16f scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+static inline v16f vtanh(v16f x) {
+  x = x < -9.0f ? splat(-9.0f) : x;
+  x = x > 9.0f ? splat(9.0f) : x;
+  v16f e = vexp(x * 2.0f);
+  return (e - 1.0f) / (e + 1.0f);
+}
+
+// ------------------------------------------------------------------------------------ weight formats
+//
+// Each format yields a weight row's values 32 at a time, as two vectors (positions 0-15 and 16-31 of
+// the group), dequantized exactly as w = scale * code + zero.
+
+struct Q4 {  // 4-bit codes, two per byte: byte j of a group holds code j (low nibble) and j + 16 (high)
+  const uint8_t* codes;
+  const float* scales;
+  const float* zeros;
+  int64_t groups;  // per row: K / 32
+  inline void group(int64_t n, int64_t g, v16f& a, v16f& b) const {
+    v16i w = widen_u8(codes + (n * groups + g) * 16);
+    float s = scales[n * groups + g], z = zeros[n * groups + g];
+    a = __builtin_convertvector(w & 15, v16f) * s + z;
+    b = __builtin_convertvector(w >> 4, v16f) * s + z;
+  }
+};
+
+template <int G, bool ZERO>  // int8 codes, one scale (and zero) per G = 16 or 32 weights
+struct Q8 {
+  const int8_t* codes;
+  const float* scales;
+  const float* zeros;
+  int64_t k;
+  inline void group(int64_t n, int64_t g, v16f& a, v16f& b) const {
+    const int8_t* p = codes + n * k + g * 32;
+    a = widen_i8(p);
+    b = widen_i8(p + 16);
+    if constexpr (G == 32) {
+      int64_t i = n * (k / 32) + g;
+      float s = scales[i];
+      if constexpr (ZERO) { float z = zeros[i]; a = a * s + z; b = b * s + z; }
+      else { a = a * s; b = b * s; }
+    } else {
+      int64_t i = n * (k / 16) + g * 2;
+      float sa = scales[i], sb = scales[i + 1];
+      if constexpr (ZERO) { a = a * sa + zeros[i]; b = b * sb + zeros[i + 1]; }
+      else { a = a * sa; b = b * sb; }
+    }
+  }
+};
+
+struct F32 {
+  const float* w;
+  int64_t k;
+  inline void group(int64_t n, int64_t g, v16f& a, v16f& b) const {
+    a = load16(w + n * k + g * 32);
+    b = load16(w + n * k + g * 32 + 16);
+  }
+};
+
+// y[r, n] for R rows of x against weight rows n0..n1. Each row has its own accumulator, updated in the
+// same order for every R: this is what makes the result independent of the tile.
+template <class W, int R>
+static void tile(const W& w, int64_t groups, const float* x, int64_t ldx, float* y, int64_t ldy,
+                 int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    v16f acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = v16f{};
+    for (int64_t g = 0; g < groups; ++g) {
+      v16f a, b;
+      w.group(n, g, a, b);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * ldx + g * 32;
+        acc[r] = acc[r] + a * load16(xr);
+        acc[r] = acc[r] + b * load16(xr + 16);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum(acc[r]);
+  }
+}
+
+template <class W>
+static void matmul(const W& w, int64_t groups, const float* x, int64_t rows, int64_t k, float* y, int64_t n_out) {
+  // A grain of 16 output rows keeps the two halves of a small matrix on two threads.
+  at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
+    int64_t r = 0;
+    for (; r + MAX_TILE <= rows; r += MAX_TILE) tile<W, MAX_TILE>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1);
+    switch (rows - r) {
+      case 7: if constexpr (MAX_TILE > 7) { tile<W, 7>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1); } break;
+      case 6: if constexpr (MAX_TILE > 6) { tile<W, 6>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1); } break;
+      case 5: if constexpr (MAX_TILE > 5) { tile<W, 5>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1); } break;
+      case 4: if constexpr (MAX_TILE > 4) { tile<W, 4>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1); } break;
+      case 3: tile<W, 3>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1); break;
+      case 2: tile<W, 2>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1); break;
+      case 1: tile<W, 1>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1); break;
+      default: break;
+    }
+  });
+}
+
+// --------------------------------------------------------------------------- row-wise pre/post steps
+
+static void rms_norm_row(const float* x, const float* weight, float eps, int64_t n, float* out) {
+  v16f acc{};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) { v16f v = load16(x + i); acc = acc + v * v; }
+  float ss = hsum(acc);
+  for (; i < n; ++i) ss += x[i] * x[i];
+  float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  i = 0;
+  for (; i + 16 <= n; i += 16) store16(out + i, load16(x + i) * inv * load16(weight + i));
+  for (; i < n; ++i) out[i] = x[i] * inv * weight[i];
+}
+
+enum Act { ACT_NONE = 0, ACT_SILU = 1, ACT_GELU_TANH = 2 };
+
+// out = act(gate) * up, gate and up the two halves of a row of 2n
+static void glu_row(const float* gu, int64_t n, int act, float* out) {
+  const float* gate = gu;
+  const float* up = gu + n;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16f g = load16(gate + i), h;
+    if (act == ACT_SILU) {
+      h = g / (vexp(-g) + 1.0f);
+    } else {
+      v16f inner = (g + g * g * g * 0.044715f) * 0.7978845608028654f;
+      h = g * 0.5f * (vtanh(inner) + 1.0f);
+    }
+    store16(out + i, h * load16(up + i));
+  }
+  for (; i < n; ++i) {
+    float g = gate[i], h;
+    if (act == ACT_SILU) h = g / (1.0f + std::exp(-g));
+    else h = 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    out[i] = h * up[i];
+  }
+}
+
+static void softcap_row(float* y, int64_t n, float cap) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(y + i, vtanh(load16(y + i) * (1.0f / cap)) * cap);
+  for (; i < n; ++i) y[i] = std::tanh(y[i] / cap) * cap;
+}
+
+// ----------------------------------------------------------------------------------------- linear
+
+// y = post(W @ pre(x)). pre: rms_norm with in_norm, or act(gate) * up over the two halves of x.
+// post: rms_norm with out_norm, then + residual, then softcap. kind: 0 = Q4, 1 = Q8 (group 32 or 16),
+// 2 = float32. zeros may be empty (Q8 only).
+torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
+                     int64_t group, int64_t n_out, int64_t k, c10::optional<torch::Tensor> in_norm, double eps,
+                     int64_t act, c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> out_norm,
+                     double softcap) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "linear: x must be contiguous float32");
+  TORCH_CHECK(k % 32 == 0, "linear: K must be a multiple of 32");
+  int64_t rows = x.numel() / x.size(-1);
+  const float* xin = x.data_ptr<float>();
+  std::vector<float> prepared;
+  if (in_norm.has_value() || act != ACT_NONE) {
+    prepared.resize(rows * k);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (act != ACT_NONE) glu_row(xin + r * 2 * k, k, static_cast<int>(act), prepared.data() + r * k);
+      else rms_norm_row(xin + r * k, in_norm->data_ptr<float>(), static_cast<float>(eps), k, prepared.data() + r * k);
+    }
+    xin = prepared.data();
+  } else {
+    TORCH_CHECK(x.size(-1) == k, "linear: x has ", x.size(-1), " columns, the weight ", k);
+  }
+  auto shape = x.sizes().vec();
+  shape.back() = n_out;
+  torch::Tensor y = torch::empty(shape, x.options());
+  float* out = y.data_ptr<float>();
+  int64_t groups = k / 32;
+  const float* zp = zeros.numel() ? zeros.data_ptr<float>() : nullptr;
+  if (kind == 0) {
+    matmul(Q4{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), zp, groups}, groups, xin, rows, k, out, n_out);
+  } else if (kind == 1) {
+    const int8_t* c = codes.data_ptr<int8_t>();
+    const float* s = scales.data_ptr<float>();
+    if (group == 32 && zp) matmul(Q8<32, true>{c, s, zp, k}, groups, xin, rows, k, out, n_out);
+    else if (group == 32) matmul(Q8<32, false>{c, s, zp, k}, groups, xin, rows, k, out, n_out);
+    else if (group == 16 && zp) matmul(Q8<16, true>{c, s, zp, k}, groups, xin, rows, k, out, n_out);
+    else if (group == 16) matmul(Q8<16, false>{c, s, zp, k}, groups, xin, rows, k, out, n_out);
+    else TORCH_CHECK(false, "linear: int8 group must be 16 or 32");
+  } else {
+    matmul(F32{codes.data_ptr<float>(), k}, groups, xin, rows, k, out, n_out);
+  }
+  if (out_norm.has_value() || residual.has_value() || softcap > 0) {
+    const float* res = residual.has_value() ? residual->data_ptr<float>() : nullptr;
+    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float* yr = out + r * n_out;
+        if (out_norm.has_value()) rms_norm_row(yr, out_norm->data_ptr<float>(), static_cast<float>(eps), n_out, yr);
+        if (res) for (int64_t i = 0; i < n_out; ++i) yr[i] = res[r * n_out + i] + yr[i];
+        if (softcap > 0) softcap_row(yr, n_out, static_cast<float>(softcap));
+      }
+    });
+  }
+  return y;
+}
+
+// Rows `rows` of a weight, dequantized to float32 [len(rows), K] (the token embedding of a tied head).
+torch::Tensor dequantize_rows(torch::Tensor rows, int64_t kind, torch::Tensor codes, torch::Tensor scales,
+                              torch::Tensor zeros, int64_t group, int64_t k) {
+  auto idx = rows.to(torch::kInt64).contiguous();
+  int64_t n = idx.numel();
+  torch::Tensor out = torch::empty({n, k}, torch::dtype(torch::kFloat32));
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  int64_t groups = k / 32;
+  const float* zp = zeros.numel() ? zeros.data_ptr<float>() : nullptr;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t g = 0; g < groups; ++g) {
+      v16f a, b;
+      if (kind == 0) Q4{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), zp, groups}.group(ip[i], g, a, b);
+      else if (kind == 1 && group == 32 && zp) Q8<32, true>{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), zp, k}.group(ip[i], g, a, b);
+      else if (kind == 1 && group == 32) Q8<32, false>{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), zp, k}.group(ip[i], g, a, b);
+      else if (kind == 1 && zp) Q8<16, true>{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), zp, k}.group(ip[i], g, a, b);
+      else if (kind == 1) Q8<16, false>{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), zp, k}.group(ip[i], g, a, b);
+      else F32{codes.data_ptr<float>(), k}.group(ip[i], g, a, b);
+      store16(op + i * k + g * 32, a);
+      store16(op + i * k + g * 32 + 16, b);
+    }
+  }
+  return out;
+}
+
+// -------------------------------------------------------------------------------------- attention
+
+// Rotary (NEOX half split) with full-width tables: out = x * cos + roll(x, d/2) * sin, where sin holds
+// -sin in its first half (see layers.Rotary).
+static void rope_row(float* x, const float* cos, const float* sin, int64_t d) {
+  float tmp[1024];
+  int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) tmp[i] = x[i] * cos[i] + x[(i + half) % d] * sin[i];
+  std::memcpy(x, tmp, d * sizeof(float));
+}
+
+// qkv [T, (H + 2 G) * D]: queries, keys, values of T tokens at positions start..start+T-1. Normalizes
+// (q_norm, k_norm) and rotates q and k, writes k and v into the caches [G, L, D] at those positions, and
+// returns attention [T, H * D] over keys [first, p] for the query at p, first = p - window + 1 with a
+// window. Each (query, head) is computed alone, in the same order whatever T is.
+torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, int64_t n_heads,
+                     int64_t n_kv, int64_t d, torch::Tensor cos, torch::Tensor sin,
+                     c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps,
+                     int64_t window, double scale) {
+  TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat32, "attend: qkv must be contiguous float32");
+  TORCH_CHECK(d % 16 == 0 && d <= 1024, "attend: head_dim must be a multiple of 16, at most 1024");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "attend: caches must be contiguous");
+  int64_t t_len = qkv.size(0), width = (n_heads + 2 * n_kv) * d, max_len = k_cache.size(1);
+  TORCH_CHECK(start + t_len <= max_len, "attend: positions past the end of the cache");
+  float* src = qkv.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
+  float epsf = static_cast<float>(eps);
+
+  // keys and values into the cache first: a query attends to the block's earlier tokens too
+  for (int64_t t = 0; t < t_len; ++t) {
+    int64_t p = start + t;
+    for (int64_t g = 0; g < n_kv; ++g) {
+      float* kdst = kc + (g * max_len + p) * d;
+      const float* ksrc = src + t * width + (n_heads + g) * d;
+      if (kn) rms_norm_row(ksrc, kn, epsf, d, kdst);
+      else std::memcpy(kdst, ksrc, d * sizeof(float));
+      rope_row(kdst, cs + p * d, sn + p * d, d);
+      std::memcpy(vc + (g * max_len + p) * d, src + t * width + (n_heads + n_kv + g) * d, d * sizeof(float));
+    }
+  }
+
+  torch::Tensor out = torch::empty({t_len, n_heads * d}, qkv.options());
+  float* op = out.data_ptr<float>();
+  int64_t per_kv = n_heads / n_kv;
+  float sc = static_cast<float>(scale);
+  at::parallel_for(0, t_len * n_heads, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(start + t_len + 16);
+    float q[1024];
+    for (int64_t i = i0; i < i1; ++i) {
+      int64_t t = i / n_heads, h = i % n_heads, g = h / per_kv, p = start + t;
+      const float* qsrc = src + t * width + h * d;
+      if (qn) rms_norm_row(qsrc, qn, epsf, d, q);
+      else std::memcpy(q, qsrc, d * sizeof(float));
+      rope_row(q, cs + p * d, sn + p * d, d);
+      int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+      int64_t n_keys = p + 1 - first;
+      const float* keys = kc + (g * max_len + first) * d;
+      const float* values = vc + (g * max_len + first) * d;
+      for (int64_t j = 0; j < n_keys; ++j) {
+        v16f acc{};
+        for (int64_t e = 0; e < d; e += 16) acc = acc + load16(q + e) * load16(keys + j * d + e);
+        scores[j] = hsum(acc) * sc;
+      }
+      int64_t padded = (n_keys + 15) / 16 * 16;
+      for (int64_t j = n_keys; j < padded; ++j) scores[j] = -INFINITY;
+      v16f mx = splat(-INFINITY);
+      for (int64_t j = 0; j < padded; j += 16) { v16f s = load16(&scores[j]); mx = s > mx ? s : mx; }
+      float m = hmax(mx);
+      v16f total{};
+      for (int64_t j = 0; j < padded; j += 16) {
+        v16f e = vexp(load16(&scores[j]) - m);
+        v16i live = load16(&scores[j]) > -INFINITY;
+        e = live ? e : v16f{};
+        store16(&scores[j], e);
+        total = total + e;
+      }
+      float inv = 1.0f / hsum(total);
+      float* o = op + t * n_heads * d + h * d;
+      for (int64_t e = 0; e < d; e += 16) {
+        v16f acc{};
+        for (int64_t j = 0; j < n_keys; ++j) acc = acc + load16(values + j * d + e) * scores[j];
+        store16(o + e, acc * inv);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "y = post(W @ pre(x)) with W held as GGUF codes and float32 scales");
+  m.def("dequantize_rows", &dequantize_rows, "rows of a held weight as float32");
+  m.def("attend", &attend, "rotary, cache write and attention for a block of tokens");
+}
