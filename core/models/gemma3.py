@@ -119,7 +119,7 @@ class Gemma3:
     def new_cache(self, max_len: int | None = None) -> KVCache:
         cfg = self.config
         return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.context_length,
-                       self.attention_dtype, self.device)
+                       self.attention_dtype, self.device, keys_transposed=self.attention.kernels is not None)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False,

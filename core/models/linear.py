@@ -31,11 +31,11 @@ from ..gguf_file import GGUFFile
 
 GROUP = 32
 INT4_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q4_K}
-INT8_TYPES = {Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q8_0}
 FLOAT_TYPES = {Q.F32, Q.F16, Q.BF16}
 WEIGHT_MODES = ("compact", "dense")
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
-KIND_Q4, KIND_Q8, KIND_F32 = 0, 1, 2
+KIND_Q4, KIND_Q8, KIND_F32, KIND_Q5 = 0, 1, 2, 3
+INT5_TYPES = {Q.Q5_0, Q.Q5_1, Q.Q5_K}
 NATIVE_ACT = {None: 0, "silu": 1, "gelu_tanh": 2}
 RowMap = Callable[[torch.Tensor], torch.Tensor]  # a row permutation, applied to anything with rows first
 
@@ -86,8 +86,11 @@ class PackedLinear:
         self.kernels = native.load()
         self.kind, self.group, self.n_out, self.k = kind, group, n_out, k
         self.codes = codes.contiguous()
-        self.scales = scales.to(torch.float32).contiguous()
-        self.zeros = (torch.empty(0) if zeros is None else zeros.to(torch.float32)).contiguous()
+        # float16 where that holds every scale and zero exactly (the file's own d and m), else float32
+        exact = lambda t: t is None or torch.equal(t.to(torch.float16).float(), t.float())
+        held = torch.float16 if exact(scales) and exact(zeros) and kind != KIND_F32 else torch.float32
+        self.scales = scales.to(held).contiguous()
+        self.zeros = (torch.empty(0, dtype=held) if zeros is None else zeros.to(held)).contiguous()
 
     def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
                  act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -122,8 +125,8 @@ def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
 
 def block_codes(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
     """(codes, scale, zero or None, group) with w = scale * code + zero, from GGUF blocks: codes [B, block]
-    (uint8 0..15 for 4-bit types, int8 otherwise), scale and zero [B, block / group]. The layouts are
-    those of the `gguf` package's reference dequantizers."""
+    (uint8 0..15 for 4-bit types, 0..31 for 5-bit types, int8 otherwise), scale and zero
+    [B, block / group]. The layouts are those of the `gguf` package's reference dequantizers."""
     from gguf.quants import Q4_K
 
     if qtype in (Q.Q4_0, Q.Q4_1):
@@ -145,15 +148,15 @@ def block_codes(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.n
         b = raw.reshape(-1, size)
         q = _nibbles(b[:, size - 16:].copy(), 16) | (_high_bits(b[:, size - 20:size - 16], 32) << 4)
         if qtype == Q.Q5_0:
-            return (q.astype(np.int8) - 16), _f16(b[:, 0:2]), None, 32
-        return q.astype(np.int8), _f16(b[:, 0:2]), _f16(b[:, 2:4]), 32
+            return q, _f16(b[:, 0:2]), -16 * _f16(b[:, 0:2]), 32
+        return q, _f16(b[:, 0:2]), _f16(b[:, 2:4]), 32
     if qtype == Q.Q5_K:
         b = raw.reshape(-1, 176)
         sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())
         scale, zero = _f16(b[:, 0:2]) * sc.astype(np.float32), -_f16(b[:, 2:4]) * mn.astype(np.float32)
         low = _nibbles(b[:, 48:].copy(), 32).reshape(-1, 8, 32)
         high = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-        return (low | (high << 4)).reshape(-1, 256).astype(np.int8), scale, zero, 32
+        return (low | (high << 4)).reshape(-1, 256), scale, zero, 32
     if qtype == Q.Q6_K:
         b = raw.reshape(-1, 210)
         low = _nibbles(b[:, :128].copy(), 64).reshape(-1, 4, 32)
@@ -177,10 +180,21 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(codes.shape[0], -1)
 
 
+def _pack_5bit(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes 0..31 -> [N, K/32 * 20] bytes: per group of 32 the low 4 bits as `_pack_nibbles`, then
+    a little-endian 32-bit word whose bit j is bit 4 of code j."""
+    n = codes.shape[0]
+    c = codes.to(torch.int64).reshape(n, -1, 32)
+    nibbles = _pack_nibbles((c & 15).reshape(n, -1)).reshape(n, -1, 16)
+    word = ((c >> 4) << torch.arange(32)).sum(-1)  # [N, groups]
+    high = torch.stack([(word >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
+    return torch.cat([nibbles, high], dim=-1).reshape(n, -1)
+
+
 def _packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
     """Stack the tensors `names` (fused projections) in one form they all fit exactly: 4-bit nibbles if
-    every part is 4-bit, else int8 codes (per 16 if any part needs it, zeros if any part has them),
-    else float32 when any part is a float tensor."""
+    every part is 4-bit, 5-bit codes if every part is 4- or 5-bit, else int8 codes (per 16 if any part
+    needs it, zeros if any part has them), else float32 when any part is a float tensor."""
     infos = [g.tensors[name] for name in names]
     k, n_out = infos[0].shape[1], sum(info.shape[0] for info in infos)
     if any(info.type in FLOAT_TYPES for info in infos):
@@ -194,15 +208,18 @@ def _packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
     group = min(p[3] for p in parts)
     with_zero = any(p[2] is not None for p in parts)
     four_bit = all(info.type in INT4_TYPES for info in infos)
+    five_bit = all(info.type in INT4_TYPES | INT5_TYPES for info in infos)
+    kind = KIND_Q4 if four_bit else KIND_Q5 if five_bit else KIND_Q8
+    pack = {KIND_Q4: _pack_nibbles, KIND_Q5: _pack_5bit, KIND_Q8: lambda c: c.to(torch.int8)}[kind]
     codes, scales, zeros = [], [], []
     for info, (c, s, z, gsize) in zip(infos, parts):
         z = torch.zeros_like(s) if z is None else z
         repeat = gsize // group  # per-32 scales where per-16 are held: each scale serves two groups of 16
         s, z = s.repeat_interleave(repeat, dim=1), z.repeat_interleave(repeat, dim=1)
-        c = _pack_nibbles(c) if four_bit else c.to(torch.int8)
+        c = pack(c)
         fix = remap(info.name)
         codes.append(fix(c)), scales.append(fix(s)), zeros.append(fix(z))
-    return PackedLinear(KIND_Q4 if four_bit else KIND_Q8, torch.cat(codes), torch.cat(scales),
+    return PackedLinear(kind, torch.cat(codes), torch.cat(scales),
                         torch.cat(zeros) if with_zero else None, group, n_out, k)
 
 

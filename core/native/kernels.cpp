@@ -129,29 +129,69 @@ static inline v16f vtanh(v16f x) {
   return (e - 1.0f) / (e + 1.0f);
 }
 
+// Scales and zeros are float32, or float16 where that holds them exactly (the file's own d and m).
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+  if (exp == 0) {  // zero or subnormal: exact as man * 2^-24
+    float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  bits = exp == 31 ? sign | 0x7f800000u | (man << 13) : sign | ((exp + 112) << 23) | (man << 13);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+static inline float scalar(const float* p, int64_t i) { return p[i]; }
+static inline float scalar(const uint16_t* p, int64_t i) { return half_to_float(p[i]); }
+
 // ------------------------------------------------------------------------------------ weight formats
 //
 // Each format yields a weight row's values 32 at a time, as two vectors (positions 0-15 and 16-31 of
 // the group), dequantized exactly as w = scale * code + zero.
 
+template <class S>
 struct Q4 {  // 4-bit codes, two per byte: byte j of a group holds code j (low nibble) and j + 16 (high)
   const uint8_t* codes;
-  const float* scales;
-  const float* zeros;
+  const S* scales;
+  const S* zeros;
   int64_t groups;  // per row: K / 32
   inline void group(int64_t n, int64_t g, v16f& a, v16f& b) const {
     v16i w = widen_u8(codes + (n * groups + g) * 16);
-    float s = scales[n * groups + g], z = zeros[n * groups + g];
+    float s = scalar(scales, n * groups + g), z = scalar(zeros, n * groups + g);
     a = __builtin_convertvector(w & 15, v16f) * s + z;
     b = __builtin_convertvector(w >> 4, v16f) * s + z;
   }
 };
 
-template <int G, bool ZERO>  // int8 codes, one scale (and zero) per G = 16 or 32 weights
+template <class S>
+struct Q5 {  // 5-bit codes: per group 20 bytes, the low 4 bits packed as in Q4, then bit 4 of code j at bit j
+  const uint8_t* codes;
+  const S* scales;
+  const S* zeros;
+  int64_t groups;
+  inline void group(int64_t n, int64_t g, v16f& a, v16f& b) const {
+    const uint8_t* p = codes + (n * groups + g) * 20;
+    v16i w = widen_u8(p);
+    uint32_t high;
+    std::memcpy(&high, p + 16, 4);
+    const v16i lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    v16i top_a = ((v16i{} + static_cast<int32_t>((high & 0xffffu) << 4)) >> lanes) & 16;
+    v16i top_b = ((v16i{} + static_cast<int32_t>((high >> 16) << 4)) >> lanes) & 16;
+    float s = scalar(scales, n * groups + g), z = scalar(zeros, n * groups + g);
+    a = __builtin_convertvector((w & 15) | top_a, v16f) * s + z;
+    b = __builtin_convertvector((w >> 4) | top_b, v16f) * s + z;
+  }
+};
+
+template <int G, bool ZERO, class S>  // int8 codes, one scale (and zero) per G = 16 or 32 weights
 struct Q8 {
   const int8_t* codes;
-  const float* scales;
-  const float* zeros;
+  const S* scales;
+  const S* zeros;
   int64_t k;
   inline void group(int64_t n, int64_t g, v16f& a, v16f& b) const {
     const int8_t* p = codes + n * k + g * 32;
@@ -159,13 +199,13 @@ struct Q8 {
     b = widen_i8(p + 16);
     if constexpr (G == 32) {
       int64_t i = n * (k / 32) + g;
-      float s = scales[i];
-      if constexpr (ZERO) { float z = zeros[i]; a = a * s + z; b = b * s + z; }
+      float s = scalar(scales, i);
+      if constexpr (ZERO) { float z = scalar(zeros, i); a = a * s + z; b = b * s + z; }
       else { a = a * s; b = b * s; }
     } else {
       int64_t i = n * (k / 16) + g * 2;
-      float sa = scales[i], sb = scales[i + 1];
-      if constexpr (ZERO) { a = a * sa + zeros[i]; b = b * sb + zeros[i + 1]; }
+      float sa = scalar(scales, i), sb = scalar(scales, i + 1);
+      if constexpr (ZERO) { a = a * sa + scalar(zeros, i); b = b * sb + scalar(zeros, i + 1); }
       else { a = a * sa; b = b * sb; }
     }
   }
@@ -180,24 +220,25 @@ struct F32 {
   }
 };
 
-// y[r, n] for R rows of x against weight rows n0..n1. Each row has its own accumulator, updated in the
-// same order for every R: this is what makes the result independent of the tile.
+// y[r, n] for R rows of x against weight rows n0..n1. Each row has its own two accumulators (one per
+// half of a group, so two FMA chains run at once), updated in the same order for every R: this is what
+// makes the result independent of the tile.
 template <class W, int R>
 static void tile(const W& w, int64_t groups, const float* x, int64_t ldx, float* y, int64_t ldy,
                  int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
-    v16f acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = v16f{};
+    v16f acc_a[R], acc_b[R];
+    for (int r = 0; r < R; ++r) acc_a[r] = acc_b[r] = v16f{};
     for (int64_t g = 0; g < groups; ++g) {
       v16f a, b;
       w.group(n, g, a, b);
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * ldx + g * 32;
-        acc[r] = acc[r] + a * load16(xr);
-        acc[r] = acc[r] + b * load16(xr + 16);
+        acc_a[r] = acc_a[r] + a * load16(xr);
+        acc_b[r] = acc_b[r] + b * load16(xr + 16);
       }
     }
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum(acc[r]);
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum(acc_a[r] + acc_b[r]);
   }
 }
 
@@ -267,6 +308,40 @@ static void softcap_row(float* y, int64_t n, float cap) {
 
 // ----------------------------------------------------------------------------------------- linear
 
+template <class S>
+static const S* held(const torch::Tensor& t) {
+  return t.numel() ? reinterpret_cast<const S*>(t.data_ptr()) : nullptr;
+}
+
+// Calls f with the weight format named by kind (0 = 4-bit, 1 = int8, 2 = float32, 3 = 5-bit), group and zeros.
+template <class S, class F>
+static void with_format(int64_t kind, const torch::Tensor& codes, const torch::Tensor& scales,
+                        const torch::Tensor& zeros, int64_t group, int64_t k, F&& f) {
+  const S* s = held<S>(scales);
+  const S* z = held<S>(zeros);
+  if (kind == 0) {
+    f(Q4<S>{codes.data_ptr<uint8_t>(), s, z, k / 32});
+  } else if (kind == 1) {
+    const int8_t* c = codes.data_ptr<int8_t>();
+    if (group == 32 && z) f(Q8<32, true, S>{c, s, z, k});
+    else if (group == 32) f(Q8<32, false, S>{c, s, z, k});
+    else if (group == 16 && z) f(Q8<16, true, S>{c, s, z, k});
+    else if (group == 16) f(Q8<16, false, S>{c, s, z, k});
+    else TORCH_CHECK(false, "int8 weights need a group of 16 or 32");
+  } else if (kind == 3) {
+    f(Q5<S>{codes.data_ptr<uint8_t>(), s, z, k / 32});
+  } else {
+    f(F32{codes.data_ptr<float>(), k});
+  }
+}
+
+template <class S>
+static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Tensor& scales,
+                       const torch::Tensor& zeros, int64_t group, int64_t groups, const float* x, int64_t rows,
+                       int64_t k, float* y, int64_t n_out) {
+  with_format<S>(kind, codes, scales, zeros, group, k, [&](const auto& w) { matmul(w, groups, x, rows, k, y, n_out); });
+}
+
 // y = post(W @ pre(x)). pre: rms_norm with in_norm, or act(gate) * up over the two halves of x.
 // post: rms_norm with out_norm, then + residual, then softcap. kind: 0 = Q4, 1 = Q8 (group 32 or 16),
 // 2 = float32. zeros may be empty (Q8 only).
@@ -294,19 +369,10 @@ torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::
   torch::Tensor y = torch::empty(shape, x.options());
   float* out = y.data_ptr<float>();
   int64_t groups = k / 32;
-  const float* zp = zeros.numel() ? zeros.data_ptr<float>() : nullptr;
-  if (kind == 0) {
-    matmul(Q4{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), zp, groups}, groups, xin, rows, k, out, n_out);
-  } else if (kind == 1) {
-    const int8_t* c = codes.data_ptr<int8_t>();
-    const float* s = scales.data_ptr<float>();
-    if (group == 32 && zp) matmul(Q8<32, true>{c, s, zp, k}, groups, xin, rows, k, out, n_out);
-    else if (group == 32) matmul(Q8<32, false>{c, s, zp, k}, groups, xin, rows, k, out, n_out);
-    else if (group == 16 && zp) matmul(Q8<16, true>{c, s, zp, k}, groups, xin, rows, k, out, n_out);
-    else if (group == 16) matmul(Q8<16, false>{c, s, zp, k}, groups, xin, rows, k, out, n_out);
-    else TORCH_CHECK(false, "linear: int8 group must be 16 or 32");
+  if (scales.scalar_type() == torch::kHalf) {
+    run_matmul<uint16_t>(kind, codes, scales, zeros, group, groups, xin, rows, k, out, n_out);
   } else {
-    matmul(F32{codes.data_ptr<float>(), k}, groups, xin, rows, k, out, n_out);
+    run_matmul<float>(kind, codes, scales, zeros, group, groups, xin, rows, k, out, n_out);
   }
   if (out_norm.has_value() || residual.has_value() || softcap > 0) {
     const float* res = residual.has_value() ? residual->data_ptr<float>() : nullptr;
@@ -330,21 +396,18 @@ torch::Tensor dequantize_rows(torch::Tensor rows, int64_t kind, torch::Tensor co
   torch::Tensor out = torch::empty({n, k}, torch::dtype(torch::kFloat32));
   const int64_t* ip = idx.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  int64_t groups = k / 32;
-  const float* zp = zeros.numel() ? zeros.data_ptr<float>() : nullptr;
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t g = 0; g < groups; ++g) {
-      v16f a, b;
-      if (kind == 0) Q4{codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), zp, groups}.group(ip[i], g, a, b);
-      else if (kind == 1 && group == 32 && zp) Q8<32, true>{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), zp, k}.group(ip[i], g, a, b);
-      else if (kind == 1 && group == 32) Q8<32, false>{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), zp, k}.group(ip[i], g, a, b);
-      else if (kind == 1 && zp) Q8<16, true>{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), zp, k}.group(ip[i], g, a, b);
-      else if (kind == 1) Q8<16, false>{codes.data_ptr<int8_t>(), scales.data_ptr<float>(), zp, k}.group(ip[i], g, a, b);
-      else F32{codes.data_ptr<float>(), k}.group(ip[i], g, a, b);
-      store16(op + i * k + g * 32, a);
-      store16(op + i * k + g * 32 + 16, b);
+  auto rows_of = [&](const auto& w) {
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t g = 0; g < k / 32; ++g) {
+        v16f a, b;
+        w.group(ip[i], g, a, b);
+        store16(op + i * k + g * 32, a);
+        store16(op + i * k + g * 32 + 16, b);
+      }
     }
-  }
+  };
+  if (scales.scalar_type() == torch::kHalf) with_format<uint16_t>(kind, codes, scales, zeros, group, k, rows_of);
+  else with_format<float>(kind, codes, scales, zeros, group, k, rows_of);
   return out;
 }
 
@@ -352,17 +415,19 @@ torch::Tensor dequantize_rows(torch::Tensor rows, int64_t kind, torch::Tensor co
 
 // Rotary (NEOX half split) with full-width tables: out = x * cos + roll(x, d/2) * sin, where sin holds
 // -sin in its first half (see layers.Rotary).
-static void rope_row(float* x, const float* cos, const float* sin, int64_t d) {
-  float tmp[1024];
+static void rope_row(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
   int64_t half = d / 2;
-  for (int64_t i = 0; i < d; ++i) tmp[i] = x[i] * cos[i] + x[(i + half) % d] * sin[i];
-  std::memcpy(x, tmp, d * sizeof(float));
+  for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
+  for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
+constexpr int64_t KEY_BLOCK = 64;  // positions per pass over a query; the cache is padded to a multiple
+
 // qkv [T, (H + 2 G) * D]: queries, keys, values of T tokens at positions start..start+T-1. Normalizes
-// (q_norm, k_norm) and rotates q and k, writes k and v into the caches [G, L, D] at those positions, and
-// returns attention [T, H * D] over keys [first, p] for the query at p, first = p - window + 1 with a
-// window. Each (query, head) is computed alone, in the same order whatever T is.
+// (q_norm, k_norm) and rotates q and k, writes k into the cache of keys [G, D, Lpad] (transposed) and v
+// into the values [G, L, D] at those positions, and returns attention [T, H * D] over positions
+// [first, p] for the query at p, first = p - window + 1 with a window. Each (query, head) is computed
+// alone, in the same order whatever T is.
 torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, int64_t n_heads,
                      int64_t n_kv, int64_t d, torch::Tensor cos, torch::Tensor sin,
                      c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps,
@@ -370,9 +435,11 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
   TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat32, "attend: qkv must be contiguous float32");
   TORCH_CHECK(d % 16 == 0 && d <= 1024, "attend: head_dim must be a multiple of 16, at most 1024");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "attend: caches must be contiguous");
-  int64_t t_len = qkv.size(0), width = (n_heads + 2 * n_kv) * d, max_len = k_cache.size(1);
-  TORCH_CHECK(start + t_len <= max_len, "attend: positions past the end of the cache");
-  float* src = qkv.data_ptr<float>();
+  int64_t t_len = qkv.size(0), width = (n_heads + 2 * n_kv) * d;
+  int64_t k_len = k_cache.size(2), v_len = v_cache.size(1);
+  TORCH_CHECK(k_cache.size(1) == d && k_len % KEY_BLOCK == 0, "attend: keys must be held transposed and padded");
+  TORCH_CHECK(start + t_len <= v_len, "attend: positions past the end of the cache");
+  const float* src = qkv.data_ptr<float>();
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
   const float* cs = cos.data_ptr<float>();
@@ -385,12 +452,12 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
   for (int64_t t = 0; t < t_len; ++t) {
     int64_t p = start + t;
     for (int64_t g = 0; g < n_kv; ++g) {
-      float* kdst = kc + (g * max_len + p) * d;
-      const float* ksrc = src + t * width + (n_heads + g) * d;
-      if (kn) rms_norm_row(ksrc, kn, epsf, d, kdst);
-      else std::memcpy(kdst, ksrc, d * sizeof(float));
-      rope_row(kdst, cs + p * d, sn + p * d, d);
-      std::memcpy(vc + (g * max_len + p) * d, src + t * width + (n_heads + n_kv + g) * d, d * sizeof(float));
+      float normed[1024], rotated[1024];
+      const float* k = src + t * width + (n_heads + g) * d;
+      if (kn) { rms_norm_row(k, kn, epsf, d, normed); k = normed; }
+      rope_row(k, cs + p * d, sn + p * d, d, rotated);
+      for (int64_t e = 0; e < d; ++e) kc[(g * d + e) * k_len + p] = rotated[e];
+      std::memcpy(vc + (g * v_len + p) * d, src + t * width + (n_heads + n_kv + g) * d, d * sizeof(float));
     }
   }
 
@@ -399,30 +466,44 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
   int64_t per_kv = n_heads / n_kv;
   float sc = static_cast<float>(scale);
   at::parallel_for(0, t_len * n_heads, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(start + t_len + 16);
-    float q[1024];
+    std::vector<float> scores(k_len);
+    float normed[1024], q[1024];
     for (int64_t i = i0; i < i1; ++i) {
       int64_t t = i / n_heads, h = i % n_heads, g = h / per_kv, p = start + t;
       const float* qsrc = src + t * width + h * d;
-      if (qn) rms_norm_row(qsrc, qn, epsf, d, q);
-      else std::memcpy(q, qsrc, d * sizeof(float));
-      rope_row(q, cs + p * d, sn + p * d, d);
+      if (qn) { rms_norm_row(qsrc, qn, epsf, d, normed); qsrc = normed; }
+      rope_row(qsrc, cs + p * d, sn + p * d, d, q);
+      for (int64_t e = 0; e < d; ++e) q[e] *= sc;
       int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-      int64_t n_keys = p + 1 - first;
-      const float* keys = kc + (g * max_len + first) * d;
-      const float* values = vc + (g * max_len + first) * d;
-      for (int64_t j = 0; j < n_keys; ++j) {
-        v16f acc{};
-        for (int64_t e = 0; e < d; e += 16) acc = acc + load16(q + e) * load16(keys + j * d + e);
-        scores[j] = hsum(acc) * sc;
+      int64_t begin = first / 16 * 16, end = (p + 1 + 15) / 16 * 16;  // whole vectors of positions
+      const float* keys = kc + g * d * k_len;
+      // scores of 64 positions at a time: four independent chains, each a sum over e in order
+      int64_t j = begin;
+      for (; j + KEY_BLOCK <= end; j += KEY_BLOCK) {
+        v16f s0{}, s1{}, s2{}, s3{};
+        for (int64_t e = 0; e < d; ++e) {
+          const float* row = keys + e * k_len + j;
+          v16f qe = splat(q[e]);
+          s0 = s0 + qe * load16(row);
+          s1 = s1 + qe * load16(row + 16);
+          s2 = s2 + qe * load16(row + 32);
+          s3 = s3 + qe * load16(row + 48);
+        }
+        store16(&scores[j], s0); store16(&scores[j + 16], s1);
+        store16(&scores[j + 32], s2); store16(&scores[j + 48], s3);
       }
-      int64_t padded = (n_keys + 15) / 16 * 16;
-      for (int64_t j = n_keys; j < padded; ++j) scores[j] = -INFINITY;
+      for (; j < end; j += 16) {
+        v16f s0{};
+        for (int64_t e = 0; e < d; ++e) s0 = s0 + splat(q[e]) * load16(keys + e * k_len + j);
+        store16(&scores[j], s0);
+      }
+      for (int64_t x = begin; x < first; ++x) scores[x] = -INFINITY;
+      for (int64_t x = p + 1; x < end; ++x) scores[x] = -INFINITY;
       v16f mx = splat(-INFINITY);
-      for (int64_t j = 0; j < padded; j += 16) { v16f s = load16(&scores[j]); mx = s > mx ? s : mx; }
+      for (j = begin; j < end; j += 16) { v16f s = load16(&scores[j]); mx = s > mx ? s : mx; }
       float m = hmax(mx);
       v16f total{};
-      for (int64_t j = 0; j < padded; j += 16) {
+      for (j = begin; j < end; j += 16) {
         v16f e = vexp(load16(&scores[j]) - m);
         v16i live = load16(&scores[j]) > -INFINITY;
         e = live ? e : v16f{};
@@ -430,11 +511,17 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
         total = total + e;
       }
       float inv = 1.0f / hsum(total);
+      const float* values = vc + g * v_len * d;
       float* o = op + t * n_heads * d + h * d;
-      for (int64_t e = 0; e < d; e += 16) {
-        v16f acc{};
-        for (int64_t j = 0; j < n_keys; ++j) acc = acc + load16(values + j * d + e) * scores[j];
-        store16(o + e, acc * inv);
+      for (int64_t e0 = 0; e0 < d; e0 += 64) {
+        int64_t chunks = std::min<int64_t>(4, (d - e0) / 16);
+        v16f acc[4] = {};
+        for (j = first; j <= p; ++j) {
+          v16f pj = splat(scores[j]);
+          const float* v = values + j * d + e0;
+          for (int c = 0; c < 4; ++c) if (c < chunks) acc[c] = acc[c] + pj * load16(v + 16 * c);
+        }
+        for (int c = 0; c < chunks; ++c) store16(o + e0 + 16 * c, acc[c] * inv);
       }
     }
   });
