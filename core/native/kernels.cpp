@@ -353,17 +353,24 @@ torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::
   TORCH_CHECK(k % 32 == 0, "linear: K must be a multiple of 32");
   int64_t rows = x.numel() / x.size(-1);
   const float* xin = x.data_ptr<float>();
-  std::vector<float> prepared;
-  if (in_norm.has_value() || act != ACT_NONE) {
-    prepared.resize(rows * k);
-    for (int64_t r = 0; r < rows; ++r) {
-      if (act != ACT_NONE) glu_row(xin + r * 2 * k, k, static_cast<int>(act), prepared.data() + r * k);
-      else rms_norm_row(xin + r * k, in_norm->data_ptr<float>(), static_cast<float>(eps), k, prepared.data() + r * k);
-    }
-    xin = prepared.data();
-  } else {
-    TORCH_CHECK(x.size(-1) == k, "linear: x has ", x.size(-1), " columns, the weight ", k);
+  int64_t width = act != ACT_NONE ? 2 * k : k;
+  TORCH_CHECK(x.size(-1) == width, "linear: x has ", x.size(-1), " columns, the weight needs ", width);
+  std::vector<float> normed, prepared;
+  if (in_norm.has_value()) {
+    TORCH_CHECK(in_norm->numel() == width && in_norm->is_contiguous(), "linear: in_norm must have ", width, " values");
+    normed.resize(rows * width);
+    for (int64_t r = 0; r < rows; ++r)
+      rms_norm_row(xin + r * width, in_norm->data_ptr<float>(), static_cast<float>(eps), width, normed.data() + r * width);
+    xin = normed.data();
   }
+  if (act != ACT_NONE) {
+    prepared.resize(rows * k);
+    for (int64_t r = 0; r < rows; ++r) glu_row(xin + r * 2 * k, k, static_cast<int>(act), prepared.data() + r * k);
+    xin = prepared.data();
+  }
+  if (residual.has_value())
+    TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == torch::kFloat32 &&
+                residual->numel() == rows * n_out, "linear: residual must be contiguous float32 [rows, n_out]");
   auto shape = x.sizes().vec();
   shape.back() = n_out;
   torch::Tensor y = torch::empty(shape, x.options());
@@ -395,6 +402,7 @@ torch::Tensor dequantize_rows(torch::Tensor rows, int64_t kind, torch::Tensor co
   int64_t n = idx.numel();
   torch::Tensor out = torch::empty({n, k}, torch::dtype(torch::kFloat32));
   const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < codes.size(0), "dequantize_rows: row ", ip[i], " out of range");
   float* op = out.data_ptr<float>();
   auto rows_of = [&](const auto& w) {
     for (int64_t i = 0; i < n; ++i) {

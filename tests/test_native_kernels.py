@@ -1,0 +1,409 @@
+"""Outrider's CPU kernels (`outrider.native`) and the packed linear layer that drives them.
+
+Oracles, none of them the kernel itself: the `gguf` package's reference dequantizers (numpy); a float64
+torch matmul over their output; `DenseLinear` (plain torch ops) for the fused steps around the matmul;
+the same model with `weights="dense"` (torch ops, float64 attention); and, for batch invariance, the
+same kernels called one row (one token) at a time, which must agree bit for bit: that equality is what
+makes greedy speculative decoding produce exactly the tokens of plain decoding.
+
+gguf can quantize Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 in numpy but not the k-quants (its quantize raises
+NotImplementedError for Q4_K, Q5_K, Q6_K), so k-quant blocks are random bytes with small finite f16
+scale fields: every such byte string is a valid block.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from outrider import native
+from outrider.gguf_file import GGUFFile
+from outrider.models import load_model
+from outrider.models.linear import DenseLinear, PackedLinear, block_codes, load_linear
+from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama
+
+NUMPY_QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+QUANT_TYPES = NUMPY_QUANTIZABLE + K_QUANTS
+CODE_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8}
+ALL_TYPES = QUANT_TYPES + [Q.F16, Q.F32]
+ROWS, COLS = 96, 256  # the main test weight: [rows, cols], rows first as torch holds it
+SMALL_ROWS, SMALL_COLS = 40, 96  # rows not a multiple of 16, three groups of 32 (block-32 types only)
+
+
+def _ids(types):
+    return [t.name for t in types]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    try:
+        return native.load()
+    except native.NativeUnavailable as e:  # no compiler here: the CPU backend falls back to torch
+        pytest.skip(str(e))
+
+
+# ------------------------------------------------------------------------------------ GGUF blocks
+
+
+def _set_f16(raw: np.ndarray, byte: int, values: np.ndarray) -> None:
+    raw[:, byte:byte + 2] = values.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _random_kquant_blocks(rng: np.random.Generator, qtype: Q, n_blocks: int) -> np.ndarray:
+    """Random valid blocks: random bytes, then the f16 scale fields set to small finite values of both signs."""
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    sign = lambda: rng.choice([-1.0, 1.0], n_blocks)
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin, 12 bytes of 6-bit scales/mins, ...
+        _set_f16(raw, 0, sign() * rng.uniform(2e-4, 2e-3, n_blocks))
+        _set_f16(raw, 2, sign() * rng.uniform(2e-4, 2e-3, n_blocks))
+    else:  # Q6_K: ql, qh, 16 int8 scales, d last
+        _set_f16(raw, 208, sign() * rng.uniform(2e-5, 2e-4, n_blocks))
+    return raw
+
+
+def _q6_k_power_of_two_scales(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """Q6_K whose 16 int8 sub-block scales are +-2^i, so every per-16 scale d * sc is an exact float16 (the
+    path where scales may be held in half precision); random Q6_K scales need float32."""
+    raw = _random_kquant_blocks(rng, Q.Q6_K, rows * cols // 256)
+    powers = rng.choice([-1, 1], (raw.shape[0], 16)) * (2 ** rng.integers(0, 7, (raw.shape[0], 16)))
+    raw[:, 192:208] = powers.astype(np.int8).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _quantized(rng: np.random.Generator, qtype: Q, rows: int, cols: int) -> np.ndarray:
+    """Raw GGUF bytes [rows, bytes per row] of a random weight in `qtype`."""
+    if qtype in K_QUANTS:
+        block, _ = gguf.GGML_QUANT_SIZES[qtype]
+        return _random_kquant_blocks(rng, qtype, rows * cols // block).reshape(rows, -1)
+    source = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+    return gguf.quants.quantize(source, qtype)
+
+
+def _reference_weight(stored: np.ndarray, qtype: Q) -> np.ndarray:
+    """What the file means, per the gguf package: float64 [rows, cols]."""
+    if qtype == Q.F32:
+        return stored.astype(np.float64)
+    if qtype == Q.F16:
+        return stored.astype(np.float32).astype(np.float64)
+    return gguf.quants.dequantize(stored, qtype).astype(np.float64)
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=_ids(QUANT_TYPES))
+def test_block_codes_reproduce_the_gguf_dequantizer(qtype):
+    rng = np.random.default_rng(100 + int(qtype))
+    raw = _quantized(rng, qtype, 8, 512)
+    expected = gguf.quants.dequantize(raw, qtype).astype(np.float64).reshape(-1)
+    codes, scale, zero, group = block_codes(raw.reshape(-1), qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n_blocks = raw.size // size
+    assert group == (16 if qtype == Q.Q6_K else 32)
+    assert codes.shape == (n_blocks, block)
+    assert scale.shape == (n_blocks, block // group)
+    # integer codes spanning no more values than the format's bits (offsets may be folded into the zero)
+    assert np.issubdtype(codes.dtype, np.integer)
+    assert int(codes.max()) - int(codes.min()) <= 2 ** CODE_BITS[qtype] - 1
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
+        assert codes.min() >= 0 and codes.max() <= 15
+    per_weight = lambda a: np.repeat(a.astype(np.float64), group, axis=1)
+    got = per_weight(scale) * codes.astype(np.float64)
+    if zero is not None:
+        got = got + per_weight(zero)
+    np.testing.assert_allclose(got.reshape(-1), expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+    assert np.abs(expected).max() > 0.05  # the blocks are not degenerate
+
+
+# ------------------------------------------------------------------------------------ packed linear
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    """One GGUF file holding a [96, 256] weight per type (`w.TYPE`), a [40, 96] weight per block-32 type
+    (`v.TYPE`), a Q6_K weight with power-of-two sub-block scales (`p.Q6_K`), and their float64 meanings
+    per the gguf package."""
+    rng = np.random.default_rng(7)
+    path = tmp_path_factory.mktemp("native") / "weights.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    reference = {}
+    for qtype in ALL_TYPES:
+        shapes = [("w", ROWS, COLS)]
+        if qtype not in K_QUANTS:
+            shapes.append(("v", SMALL_ROWS, SMALL_COLS))
+        for prefix, rows, cols in shapes:
+            name = f"{prefix}.{qtype.name}"
+            if qtype in (Q.F32, Q.F16):
+                stored = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32 if qtype == Q.F32 else np.float16)
+                writer.add_tensor(name, stored)
+            else:
+                stored = _quantized(rng, qtype, rows, cols)
+                writer.add_tensor(name, stored, raw_dtype=qtype)
+            reference[name] = torch.from_numpy(_reference_weight(stored, qtype))
+            assert reference[name].shape == (rows, cols)
+    stored = _q6_k_power_of_two_scales(rng, ROWS, COLS)
+    writer.add_tensor("p.Q6_K", stored, raw_dtype=Q.Q6_K)
+    reference["p.Q6_K"] = torch.from_numpy(_reference_weight(stored, Q.Q6_K))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFFile(path), reference
+
+
+def _packed(g, names, row_maps=None):
+    lin = load_linear(g, names, packed=True, dtype=torch.float32, device="cpu", row_maps=row_maps)
+    assert isinstance(lin, PackedLinear)
+    return lin
+
+
+def _dense(g, names):
+    lin = load_linear(g, names, packed=False, dtype=torch.float32, device="cpu")
+    assert isinstance(lin, DenseLinear)
+    return lin
+
+
+def _assert_matmul_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32 accumulation against a float64 oracle: rounding level relative to the output's scale; one
+    wrong weight in a row moves that output by ~1/sqrt(K) of its size, far beyond this."""
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    scale = expected.abs().max().item()
+    assert scale > 0.1
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-6 * scale)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=_ids(ALL_TYPES))
+def test_packed_linear_matches_float64_matmul_of_the_reference_weight(kernels, weights, qtype):
+    g, reference = weights
+    gen = torch.Generator().manual_seed(int(qtype))
+    names = [f"w.{qtype.name}"] + ([] if qtype in K_QUANTS else [f"v.{qtype.name}"])
+    names += ["p.Q6_K"] if qtype == Q.Q6_K else []
+    for name in names:
+        lin, w = _packed(g, [name]), reference[name]
+        for t in (1, 5, 8, 13):  # single rows, a partial tile, a full tile (8 with AVX-512), tile + rest
+            x = torch.randn(t, w.shape[1], generator=gen)
+            _assert_matmul_close(lin(x), x.double() @ w.T)
+        # 3-D input: rows are everything but the last dimension
+        x = torch.randn(2, 3, w.shape[1], generator=gen)
+        _assert_matmul_close(lin(x), x.double() @ w.T)
+        # the row gather a tied embedding uses
+        ids = torch.tensor([0, 3, w.shape[0] - 1, 3])
+        torch.testing.assert_close(lin.rows(ids).double(), w[ids], rtol=0, atol=1e-6 * w.abs().max().item())
+
+
+FUSED = [  # stacked tensors of different types with the same column count: each must fit one held form
+    ["w.Q4_0", "w.Q6_K"],            # 4-bit with zeros, 6-bit per-16 scales without
+    ["w.Q4_0", "w.Q4_K", "w.Q4_1"],  # all 4-bit
+    ["w.Q5_0", "w.Q5_1", "w.Q4_0"],  # 5- and 4-bit
+    ["w.Q5_K", "w.Q4_K"],            # 5- and 4-bit k-quants
+    ["w.Q8_0", "w.Q5_1", "w.Q5_0"],  # 8-bit without zeros, 5-bit
+    ["w.Q6_K", "w.Q8_0"],            # per-16 and per-32 scales, no zeros
+    ["p.Q6_K", "w.Q4_0"],            # per-16 scales exact in float16, with 4-bit
+    ["w.F16", "w.Q4_0"],             # a float part
+]
+
+
+@pytest.mark.parametrize("names", FUSED, ids=["+".join(n[2:] for n in names) for names in FUSED])
+def test_fused_tensors_of_different_types_give_the_concatenated_product(kernels, weights, names):
+    g, reference = weights
+    gen = torch.Generator().manual_seed(len(names))
+    w = torch.cat([reference[name] for name in names])
+    lin = _packed(g, names)
+    for t in (1, 6, 11):
+        x = torch.randn(t, COLS, generator=gen)
+        _assert_matmul_close(lin(x), x.double() @ w.T)
+    # a row map (llama's q/k un-permutation) reorders one part's rows in whatever form it is held
+    perm = torch.randperm(ROWS, generator=gen)
+    lin = _packed(g, names, row_maps={names[-1]: lambda rows: rows[perm]})
+    w = torch.cat([reference[name] for name in names[:-1]] + [reference[names[-1]][perm]])
+    x = torch.randn(7, COLS, generator=gen)
+    _assert_matmul_close(lin(x), x.double() @ w.T)
+
+
+# ------------------------------------------------------------------------ fused pre and post steps
+
+
+def _norm_weight(gen, n):
+    return 1.0 + 0.2 * torch.randn(n, generator=gen)
+
+
+def _call_cases(gen, t, rows, cols):
+    """(label, x, keyword arguments) for each combination the models use, and a few more."""
+    x = torch.randn(t, cols, generator=gen)
+    x2 = torch.randn(t, 2 * cols, generator=gen)
+    res = torch.randn(t, rows, generator=gen)
+    in_norm, out_norm = _norm_weight(gen, cols), _norm_weight(gen, rows)
+    return [
+        ("in_norm", 3.0 * x, dict(in_norm=in_norm, eps=1e-5)),
+        ("silu", x2, dict(act="silu")),
+        ("gelu_tanh", x2, dict(act="gelu_tanh")),
+        ("residual", x, dict(residual=res)),
+        ("out_norm+residual", x, dict(out_norm=out_norm, residual=res, eps=1e-6)),
+        ("softcap", 4.0 * x, dict(softcap=1.5)),
+        ("in_norm+out_norm+residual+softcap", x, dict(in_norm=in_norm, out_norm=out_norm, residual=res,
+                                                      eps=1e-6, softcap=1.0)),
+        ("gelu_tanh+out_norm+residual", x2, dict(act="gelu_tanh", out_norm=out_norm, residual=res, eps=1e-6)),
+        ("silu+residual+softcap", 2.0 * x2, dict(act="silu", residual=res, softcap=0.5)),
+    ]
+
+
+FUSED_STEP_NAMES = [["w.Q4_K"], ["w.Q4_0", "v.Q4_0"], ["w.Q5_K"], ["w.Q5_0", "v.Q5_0"], ["w.Q8_0", "v.Q8_0"],
+                    ["w.Q6_K", "p.Q6_K"], ["w.Q5_1", "v.Q5_1"], ["w.F32", "v.F32"]]
+
+
+@pytest.mark.parametrize("names", FUSED_STEP_NAMES, ids=[n[0][2:] for n in FUSED_STEP_NAMES])
+def test_fused_steps_match_dense_linear(kernels, weights, names):
+    g, _ = weights
+    gen = torch.Generator().manual_seed(11 + len(names[0]))
+    for name in names:
+        rows, cols = g.tensors[name].shape
+        packed, dense = _packed(g, [name]), _dense(g, [name])
+        for t in (1, 9):
+            for label, x, kwargs in _call_cases(gen, t, rows, cols):
+                got, expected = packed(x, **kwargs), dense(x, **kwargs)
+                assert got.shape == expected.shape == (t, rows), label
+                torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=lambda m: f"{label}: {m}")
+                if "softcap" in kwargs:
+                    cap = kwargs["softcap"]
+                    assert 0.8 * cap < got.abs().max() <= cap, label  # the cap did bite
+
+
+def test_in_norm_and_act_together_match_dense_linear(kernels, weights):
+    g, _ = weights
+    gen = torch.Generator().manual_seed(5)
+    packed, dense = _packed(g, ["w.Q8_0"]), _dense(g, ["w.Q8_0"])
+    x = 3.0 * torch.randn(4, 2 * COLS, generator=gen)
+    kwargs = dict(in_norm=_norm_weight(gen, 2 * COLS), eps=1e-6, act="silu")
+    torch.testing.assert_close(packed(x, **kwargs), dense(x, **kwargs), rtol=1e-4, atol=1e-4)
+
+
+def test_non_contiguous_residual_matches_dense_linear(kernels, weights):
+    g, _ = weights
+    gen = torch.Generator().manual_seed(6)
+    packed, dense = _packed(g, ["w.Q8_0"]), _dense(g, ["w.Q8_0"])
+    x = torch.randn(4, COLS, generator=gen)
+    residual = torch.randn(4, 2 * ROWS, generator=gen)[:, ::2]  # a strided view
+    assert not residual.is_contiguous()
+    torch.testing.assert_close(packed(x, residual=residual), dense(x, residual=residual), rtol=1e-4, atol=1e-4)
+
+
+# -------------------------------------------------------------------------------- row independence
+
+
+ROW_NAMES = ["w.Q4_0", "w.Q4_K", "w.Q5_0", "w.Q5_K", "w.Q8_0", "w.Q5_1", "w.Q6_K", "p.Q6_K", "w.F32"]
+
+
+@pytest.mark.parametrize("name", ROW_NAMES)
+def test_each_output_row_is_bitwise_independent_of_the_others(kernels, weights, name):
+    """lin(x) for the first T of 20 rows equals those rows' one-row calls exactly, for every T in 1..20
+    (full tiles of 8 or 4 rows, and every remainder), with and without the fused steps."""
+    g, _ = weights
+    gen = torch.Generator().manual_seed(17 + ROW_NAMES.index(name))
+    lin = _packed(g, [name])
+    in_norm, out_norm = _norm_weight(gen, COLS), _norm_weight(gen, ROWS)
+    x, x2 = torch.randn(20, COLS, generator=gen), torch.randn(20, 2 * COLS, generator=gen)
+    res = torch.randn(20, ROWS, generator=gen)
+    calls = [
+        ("plain", x, {}, False),
+        ("in_norm", x, dict(in_norm=in_norm, eps=1e-6), False),
+        ("gelu_tanh+out_norm+residual", x2, dict(act="gelu_tanh", out_norm=out_norm, eps=1e-6), True),
+        ("silu+residual+softcap", x2, dict(act="silu", softcap=1.0), True),
+    ]
+    for label, inp, kwargs, with_residual in calls:
+        call = lambda a, b: lin(inp[a:b], **kwargs, **({"residual": res[a:b]} if with_residual else {}))
+        one_by_one = torch.cat([call(i, i + 1) for i in range(20)])
+        for t in range(1, 21):
+            together = call(0, t)
+            assert torch.equal(together, one_by_one[:t]), (label, t, (together - one_by_one[:t]).abs().max().item())
+
+
+# ------------------------------------------------------------------------------------- tiny models
+
+
+MODEL_CASES = [("llama", True), ("llama", False), ("gemma3", True), ("gemma3", False)]
+WINDOW = 6  # gemma3's local layers: smaller than every sequence below
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_native")
+    paths = {}
+    for arch, quantize in MODEL_CASES:
+        path = folder / f"{arch}_{'q8' if quantize else 'f32'}.gguf"
+        if arch == "llama":
+            paths[arch, quantize] = write_tiny_llama(path, seed=3, quantize=quantize)
+        else:
+            paths[arch, quantize] = write_tiny_gemma3(path, seed=3, window=WINDOW, quantize=quantize)
+    return paths
+
+
+def _compact(path):
+    model = load_model(GGUFFile(path), weights="compact")
+    # the kernels, not the dense fallback, run every step (else these tests would compare torch with itself)
+    assert isinstance(model.output, PackedLinear)
+    assert all(isinstance(lin, PackedLinear) for layer in model.layers
+               for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+    assert model.attention.kernels is not None
+    return model
+
+
+def _tokens(n, vocab, seed):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch,quantize", MODEL_CASES, ids=[f"{a}-{'q8' if q else 'f32'}" for a, q in MODEL_CASES])
+def test_compact_logits_match_dense_logits(kernels, tiny_models, arch, quantize):
+    path = tiny_models[arch, quantize]
+    compact, dense = _compact(path), load_model(GGUFFile(path), weights="dense")
+    assert isinstance(dense.output, DenseLinear)
+    vocab = compact.config.vocab_size
+    for n in (40, 70):  # 70 > the 64-row prefill chunk of the packed path
+        tokens = _tokens(n, vocab, seed=n)
+        got = compact.forward(tokens, 0, compact.new_cache(96))
+        expected = dense.forward(tokens, 0, dense.new_cache(96))
+        assert got.shape == expected.shape == (n, vocab)
+        assert expected.abs().max() > 1.0
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+        # and continuing from a cache: 5 more tokens after the n
+        more = _tokens(5, vocab, seed=n + 1)
+        cache_c, cache_d = compact.new_cache(96), dense.new_cache(96)
+        compact.forward(tokens, 0, cache_c)
+        dense.forward(tokens, 0, cache_d)
+        torch.testing.assert_close(compact.forward(more, n, cache_c), dense.forward(more, n, cache_d),
+                                   rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch,quantize", MODEL_CASES, ids=[f"{a}-{'q8' if q else 'f32'}" for a, q in MODEL_CASES])
+def test_compact_batched_forward_equals_single_token_forwards_bitwise(kernels, tiny_models, arch, quantize):
+    """A verify pass over k tokens gives exactly the logits of k decoding steps (k = 3, 9, 17), and after
+    rolling the cache back into the block, the next step is exactly plain decoding's."""
+    model = _compact(tiny_models[arch, quantize])
+    # positions 50..66: past the gemma3 window, and across the kernel's 64-position key block
+    vocab, prefix_len, longest = model.config.vocab_size, 50, 17
+    prefix = _tokens(prefix_len, vocab, seed=1)
+    block = _tokens(longest, vocab, seed=2)
+    replacement = _tokens(1, vocab, seed=3)
+    max_len = prefix_len + longest + 8
+
+    # plain decoding: the prefix, then one token per forward
+    plain_cache = model.new_cache(max_len)
+    model.forward(prefix, 0, plain_cache)
+    single = torch.cat([model.forward(block[i:i + 1], prefix_len + i, plain_cache) for i in range(longest)])
+    assert single.shape == (longest, vocab)
+
+    # verify passes of k drafted tokens after the same prefix, each rolled back before the next
+    cache = model.new_cache(max_len)
+    model.forward(prefix, 0, cache)
+    for k in (17, 9, 3):  # longest first, so each rollback below only shortens the plain cache
+        batched = model.forward(block[:k], prefix_len, cache)
+        assert torch.equal(batched, single[:k]), (k, (batched - single[:k]).abs().max().item())
+        # keep j of the k drafted tokens, then decode a different one: exactly plain decoding's step
+        j = k // 2
+        cache.truncate(prefix_len + j)
+        after_rollback = model.forward(replacement, prefix_len + j, cache)
+        plain_cache.truncate(prefix_len + j)
+        plain = model.forward(replacement, prefix_len + j, plain_cache)
+        assert torch.equal(after_rollback, plain), (k, j, (after_rollback - plain).abs().max().item())
+        cache.truncate(prefix_len)
