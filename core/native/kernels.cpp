@@ -145,35 +145,50 @@ static inline float half_to_float(uint16_t h) {
   return f;
 #endif
 }
-static inline float scalar(const float* p, int64_t i) { return p[i]; }
-static inline float scalar(const uint16_t* p, int64_t i) { return half_to_float(p[i]); }
+// A weight row's scales (or zeros) as float32: float32 ones are read in place, float16 ones converted
+// once per row into buf, so the inner loop broadcasts them straight from memory.
+constexpr int64_t MAX_ROW_SCALES = 4096;  // K / 16 for K up to 65536
+static inline const float* row_floats(const float* p, int64_t n, int64_t count, float*) { return p ? p + n * count : nullptr; }
+static inline const float* row_floats(const uint16_t* p, int64_t n, int64_t count, float* buf) {
+  if (!p) return nullptr;
+  p += n * count;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= count; i += 16)
+    _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i))));
+#endif
+  for (; i < count; ++i) buf[i] = half_to_float(p[i]);
+  return buf;
+}
 
 // ------------------------------------------------------------------------------------ weight formats
 //
 // Each format yields a weight row's values 32 at a time, as two vectors (positions 0-15 and 16-31 of
-// the group), dequantized exactly as w = scale * code + zero.
+// the group), dequantized exactly as w = scale * code + zero, given the row's scales s and zeros z as
+// float32 (SCALES per group of 32).
 
 template <class S>
 struct Q4 {  // 4-bit codes, two per byte: byte j of a group holds code j (low nibble) and j + 16 (high)
+  static constexpr int SCALES = 1;
   const uint8_t* codes;
   const S* scales;
   const S* zeros;
   int64_t groups;  // per row: K / 32
-  inline void group(int64_t n, int64_t g, v16f& a, v16f& b) const {
+  inline void group(int64_t n, int64_t g, const float* s, const float* z, v16f& a, v16f& b) const {
     v16i w = widen_u8(codes + (n * groups + g) * 16);
-    float s = scalar(scales, n * groups + g), z = scalar(zeros, n * groups + g);
-    a = __builtin_convertvector(w & 15, v16f) * s + z;
-    b = __builtin_convertvector(w >> 4, v16f) * s + z;
+    a = __builtin_convertvector(w & 15, v16f) * s[g] + z[g];
+    b = __builtin_convertvector(w >> 4, v16f) * s[g] + z[g];
   }
 };
 
 template <class S>
 struct Q5 {  // 5-bit codes: per group 20 bytes, the low 4 bits packed as in Q4, then bit 4 of code j at bit j
+  static constexpr int SCALES = 1;
   const uint8_t* codes;
   const S* scales;
   const S* zeros;
   int64_t groups;
-  inline void group(int64_t n, int64_t g, v16f& a, v16f& b) const {
+  inline void group(int64_t n, int64_t g, const float* s, const float* z, v16f& a, v16f& b) const {
     const uint8_t* p = codes + (n * groups + g) * 20;
     v16i w = widen_u8(p);
     uint32_t high;
@@ -181,43 +196,56 @@ struct Q5 {  // 5-bit codes: per group 20 bytes, the low 4 bits packed as in Q4,
     const v16i lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     v16i top_a = ((v16i{} + static_cast<int32_t>((high & 0xffffu) << 4)) >> lanes) & 16;
     v16i top_b = ((v16i{} + static_cast<int32_t>((high >> 16) << 4)) >> lanes) & 16;
-    float s = scalar(scales, n * groups + g), z = scalar(zeros, n * groups + g);
-    a = __builtin_convertvector((w & 15) | top_a, v16f) * s + z;
-    b = __builtin_convertvector((w >> 4) | top_b, v16f) * s + z;
+    a = __builtin_convertvector((w & 15) | top_a, v16f) * s[g] + z[g];
+    b = __builtin_convertvector((w >> 4) | top_b, v16f) * s[g] + z[g];
   }
 };
 
 template <int G, bool ZERO, class S>  // int8 codes, one scale (and zero) per G = 16 or 32 weights
 struct Q8 {
+  static constexpr int SCALES = 32 / G;
   const int8_t* codes;
   const S* scales;
   const S* zeros;
   int64_t k;
-  inline void group(int64_t n, int64_t g, v16f& a, v16f& b) const {
+  inline void group(int64_t n, int64_t g, const float* s, const float* z, v16f& a, v16f& b) const {
     const int8_t* p = codes + n * k + g * 32;
     a = widen_i8(p);
     b = widen_i8(p + 16);
     if constexpr (G == 32) {
-      int64_t i = n * (k / 32) + g;
-      float s = scalar(scales, i);
-      if constexpr (ZERO) { float z = scalar(zeros, i); a = a * s + z; b = b * s + z; }
-      else { a = a * s; b = b * s; }
+      if constexpr (ZERO) { a = a * s[g] + z[g]; b = b * s[g] + z[g]; }
+      else { a = a * s[g]; b = b * s[g]; }
     } else {
-      int64_t i = n * (k / 16) + g * 2;
-      float sa = scalar(scales, i), sb = scalar(scales, i + 1);
-      if constexpr (ZERO) { a = a * sa + scalar(zeros, i); b = b * sb + scalar(zeros, i + 1); }
-      else { a = a * sa; b = b * sb; }
+      if constexpr (ZERO) { a = a * s[2 * g] + z[2 * g]; b = b * s[2 * g + 1] + z[2 * g + 1]; }
+      else { a = a * s[2 * g]; b = b * s[2 * g + 1]; }
     }
   }
 };
 
 struct F32 {
+  static constexpr int SCALES = 1;
   const float* w;
+  const float* scales = nullptr;
+  const float* zeros = nullptr;
   int64_t k;
-  inline void group(int64_t n, int64_t g, v16f& a, v16f& b) const {
+  inline void group(int64_t n, int64_t g, const float*, const float*, v16f& a, v16f& b) const {
     a = load16(w + n * k + g * 32);
     b = load16(w + n * k + g * 32 + 16);
   }
+};
+
+// The row's scales and zeros as float32, then its groups: what every kernel loops over.
+template <class W>
+struct RowReader {
+  const W& w;
+  int64_t groups;
+  float s_buf[MAX_ROW_SCALES], z_buf[MAX_ROW_SCALES];
+  const float *s = nullptr, *z = nullptr;
+  inline void start(int64_t n) {
+    s = row_floats(w.scales, n, groups * W::SCALES, s_buf);
+    z = row_floats(w.zeros, n, groups * W::SCALES, z_buf);
+  }
+  inline void group(int64_t n, int64_t g, v16f& a, v16f& b) const { w.group(n, g, s, z, a, b); }
 };
 
 // y[r, n] for R rows of x against weight rows n0..n1. Each row has its own two accumulators (one per
@@ -226,12 +254,14 @@ struct F32 {
 template <class W, int R>
 static void tile(const W& w, int64_t groups, const float* x, int64_t ldx, float* y, int64_t ldy,
                  int64_t n0, int64_t n1) {
+  RowReader<W> row{w, groups};
   for (int64_t n = n0; n < n1; ++n) {
     v16f acc_a[R], acc_b[R];
     for (int r = 0; r < R; ++r) acc_a[r] = acc_b[r] = v16f{};
+    row.start(n);
     for (int64_t g = 0; g < groups; ++g) {
       v16f a, b;
-      w.group(n, g, a, b);
+      row.group(n, g, a, b);
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * ldx + g * 32;
         acc_a[r] = acc_a[r] + a * load16(xr);
@@ -331,7 +361,7 @@ static void with_format(int64_t kind, const torch::Tensor& codes, const torch::T
   } else if (kind == 3) {
     f(Q5<S>{codes.data_ptr<uint8_t>(), s, z, k / 32});
   } else {
-    f(F32{codes.data_ptr<float>(), k});
+    f(F32{codes.data_ptr<float>(), nullptr, nullptr, k});
   }
 }
 
@@ -350,7 +380,7 @@ torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::
                      int64_t act, c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> out_norm,
                      double softcap) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "linear: x must be contiguous float32");
-  TORCH_CHECK(k % 32 == 0, "linear: K must be a multiple of 32");
+  TORCH_CHECK(k % 32 == 0 && k / 16 <= MAX_ROW_SCALES, "linear: K must be a multiple of 32, at most 65536");
   int64_t rows = x.numel() / x.size(-1);
   const float* xin = x.data_ptr<float>();
   int64_t width = act != ACT_NONE ? 2 * k : k;
@@ -405,10 +435,12 @@ torch::Tensor dequantize_rows(torch::Tensor rows, int64_t kind, torch::Tensor co
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < codes.size(0), "dequantize_rows: row ", ip[i], " out of range");
   float* op = out.data_ptr<float>();
   auto rows_of = [&](const auto& w) {
+    RowReader<std::decay_t<decltype(w)>> row{w, k / 32};
     for (int64_t i = 0; i < n; ++i) {
+      row.start(ip[i]);
       for (int64_t g = 0; g < k / 32; ++g) {
         v16f a, b;
-        w.group(ip[i], g, a, b);
+        row.group(ip[i], g, a, b);
         store16(op + i * k + g * 32, a);
         store16(op + i * k + g * 32 + 16, b);
       }
