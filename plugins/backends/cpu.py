@@ -1,6 +1,6 @@
-"""The CPU backend: torch on the host. Weights stay compact (GGUF 4-bit types as int4, other quantized
-types as int8, run by torch's weight-only kernels) and activations are float32; `weights = dense`
-dequantizes everything to `dtype` instead, for exact float32 arithmetic."""
+"""The CPU backend. Weights stay compact, as the GGUF's own codes with float32 (or exact float16) scales,
+and run through Outrider's kernels (`outrider.native`, built on first use) with float32 activations;
+`weights = dense` dequantizes everything to `dtype` and runs torch's ops instead."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def register_backends(register):
     register("cpu", CPUBackend, options={
         "dtype": (str, "float32", f"weights and activations: {', '.join(DTYPES)}"),
         "weights": (str, "compact", f"how weights are held: {', '.join(WEIGHT_MODES)} (see README, Numerics)"),
-        "batch_invariant": (bool, True, "attention in float64, so verify passes give bit for bit the logits of "
-                            "single steps and greedy speculation equals plain decoding; false is 5-20% faster "
-                            "past a few hundred tokens of context, and may part from plain decoding at near-ties"),
+        "batch_invariant": (bool, True, "with weights=dense: attention in float64, so verify passes give bit for "
+                            "bit the logits of single steps and greedy speculation equals plain decoding (the "
+                            "compact kernels are batch invariant by construction)"),
         "threads": (int, 0, "torch intra-op threads; 0 keeps torch's default (one per core)"),
     })
