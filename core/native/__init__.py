@@ -60,6 +60,6 @@ def load():
                                       extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as e:  # a missing compiler or ninja, or a compile error: say which, in one line
         lines = [line for line in (str(e) + "\n" + log.getvalue()).splitlines() if line.strip()]
-        reason = next((line for line in lines if "error" in line.lower()), lines[0] if lines else type(e).__name__)
+        reason = next((line for line in lines if "error:" in line), lines[-1] if lines else type(e).__name__)
         raise NativeUnavailable(f"could not build the CPU kernels ({reason.strip()[:200]}); "
                                 "install g++ and ninja (pip install ninja)") from e

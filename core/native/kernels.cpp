@@ -174,6 +174,7 @@ struct Q4 {  // 4-bit codes, two per byte: byte j of a group holds code j (low n
   const S* scales;
   const S* zeros;
   int64_t groups;  // per row: K / 32
+  inline const void* row_codes(int64_t n, int64_t& bytes) const { bytes = groups * 16; return codes + n * bytes; }
   inline void group(int64_t n, int64_t g, const float* s, const float* z, v16f& a, v16f& b) const {
     v16i w = widen_u8(codes + (n * groups + g) * 16);
     a = __builtin_convertvector(w & 15, v16f) * s[g] + z[g];
@@ -188,6 +189,7 @@ struct Q5 {  // 5-bit codes: per group 20 bytes, the low 4 bits packed as in Q4,
   const S* scales;
   const S* zeros;
   int64_t groups;
+  inline const void* row_codes(int64_t n, int64_t& bytes) const { bytes = groups * 20; return codes + n * bytes; }
   inline void group(int64_t n, int64_t g, const float* s, const float* z, v16f& a, v16f& b) const {
     const uint8_t* p = codes + (n * groups + g) * 20;
     v16i w = widen_u8(p);
@@ -208,6 +210,7 @@ struct Q8 {
   const S* scales;
   const S* zeros;
   int64_t k;
+  inline const void* row_codes(int64_t n, int64_t& bytes) const { bytes = k; return codes + n * k; }
   inline void group(int64_t n, int64_t g, const float* s, const float* z, v16f& a, v16f& b) const {
     const int8_t* p = codes + n * k + g * 32;
     a = widen_i8(p);
@@ -228,6 +231,7 @@ struct F32 {
   const float* scales = nullptr;
   const float* zeros = nullptr;
   int64_t k;
+  inline const void* row_codes(int64_t n, int64_t& bytes) const { bytes = k * 4; return w + n * k; }
   inline void group(int64_t n, int64_t g, const float*, const float*, v16f& a, v16f& b) const {
     a = load16(w + n * k + g * 32);
     b = load16(w + n * k + g * 32 + 16);
@@ -246,22 +250,55 @@ struct RowReader {
     z = row_floats(w.zeros, n, groups * W::SCALES, z_buf);
   }
   inline void group(int64_t n, int64_t g, v16f& a, v16f& b) const { w.group(n, g, s, z, a, b); }
+  // Ask for row n's codes ahead of use: the rows stream from DRAM once per token.
+  inline void prefetch(int64_t n) const {
+    int64_t bytes;
+    const char* p = static_cast<const char*>(w.row_codes(n, bytes));
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+  }
 };
 
-// y[r, n] for R rows of x against weight rows n0..n1. Each row has its own two accumulators (one per
-// half of a group, so two FMA chains run at once), updated in the same order for every R: this is what
-// makes the result independent of the tile.
+constexpr int64_t PREFETCH_ROWS = 4;
+
+// y[r, n] for R rows of x against weight rows n0..n1. Each row of x has its own two accumulators per
+// weight row (one per half of a group), updated in the same order for every R: this is what makes the
+// result independent of the tile. With few rows of x, two weight rows go together, so that four
+// accumulator chains (not two) hide the latency of the FMAs.
 template <class W, int R>
 static void tile(const W& w, int64_t groups, const float* x, int64_t ldx, float* y, int64_t ldy,
                  int64_t n0, int64_t n1) {
-  RowReader<W> row{w, groups};
-  for (int64_t n = n0; n < n1; ++n) {
+  constexpr int C = R <= 4 ? 2 : 1;
+  RowReader<W> rows[2] = {{w, groups}, {w, groups}};
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) {
+    v16f acc_a[C][R], acc_b[C][R];
+    for (int c = 0; c < C; ++c) {
+      for (int r = 0; r < R; ++r) acc_a[c][r] = acc_b[c][r] = v16f{};
+      rows[c].start(n + c);
+      if (n + c + PREFETCH_ROWS < n1) rows[c].prefetch(n + c + PREFETCH_ROWS);
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      v16f a[C], b[C];
+      for (int c = 0; c < C; ++c) rows[c].group(n + c, g, a[c], b[c]);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * ldx + g * 32;
+        v16f xa = load16(xr), xb = load16(xr + 16);
+        for (int c = 0; c < C; ++c) {
+          acc_a[c][r] = acc_a[c][r] + a[c] * xa;
+          acc_b[c][r] = acc_b[c][r] + b[c] * xb;
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) y[r * ldy + n + c] = hsum(acc_a[c][r] + acc_b[c][r]);
+  }
+  for (; n < n1; ++n) {  // an odd last row
     v16f acc_a[R], acc_b[R];
     for (int r = 0; r < R; ++r) acc_a[r] = acc_b[r] = v16f{};
-    row.start(n);
+    rows[0].start(n);
     for (int64_t g = 0; g < groups; ++g) {
       v16f a, b;
-      row.group(n, g, a, b);
+      rows[0].group(n, g, a, b);
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * ldx + g * 32;
         acc_a[r] = acc_a[r] + a * load16(xr);
