@@ -182,7 +182,8 @@ def test_packed_linear_matches_float64_matmul_of_the_reference_weight(kernels, w
     names += ["p.Q6_K"] if qtype == Q.Q6_K else []
     for name in names:
         lin, w = _packed(g, [name]), reference[name]
-        for t in (1, 5, 8, 13):  # single rows, a partial tile, a full tile (8 with AVX-512), tile + rest
+        # single rows, a partial tile, a full tile (8 with AVX-512), tile + rest; 40 and 70 take the panel path
+        for t in (1, 5, 8, 13, 40, 70):
             x = torch.randn(t, w.shape[1], generator=gen)
             _assert_matmul_close(lin(x), x.double() @ w.T)
         # 3-D input: rows are everything but the last dimension
@@ -303,8 +304,9 @@ def test_each_output_row_is_bitwise_independent_of_the_others(kernels, weights, 
     gen = torch.Generator().manual_seed(17 + ROW_NAMES.index(name))
     lin = _packed(g, [name])
     in_norm, out_norm = _norm_weight(gen, COLS), _norm_weight(gen, ROWS)
-    x, x2 = torch.randn(20, COLS, generator=gen), torch.randn(20, 2 * COLS, generator=gen)
-    res = torch.randn(20, ROWS, generator=gen)
+    # up to 32 rows: every verify pass a draft of up to 31 tokens makes (longer forwards are prompts)
+    x, x2 = torch.randn(32, COLS, generator=gen), torch.randn(32, 2 * COLS, generator=gen)
+    res = torch.randn(32, ROWS, generator=gen)
     calls = [
         ("plain", x, {}, False),
         ("in_norm", x, dict(in_norm=in_norm, eps=1e-6), False),
@@ -313,8 +315,8 @@ def test_each_output_row_is_bitwise_independent_of_the_others(kernels, weights, 
     ]
     for label, inp, kwargs, with_residual in calls:
         call = lambda a, b: lin(inp[a:b], **kwargs, **({"residual": res[a:b]} if with_residual else {}))
-        one_by_one = torch.cat([call(i, i + 1) for i in range(20)])
-        for t in range(1, 21):
+        one_by_one = torch.cat([call(i, i + 1) for i in range(32)])
+        for t in range(1, 33):
             together = call(0, t)
             assert torch.equal(together, one_by_one[:t]), (label, t, (together - one_by_one[:t]).abs().max().item())
 

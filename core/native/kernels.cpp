@@ -402,11 +402,88 @@ static void with_format(int64_t kind, const torch::Tensor& codes, const torch::T
   }
 }
 
+// Prompts: many rows of x. Four weight rows are dequantized once into a float panel (for every row of x,
+// not once per tile), then 4 x 4 blocks of dot products run at the FMA units' pace, and a shuffle tree
+// turns the block's 16 accumulators into 16 sums at once. The sums come in another order than the
+// per-row kernel's, so only forwards over more than PANEL_MIN_ROWS rows (a prompt, never a verify pass
+// of up to 32 tokens) take this path.
+constexpr int64_t PANEL_MIN_ROWS = 33;
+
+#if defined(__AVX512F__)
+template <int... I>
+static inline v16f pick(v16f a, v16f b) { return __builtin_shufflevector(a, b, I...); }
+
+// v[0..15] -> one vector whose lane i is the sum of v[i]'s lanes
+static inline v16f sum16(v16f* v) {
+  v16f c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    c[i] = pick<0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23>(v[2 * i], v[2 * i + 1]) +
+           pick<8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31>(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i)
+    d[i] = pick<0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27>(c[2 * i], c[2 * i + 1]) +
+           pick<4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31>(c[2 * i], c[2 * i + 1]);
+  for (int i = 0; i < 2; ++i)
+    e[i] = pick<0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29>(d[2 * i], d[2 * i + 1]) +
+           pick<2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31>(d[2 * i], d[2 * i + 1]);
+  return pick<0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30>(e[0], e[1]) +
+         pick<1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31>(e[0], e[1]);
+}
+
+template <class W>
+static void panel_matmul(const W& w, int64_t groups, const float* x, int64_t rows, int64_t k, float* y,
+                         int64_t n_out) {
+  at::parallel_for(0, (n_out + 3) / 4, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> panel(4 * k);
+    RowReader<W> row{w, groups};
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      int64_t n = blk * 4, cols = std::min<int64_t>(4, n_out - n);
+      for (int64_t c = 0; c < 4; ++c) {
+        float* pc = panel.data() + c * k;
+        if (c >= cols) { std::fill(pc, pc + k, 0.0f); continue; }
+        row.start(n + c);
+        for (int64_t g = 0; g < groups; ++g) {
+          v16f a, b;
+          row.group(n + c, g, a, b);
+          store16(pc + g * 32, a);
+          store16(pc + g * 32 + 16, b);
+        }
+      }
+      const float* p = panel.data();
+      for (int64_t r = 0; r < rows; r += 4) {
+        const float* xr[4];
+        for (int i = 0; i < 4; ++i) xr[i] = x + std::min<int64_t>(r + i, rows - 1) * k;
+        v16f acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = v16f{};
+        for (int64_t e = 0; e < k; e += 16) {
+          v16f p0 = load16(p + e), p1 = load16(p + k + e), p2 = load16(p + 2 * k + e), p3 = load16(p + 3 * k + e);
+          for (int i = 0; i < 4; ++i) {
+            v16f xv = load16(xr[i] + e);
+            acc[4 * i] = acc[4 * i] + p0 * xv;
+            acc[4 * i + 1] = acc[4 * i + 1] + p1 * xv;
+            acc[4 * i + 2] = acc[4 * i + 2] + p2 * xv;
+            acc[4 * i + 3] = acc[4 * i + 3] + p3 * xv;
+          }
+        }
+        float sums[16];
+        store16(sums, sum16(acc));
+        for (int i = 0; i < 4 && r + i < rows; ++i)
+          for (int c = 0; c < cols; ++c) y[(r + i) * n_out + n + c] = sums[4 * i + c];
+      }
+    }
+  });
+}
+#endif
+
 template <class S>
 static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Tensor& scales,
                        const torch::Tensor& zeros, int64_t group, int64_t groups, const float* x, int64_t rows,
                        int64_t k, float* y, int64_t n_out) {
-  with_format<S>(kind, codes, scales, zeros, group, k, [&](const auto& w) { matmul(w, groups, x, rows, k, y, n_out); });
+  with_format<S>(kind, codes, scales, zeros, group, k, [&](const auto& w) {
+#if defined(__AVX512F__)
+    if (rows >= PANEL_MIN_ROWS) return panel_matmul(w, groups, x, rows, k, y, n_out);
+#endif
+    matmul(w, groups, x, rows, k, y, n_out);
+  });
 }
 
 // y = post(W @ pre(x)). pre: rms_norm with in_norm, or act(gate) * up over the two halves of x.
