@@ -13,6 +13,7 @@ import hashlib
 import io
 import os
 import platform
+import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -53,6 +54,8 @@ def load():
     key = build_key()
     folder = outrider_home() / "native" / key
     folder.mkdir(parents=True, exist_ok=True)
+    if not any(folder.glob("*.so")):
+        print("outrider: building the CPU kernels for this machine (once, about a minute)", file=sys.stderr)
     log = io.StringIO()
     try:
         with redirect_stdout(log), redirect_stderr(log):
