@@ -13,6 +13,11 @@ scale fields: every such byte string is a valid block.
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -409,3 +414,18 @@ def test_compact_batched_forward_equals_single_token_forwards_bitwise(kernels, t
         plain = model.forward(replacement, prefix_len + j, plain_cache)
         assert torch.equal(after_rollback, plain), (k, j, (after_rollback - plain).abs().max().item())
         cache.truncate(prefix_len)
+
+
+# ------------------------------------------------------------------------------------ other CPU levels
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 CPU levels")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_kernels_built_for_other_cpu_levels_pass_the_fast_tests(march):
+    """The AVX2 build (CPUs without AVX-512, like some of our machines) and the portable build (no x86
+    intrinsics, no F16C) take code paths that -march=native skips here: run this file's fast tests on them."""
+    env = dict(os.environ, OUTRIDER_NATIVE_MARCH=march)
+    done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-m", "not slow", "-p", "no:cacheprovider"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
