@@ -8,7 +8,8 @@
   slope, which is optimistic so that longer drafts get tried);
 - the drafter's cost per drafted token (a running average);
 - the per-position conditional acceptance a_j = P(draft j accepted | draft j-1 accepted), as running
-  averages over the rounds that reached position j.
+  averages over the rounds that reached position j; a position no round has reached yet is assumed to
+  do as well as the deepest one measured, so a drafter that is always right gets to draft further.
 
 Expected tokens for k drafts: 1 + sum_{i<=k} prod_{j<=i} a_j (the recovered/bonus token included).
 Rounds that draft nothing let the acceptance estimates drift back towards the prior, so a drafter
@@ -43,9 +44,11 @@ class AdaptiveDraftLength:
     verify_s: dict[int, float] = field(default_factory=dict)
     draft_s_per_token: float | None = None
     acceptance: list[float] = field(default_factory=list)
+    reached: list[int] = field(default_factory=list)  # rounds that drafted position j + 1
 
     def __post_init__(self) -> None:
         self.acceptance = [self.prior_acceptance] * self.cap
+        self.reached = [0] * self.cap
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
@@ -67,9 +70,11 @@ class AdaptiveDraftLength:
         return max(self.verify_s[anchor] + self.initial_slope * base * (n - anchor), 1e-9)
 
     def expected_tokens(self, k: int) -> float:
-        total, survive = 1.0, 1.0
+        total, survive, deepest = 1.0, 1.0, None
         for j in range(k):
-            survive *= self.acceptance[j]
+            if self.reached[j]:
+                deepest = self.acceptance[j]
+            survive *= self.acceptance[j] if self.reached[j] or deepest is None else deepest
             total += survive
         return total
 
@@ -90,5 +95,6 @@ class AdaptiveDraftLength:
             return
         self.draft_s_per_token = self._average(self.draft_s_per_token, draft_s / drafted)
         for j in range(min(drafted, accepted + 1)):
+            self.reached[j] += 1
             hit = 1.0 if j < accepted else 0.0
             self.acceptance[j] = self._average(self.acceptance[j], hit)

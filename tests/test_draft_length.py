@@ -50,3 +50,15 @@ def test_unmeasured_lengths_are_interpolated():
     p = AdaptiveDraftLength(verify_s={1: 1.0, 5: 2.0})
     assert abs(p.verify_cost(3) - 1.5) < 1e-12
     assert p.verify_cost(9) > 2.0
+
+
+def test_an_always_right_drafter_gets_to_draft_past_what_it_has_tried():
+    # Positions 1-3 always accepted, 4 and beyond never reached; verify(n) = 1 + 0.2 (n - 1).
+    # With the prior (0.6) there: rate(3) = 4 / 1.6 = 2.50, rate(4) = 4.6 / 1.8 = 2.56,
+    # rate(5) = 4.96 / 2.0 = 2.48, so k = 4 and position 5 would never be tried.
+    # Taking the deepest measured position's 1.0: rate(k) = (k + 1) / (1 + 0.2 k) grows with k: the cap, 8.
+    p = AdaptiveDraftLength(cap=8, verify_s={n: 1 + 0.2 * (n - 1) for n in range(1, 10)}, draft_s_per_token=0.0)
+    for _ in range(10):
+        p.update(3, 3, 0.0, 1.6)
+    p.verify_s = {n: 1 + 0.2 * (n - 1) for n in range(1, 10)}  # undo the running average of n = 4
+    assert p.choose() == 8
