@@ -12,6 +12,9 @@
   do as well as the deepest one measured, so a drafter that is always right gets to draft further.
 
 Expected tokens for k drafts: 1 + sum_{i<=k} prod_{j<=i} a_j (the recovered/bonus token included).
+A cost is only measured for the lengths that get chosen, so one slow round could price longer drafts out
+for good; every `explore_every`-th round that drafts therefore asks for 2k + 1 tokens instead of k, and
+the costs (and acceptance) further out are measured again.
 Rounds that draft nothing let the acceptance estimates drift back towards the prior, so a drafter
 that was poor in one stretch of text is tried again later.
 """
@@ -41,6 +44,8 @@ class AdaptiveDraftLength:
     smoothing: float = 0.3  # weight of the newest observation in every running average
     recovery: float = 0.03  # per idle round, how far acceptance estimates move back to the prior
     initial_slope: float = 0.03  # assumed extra verify cost per extra token before any is measured
+    explore_every: int = 8
+    rounds: int = 0
     verify_s: dict[int, float] = field(default_factory=dict)
     draft_s_per_token: float | None = None
     acceptance: list[float] = field(default_factory=list)
@@ -85,9 +90,12 @@ class AdaptiveDraftLength:
             rate = self.expected_tokens(k) / (self.verify_cost(k + 1) + k * draft_cost)
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        if 0 < best_k < self.cap and self.rounds % self.explore_every == self.explore_every - 1:
+            return min(2 * best_k + 1, self.cap)
         return best_k
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        self.rounds += 1
         n = drafted + 1
         self.verify_s[n] = self._average(self.verify_s.get(n), verify_s)
         if drafted == 0:

@@ -62,3 +62,15 @@ def test_an_always_right_drafter_gets_to_draft_past_what_it_has_tried():
         p.update(3, 3, 0.0, 1.6)
     p.verify_s = {n: 1 + 0.2 * (n - 1) for n in range(1, 10)}  # undo the running average of n = 4
     assert p.choose() == 8
+
+
+def test_a_stale_high_cost_is_measured_again():
+    # One slow round priced n = 8 at 10x; interpolated, k = 1 (n = 2) looks best for good. Every eighth
+    # round asks for 2k + 1 = 3 tokens, so the costs past n = 2 are measured again.
+    p = AdaptiveDraftLength(cap=8, verify_s={1: 1.0, 2: 1.1, 8: 10.0}, draft_s_per_token=0.0)
+    chosen = []
+    for _ in range(8):
+        k = p.choose()
+        chosen.append(k)
+        p.update(k, k, 0.0, 1.0 + 0.1 * k)
+    assert chosen[:7] == [1] * 7 and chosen[7] == 3
