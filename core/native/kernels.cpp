@@ -39,44 +39,34 @@ static inline v16f load16(const float* p) { v16f v; std::memcpy(&v, p, sizeof v)
 static inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
 static inline v16f splat(float x) { return v16f{} + x; }
 
-// 16 bytes to 16 int32 lanes. GCC scalarizes __builtin_convertvector from byte vectors, so x86 gets the
-// widening moves by name.
-static inline v16i widen_u8(const uint8_t* p) {
+// 16 bytes to 16 int32 lanes, zero- or sign-extended. GCC scalarizes __builtin_convertvector from byte
+// vectors, so x86 gets the widening moves by name.
+template <bool SIGNED>
+static inline v16i widen(const void* p) {
   v16i w;
 #if defined(__AVX512F__)
-  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m128i raw = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  __m512i v = SIGNED ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
   std::memcpy(&w, &v, sizeof w);
 #elif defined(__AVX2__)
-  __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  const char* c = static_cast<const char*>(p);
+  __m128i raw_lo = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+  __m128i raw_hi = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8));
+  __m256i lo = SIGNED ? _mm256_cvtepi8_epi32(raw_lo) : _mm256_cvtepu8_epi32(raw_lo);
+  __m256i hi = SIGNED ? _mm256_cvtepi8_epi32(raw_hi) : _mm256_cvtepu8_epi32(raw_hi);
   std::memcpy(&w, &lo, 32);
   std::memcpy(reinterpret_cast<char*>(&w) + 32, &hi, 32);
 #else
   v16u8 raw;
   std::memcpy(&raw, p, 16);
   w = __builtin_convertvector(raw, v16i);
+  if (SIGNED) w = (w ^ 128) - 128;
 #endif
   return w;
 }
 
-static inline v16f widen_i8(const int8_t* p) {
-  v16i w;
-#if defined(__AVX512F__)
-  __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  std::memcpy(&w, &v, sizeof w);
-#elif defined(__AVX2__)
-  __m256i lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  __m256i hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-  std::memcpy(&w, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&w) + 32, &hi, 32);
-#else
-  v16u8 raw;
-  std::memcpy(&raw, p, 16);
-  w = __builtin_convertvector(raw, v16i);
-  w = (w ^ 128) - 128;
-#endif
-  return __builtin_convertvector(w, v16f);
-}
+static inline v16i widen_u8(const uint8_t* p) { return widen<false>(p); }
+static inline v16f widen_i8(const int8_t* p) { return __builtin_convertvector(widen<true>(p), v16f); }
 
 // A fixed reduction tree: the same sum for the same lanes, on every call.
 static inline float hsum(v16f v) {
