@@ -169,13 +169,6 @@ def block_codes(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.n
     raise ValueError(f"no codes for {qtype.name}")
 
 
-def int4_parts(raw: np.ndarray, qtype: Q, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The GGUF's own 4-bit codes [rows, K] and per-32 scale and zero [rows, K/32], rows first."""
-    codes, scale, zero, _ = block_codes(raw, qtype)
-    as_rows = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, -1)
-    return as_rows(codes), as_rows(scale), as_rows(zero)
-
-
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """[N, K] codes 0..15 -> [N, K/2] bytes, byte j of each group of 32 = code j | code j+16 << 4."""
     c = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2, 16)
