@@ -108,18 +108,14 @@ class Gemma3:
         # rounded to the model dtype first, as the reference implementations do
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=dtype)
         self.layers = [_Layer(g, i, native, dtype, device) for i in range(cfg.n_layers)]
-        native_attention = native and cfg.head_dim % 16 == 0
         self.attention = Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.attention_scale, cfg.eps,
-                                   native_attention)
-        self.attention_dtype = torch.float32 if native_attention else attention_dtype
+                                   native, attention_dtype)
         self.local_rotary = Rotary(cfg.head_dim, LOCAL_ROPE_BASE, cfg.context_length, 1.0, None, dtype, device)
         self.global_rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.context_length, cfg.rope_freq_scale,
                                     None, dtype, device)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
-        cfg = self.config
-        return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.context_length,
-                       self.attention_dtype, self.device, keys_transposed=self.attention.kernels is not None)
+        return self.attention.new_cache(self.config.n_layers, max_len or self.config.context_length, self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False,

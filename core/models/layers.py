@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..kv_cache import KVCache
 from .linear import load_linear, rms_norm
 
 ATTENTION_DTYPE = torch.float64  # torch attention and its KV cache with batch_invariant; see attention()
@@ -70,17 +71,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_key: int,
 class Attention:
     """A layer's attention from its fused q/k/v projection [T, (heads + 2 kv_heads) * head_dim]: optional
     per-head RMS norms of q and k (Gemma), rotary, the cache write, causal (optionally windowed)
-    attention. `native` runs it as one call to the CPU kernel, which computes every query on its own in
-    float32 (batch invariant by construction); otherwise torch ops, in the cache's dtype."""
+    attention. With `native` (and a head_dim the kernel takes) it is one call to the CPU kernel, which
+    computes every query on its own in float32 (batch invariant by construction) over a cache with keys
+    held transposed; otherwise torch ops, over a cache in `torch_dtype`. `new_cache` makes the cache the
+    chosen path reads."""
 
-    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, scale: float, eps: float, native: bool):
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int, scale: float, eps: float, native: bool,
+                 torch_dtype: torch.dtype):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale, self.eps = scale, eps
         self.kernels = None
-        if native:
+        if native and head_dim % 16 == 0:
             from .. import native as native_kernels
 
             self.kernels = native_kernels.load()
+        self.cache_dtype = torch.float32 if self.kernels is not None else torch_dtype
+        self._masks: dict[tuple, tuple[int, torch.Tensor | None]] = {}  # this forward's, shared by its layers
+
+    def new_cache(self, n_layers: int, max_len: int, device) -> KVCache:
+        return KVCache(n_layers, self.n_kv_heads, self.head_dim, max_len, self.cache_dtype, device,
+                       keys_transposed=self.kernels is not None)
 
     def __call__(self, qkv: torch.Tensor, layer: int, start: int, cache, rotary: Rotary,
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
@@ -96,8 +106,16 @@ class Attention:
             q, k = rms_norm(q, q_norm, self.eps), rms_norm(k, k_norm, self.eps)
         qk = rotary(torch.cat([q, k], dim=1), start).transpose(0, 1)
         keys, values = cache.write(layer, start, qk[n_q:], qkv[:, n_qk:].transpose(0, 1))
-        first_key, mask = attention_mask(start, t, window, qkv.device)
+        first_key, mask = self._mask(start, t, window, qkv.device)
         return attention(qk[:n_q], keys, values, first_key, mask, self.scale)
+
+    def _mask(self, start: int, t: int, window: int | None, device) -> tuple[int, torch.Tensor | None]:
+        key = (start, t, window)
+        if key not in self._masks:
+            if any(k[:2] != (start, t) for k in self._masks):  # a new forward: the old ones are done
+                self._masks.clear()
+            self._masks[key] = attention_mask(start, t, window, device)
+        return self._masks[key]
 
 
 def run_in_chunks(hidden_fn, tokens: torch.Tensor, start: int, cache, chunk: int, last_only: bool) -> torch.Tensor:

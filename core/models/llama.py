@@ -95,15 +95,11 @@ class Llama:
         freq_factors = g.load("rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.context_length, cfg.rope_freq_scale,
                              freq_factors, dtype, device)
-        native_attention = native and cfg.head_dim % 16 == 0
         self.attention = Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, default_scale(cfg.head_dim), cfg.eps,
-                                   native_attention)
-        self.attention_dtype = torch.float32 if native_attention else attention_dtype
+                                   native, attention_dtype)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
-        cfg = self.config
-        return KVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, max_len or cfg.context_length,
-                       self.attention_dtype, self.device, keys_transposed=self.attention.kernels is not None)
+        return self.attention.new_cache(self.config.n_layers, max_len or self.config.context_length, self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False,
