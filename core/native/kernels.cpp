@@ -30,7 +30,7 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
 
 #if defined(__AVX512F__)
-constexpr int MAX_TILE = 8;  // rows of input per pass over a weight row: 8 accumulators fit in 32 registers
+constexpr int MAX_TILE = 8;  // rows of input per pass over a weight row: 2 x 8 accumulators fit in 32 registers
 #else
 constexpr int MAX_TILE = 4;
 #endif
@@ -476,9 +476,9 @@ static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Te
   });
 }
 
-// y = post(W @ pre(x)). pre: rms_norm with in_norm, or act(gate) * up over the two halves of x.
-// post: rms_norm with out_norm, then + residual, then softcap. kind: 0 = Q4, 1 = Q8 (group 32 or 16),
-// 2 = float32. zeros may be empty (Q8 only).
+// y = post(W @ pre(x)). pre: rms_norm with in_norm, then act(gate) * up over the two halves of x.
+// post: rms_norm with out_norm, then + residual, then softcap. kind: see with_format. zeros may be
+// empty (int8 only).
 torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
                      int64_t group, int64_t n_out, int64_t k, c10::optional<torch::Tensor> in_norm, double eps,
                      int64_t act, c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> out_norm,
