@@ -79,7 +79,7 @@ def _read_prompt(prompt: str) -> str:
 @click.option("--acceptor", "-a", help="Acceptor plugin [auto: greedy at T=0, sampled above].")
 @click.option("--backend", "-b", help="Backend plugin [cpu].")
 @click.option("--draft-model", help="Draft model for the draft-model drafter: catalog name or .gguf path.")
-@click.option("--draft-max", type=int, help="Most tokens drafted per round [8].")
+@click.option("--draft-max", help="Tokens drafted per round: a number, or auto (chosen each round) [auto].")
 @click.option("--draft-min", type=int, help="Drop proposals shorter than this [0].")
 @click.option("--draft-p-min", type=float, help="Drafter-side stop below this draft probability [0].")
 @click.option("--context", type=int, help="KV cache length in tokens [4096].")

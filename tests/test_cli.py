@@ -56,6 +56,16 @@ def test_generate_json_reports_tokens_text_and_stats(files):
     assert stats["config"]["settings"]["draft_max"] == {"value": 3, "source": "flag"}
 
 
+def test_generate_takes_draft_max_auto_and_rejects_a_bad_one(files):
+    result = invoke("generate", "--model", files["llama"], "--json", "-n", "6", "--draft-max", "auto", "the the the")
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.output.strip().splitlines()[-1])["stats"]
+    assert stats["config"]["settings"]["draft_max"] == {"value": "auto", "source": "flag"}
+    assert "chosen_draft_lengths" in stats
+    assert_one_line_error(invoke("generate", "--model", files["llama"], "--draft-max", "many", "hi"),
+                          "draft_max from flag must be a number >= 0 or auto")
+
+
 def test_generate_streams_text_and_reads_stdin(files):
     plain = invoke("generate", "--model", files["gemma3"], "--drafter", "none", "-n", "8", "-", input="the heat")
     assert plain.exit_code == 0, plain.output
