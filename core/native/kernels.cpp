@@ -68,14 +68,24 @@ static inline v16i widen(const void* p) {
 static inline v16i widen_u8(const uint8_t* p) { return widen<false>(p); }
 static inline v16f widen_i8(const int8_t* p) { return __builtin_convertvector(widen<true>(p), v16f); }
 
-// A fixed reduction tree: the same sum for the same lanes, on every call.
+// A fixed reduction tree: the same sum for the same lanes, on every call. AVX-512 adds halves of the
+// register (the same pairs, in the same order, as the portable loop) instead of spilling 16 lanes.
 static inline float hsum(v16f v) {
+#if defined(__AVX512F__)
+  __m512 z;
+  std::memcpy(&z, &v, sizeof z);
+  __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(z), _mm512_extractf32x8_ps(z, 1));  // l[i] + l[i + 8]
+  __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));    // a[i] + a[i + 4]
+  __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));                                 // b0 + b2, b1 + b3
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+#else
   float lanes[16];
   std::memcpy(lanes, &v, sizeof lanes);
   float a[8];
   for (int i = 0; i < 8; ++i) a[i] = lanes[i] + lanes[i + 8];
   for (int i = 0; i < 4; ++i) a[i] = a[i] + a[i + 4];
   return (a[0] + a[2]) + (a[1] + a[3]);
+#endif
 }
 
 static inline float hmax(v16f v) {
@@ -151,6 +161,23 @@ static inline const float* row_floats(const uint16_t* p, int64_t n, int64_t coun
   return buf;
 }
 
+// The low four bits of each lane as a float (0..15), the same value a conversion gives. AVX-512 looks it
+// up in a 16-entry table (vpermps reads only the low four bits of each index), one instruction in
+// place of a mask and a conversion.
+static inline v16f nibble_to_float(v16i w) {
+#if defined(__AVX512F__)
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i idx;
+  std::memcpy(&idx, &w, sizeof idx);
+  __m512 f = _mm512_permutexvar_ps(idx, table);
+  v16f out;
+  std::memcpy(&out, &f, sizeof out);
+  return out;
+#else
+  return __builtin_convertvector(w & 15, v16f);
+#endif
+}
+
 // ------------------------------------------------------------------------------------ weight formats
 //
 // Each format yields a weight row's values 32 at a time, as two vectors (positions 0-15 and 16-31 of
@@ -167,8 +194,8 @@ struct Q4 {  // 4-bit codes, two per byte: byte j of a group holds code j (low n
   inline const void* row_codes(int64_t n, int64_t& bytes) const { bytes = groups * 16; return codes + n * bytes; }
   inline void group(int64_t n, int64_t g, const float* s, const float* z, v16f& a, v16f& b) const {
     v16i w = widen_u8(codes + (n * groups + g) * 16);
-    a = __builtin_convertvector(w & 15, v16f) * s[g] + z[g];
-    b = __builtin_convertvector(w >> 4, v16f) * s[g] + z[g];
+    a = nibble_to_float(w) * s[g] + z[g];
+    b = nibble_to_float(w >> 4) * s[g] + z[g];
   }
 };
 
