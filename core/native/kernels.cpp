@@ -594,6 +594,97 @@ static void rope_row(const float* x, const float* cos, const float* sin, int64_t
 
 constexpr int64_t KEY_BLOCK = 64;  // positions per pass over a query; the cache is padded to a multiple
 
+constexpr int64_t MAX_SHARED_HEADS = 4;
+
+struct AttendArgs {
+  const float* src;  // qkv
+  const float* kc;   // keys [G, D, Lpad]
+  const float* vc;   // values [G, L, D]
+  const float *cs, *sn, *qn;
+  float eps;
+  int64_t width, d, k_len, v_len, window;
+  float scale;
+};
+
+// Q heads h0..h0+Q-1 of token t (at position p), all of kv group g: each head's scores, softmax and
+// weighted values are the same float operations, in the same order, as if it were computed alone.
+template <int Q>
+static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, int64_t g, float* scores_buf,
+                         float* out) {
+  const int64_t d = a.d, k_len = a.k_len;
+  float normed[1024], q[Q][1024];
+  float* scores[Q];
+  for (int c = 0; c < Q; ++c) {
+    const float* qsrc = a.src + t * a.width + (h0 + c) * d;
+    if (a.qn) { rms_norm_row(qsrc, a.qn, a.eps, d, normed); qsrc = normed; }
+    rope_row(qsrc, a.cs + p * d, a.sn + p * d, d, q[c]);
+    for (int64_t e = 0; e < d; ++e) q[c][e] *= a.scale;
+    scores[c] = scores_buf + c * k_len;
+  }
+  int64_t first = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+  int64_t begin = first / 16 * 16, end = (p + 1 + 15) / 16 * 16;  // whole vectors of positions
+  const float* keys = a.kc + g * d * k_len;
+  // scores of 64 positions at a time: four chains per head, each a sum over e in order
+  int64_t j = begin;
+  for (; j + KEY_BLOCK <= end; j += KEY_BLOCK) {
+    v16f s[Q][4] = {};
+    for (int64_t e = 0; e < d; ++e) {
+      const float* row = keys + e * k_len + j;
+      v16f k0 = load16(row), k1 = load16(row + 16), k2 = load16(row + 32), k3 = load16(row + 48);
+      for (int c = 0; c < Q; ++c) {
+        v16f qe = splat(q[c][e]);
+        s[c][0] = s[c][0] + qe * k0;
+        s[c][1] = s[c][1] + qe * k1;
+        s[c][2] = s[c][2] + qe * k2;
+        s[c][3] = s[c][3] + qe * k3;
+      }
+    }
+    for (int c = 0; c < Q; ++c)
+      for (int b = 0; b < 4; ++b) store16(&scores[c][j + 16 * b], s[c][b]);
+  }
+  for (; j < end; j += 16) {
+    v16f s[Q] = {};
+    for (int64_t e = 0; e < d; ++e) {
+      v16f k0 = load16(keys + e * k_len + j);
+      for (int c = 0; c < Q; ++c) s[c] = s[c] + splat(q[c][e]) * k0;
+    }
+    for (int c = 0; c < Q; ++c) store16(&scores[c][j], s[c]);
+  }
+  float inv[Q];
+  for (int c = 0; c < Q; ++c) {
+    float* sc = scores[c];
+    for (int64_t x = begin; x < first; ++x) sc[x] = -INFINITY;
+    for (int64_t x = p + 1; x < end; ++x) sc[x] = -INFINITY;
+    v16f mx = splat(-INFINITY);
+    for (j = begin; j < end; j += 16) { v16f v = load16(&sc[j]); mx = v > mx ? v : mx; }
+    float m = hmax(mx);
+    v16f total{};
+    for (j = begin; j < end; j += 16) {
+      v16f e = vexp(load16(&sc[j]) - m);
+      v16i live = load16(&sc[j]) > -INFINITY;
+      e = live ? e : v16f{};
+      store16(&sc[j], e);
+      total = total + e;
+    }
+    inv[c] = 1.0f / hsum(total);
+  }
+  const float* values = a.vc + g * a.v_len * d;
+  for (int64_t e0 = 0; e0 < d; e0 += 64) {
+    int64_t chunks = std::min<int64_t>(4, (d - e0) / 16);
+    v16f acc[Q][4] = {};
+    for (j = first; j <= p; ++j) {
+      const float* v = values + j * d + e0;
+      for (int b = 0; b < 4; ++b) {
+        if (b >= chunks) break;
+        v16f vb = load16(v + 16 * b);
+        for (int c = 0; c < Q; ++c) acc[c][b] = acc[c][b] + splat(scores[c][j]) * vb;
+      }
+    }
+    for (int c = 0; c < Q; ++c)
+      for (int b = 0; b < chunks; ++b) store16(out + c * d + e0 + 16 * b, acc[c][b] * inv[c]);
+  }
+}
+
 // qkv [T, (H + 2 G) * D]: queries, keys, values of T tokens at positions start..start+T-1. Normalizes
 // (q_norm, k_norm) and rotates q and k, writes k into the cache of keys [G, D, Lpad] (transposed) and v
 // into the values [G, L, D] at those positions, and returns attention [T, H * D] over positions
@@ -635,64 +726,25 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
   torch::Tensor out = torch::empty({t_len, n_heads * d}, qkv.options());
   float* op = out.data_ptr<float>();
   int64_t per_kv = n_heads / n_kv;
-  float sc = static_cast<float>(scale);
-  at::parallel_for(0, t_len * n_heads, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(k_len);
-    float normed[1024], q[1024];
+  // Work items: a token and up to MAX_SHARED_HEADS heads of one kv group, which read the same keys and
+  // values together (independent chains, one load for all of them); fewer heads per item where that
+  // would leave fewer than two items per thread.
+  int64_t shared = std::min<int64_t>(MAX_SHARED_HEADS, per_kv);
+  while (shared > 1 && t_len * n_kv * ((per_kv + shared - 1) / shared) < 2 * at::get_num_threads()) --shared;
+  int64_t chunks_per_group = (per_kv + shared - 1) / shared;
+  AttendArgs args{src, kc, vc, cs, sn, qn, epsf, width, d, k_len, v_len, window, static_cast<float>(scale)};
+  at::parallel_for(0, t_len * n_kv * chunks_per_group, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(MAX_SHARED_HEADS * k_len);
     for (int64_t i = i0; i < i1; ++i) {
-      int64_t t = i / n_heads, h = i % n_heads, g = h / per_kv, p = start + t;
-      const float* qsrc = src + t * width + h * d;
-      if (qn) { rms_norm_row(qsrc, qn, epsf, d, normed); qsrc = normed; }
-      rope_row(qsrc, cs + p * d, sn + p * d, d, q);
-      for (int64_t e = 0; e < d; ++e) q[e] *= sc;
-      int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-      int64_t begin = first / 16 * 16, end = (p + 1 + 15) / 16 * 16;  // whole vectors of positions
-      const float* keys = kc + g * d * k_len;
-      // scores of 64 positions at a time: four independent chains, each a sum over e in order
-      int64_t j = begin;
-      for (; j + KEY_BLOCK <= end; j += KEY_BLOCK) {
-        v16f s0{}, s1{}, s2{}, s3{};
-        for (int64_t e = 0; e < d; ++e) {
-          const float* row = keys + e * k_len + j;
-          v16f qe = splat(q[e]);
-          s0 = s0 + qe * load16(row);
-          s1 = s1 + qe * load16(row + 16);
-          s2 = s2 + qe * load16(row + 32);
-          s3 = s3 + qe * load16(row + 48);
-        }
-        store16(&scores[j], s0); store16(&scores[j + 16], s1);
-        store16(&scores[j + 32], s2); store16(&scores[j + 48], s3);
-      }
-      for (; j < end; j += 16) {
-        v16f s0{};
-        for (int64_t e = 0; e < d; ++e) s0 = s0 + splat(q[e]) * load16(keys + e * k_len + j);
-        store16(&scores[j], s0);
-      }
-      for (int64_t x = begin; x < first; ++x) scores[x] = -INFINITY;
-      for (int64_t x = p + 1; x < end; ++x) scores[x] = -INFINITY;
-      v16f mx = splat(-INFINITY);
-      for (j = begin; j < end; j += 16) { v16f s = load16(&scores[j]); mx = s > mx ? s : mx; }
-      float m = hmax(mx);
-      v16f total{};
-      for (j = begin; j < end; j += 16) {
-        v16f e = vexp(load16(&scores[j]) - m);
-        v16i live = load16(&scores[j]) > -INFINITY;
-        e = live ? e : v16f{};
-        store16(&scores[j], e);
-        total = total + e;
-      }
-      float inv = 1.0f / hsum(total);
-      const float* values = vc + g * v_len * d;
-      float* o = op + t * n_heads * d + h * d;
-      for (int64_t e0 = 0; e0 < d; e0 += 64) {
-        int64_t chunks = std::min<int64_t>(4, (d - e0) / 16);
-        v16f acc[4] = {};
-        for (j = first; j <= p; ++j) {
-          v16f pj = splat(scores[j]);
-          const float* v = values + j * d + e0;
-          for (int c = 0; c < 4; ++c) if (c < chunks) acc[c] = acc[c] + pj * load16(v + 16 * c);
-        }
-        for (int c = 0; c < chunks; ++c) store16(o + e0 + 16 * c, acc[c] * inv);
+      int64_t t = i / (n_kv * chunks_per_group), rest = i % (n_kv * chunks_per_group);
+      int64_t g = rest / chunks_per_group, h0 = g * per_kv + (rest % chunks_per_group) * shared;
+      int64_t heads = std::min<int64_t>(shared, (g + 1) * per_kv - h0);
+      float* o = op + t * n_heads * d + h0 * d;
+      switch (heads) {
+        case 4: attend_heads<4>(args, t, start + t, h0, g, scores.data(), o); break;
+        case 3: attend_heads<3>(args, t, start + t, h0, g, scores.data(), o); break;
+        case 2: attend_heads<2>(args, t, start + t, h0, g, scores.data(), o); break;
+        default: attend_heads<1>(args, t, start + t, h0, g, scores.data(), o); break;
       }
     }
   });
