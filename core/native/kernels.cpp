@@ -605,7 +605,11 @@ static void rope_row(const float* x, const float* cos, const float* sin, int64_t
 
 constexpr int64_t KEY_BLOCK = 64;  // positions per pass over a query; the cache is padded to a multiple
 
-constexpr int64_t MAX_SHARED_HEADS = 4;
+#if defined(__AVX512F__)
+constexpr int64_t MAX_SHARED_HEADS = 4;  // heads that read a key block together: 4 x 4 score chains in 32 registers
+#else
+constexpr int64_t MAX_SHARED_HEADS = 1;  // 16 ymm registers hold one head's four chains (of two halves each)
+#endif
 
 struct AttendArgs {
   const float* src;  // qkv
