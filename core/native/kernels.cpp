@@ -756,9 +756,9 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
       int64_t heads = std::min<int64_t>(shared, (g + 1) * per_kv - h0);
       float* o = op + t * n_heads * d + h0 * d;
       switch (heads) {
-        case 4: attend_heads<4>(args, t, start + t, h0, g, scores.data(), o); break;
-        case 3: attend_heads<3>(args, t, start + t, h0, g, scores.data(), o); break;
-        case 2: attend_heads<2>(args, t, start + t, h0, g, scores.data(), o); break;
+        case 4: if constexpr (MAX_SHARED_HEADS >= 4) { attend_heads<4>(args, t, start + t, h0, g, scores.data(), o); } break;
+        case 3: if constexpr (MAX_SHARED_HEADS >= 3) { attend_heads<3>(args, t, start + t, h0, g, scores.data(), o); } break;
+        case 2: if constexpr (MAX_SHARED_HEADS >= 2) { attend_heads<2>(args, t, start + t, h0, g, scores.data(), o); } break;
         default: attend_heads<1>(args, t, start + t, h0, g, scores.data(), o); break;
       }
     }
