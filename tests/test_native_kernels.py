@@ -416,6 +416,49 @@ def test_compact_batched_forward_equals_single_token_forwards_bitwise(kernels, t
         cache.truncate(prefix_len)
 
 
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_with_three_heads_per_kv_group_matches_float64_and_single_queries(kernels, window):
+    """Heads of one kv group share a work item in groups of up to four, chosen by how many tokens the call
+    has; with three heads per group (SmolLM2's shape, not the tiny models') a 6-token call and six
+    1-token calls group them differently. Oracles: the single calls, bit for bit, and float64 torch
+    attention (rotary, causal, optionally windowed)."""
+    from outrider.models.layers import Rotary
+
+    n_heads, n_kv, d, prompt_len, t_len = 6, 2, 32, 9, 6
+    end = prompt_len + t_len
+    rotary = Rotary(d, 10000.0, 128)
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(end, (n_heads + 2 * n_kv) * d, generator=gen)
+    new_caches = lambda: (torch.zeros(n_kv, d, 64), torch.zeros(n_kv, 64, d))
+    call = lambda rows, start, cache: kernels.attend(rows.contiguous(), *cache, start, n_heads, n_kv, d, rotary.cos,
+                                                     rotary.sin, None, None, 1e-6, window, d ** -0.5)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)  # the grouping depends on the thread count; two threads split it differently
+    try:
+        batched_cache, single_cache = new_caches(), new_caches()
+        call(qkv[:prompt_len], 0, batched_cache)
+        call(qkv[:prompt_len], 0, single_cache)
+        batched = call(qkv[prompt_len:], prompt_len, batched_cache)
+        single = torch.cat([call(qkv[p:p + 1], p, single_cache) for p in range(prompt_len, end)])
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(batched, single), (batched - single).abs().max().item()
+
+    x = qkv.double().view(end, n_heads + 2 * n_kv, d)
+    cos, sin = rotary.cos[:end, None].double(), rotary.sin[:end, None].double()
+    rotate = lambda t: t * cos + torch.roll(t, d // 2, dims=-1) * sin
+    q, k, v = rotate(x[:, :n_heads]), rotate(x[:, n_heads:n_heads + n_kv]), x[:, n_heads + n_kv:]
+    k, v = k.repeat_interleave(n_heads // n_kv, dim=1), v.repeat_interleave(n_heads // n_kv, dim=1)
+    pos = torch.arange(end)
+    visible = pos[None, :] <= pos[:, None]
+    if window:
+        visible &= pos[:, None] - pos[None, :] < window
+    scores = torch.einsum("qhd,khd->hqk", q, k) * d ** -0.5
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    expected = torch.einsum("hqk,khd->qhd", probs, v).reshape(end, n_heads * d)[prompt_len:]
+    torch.testing.assert_close(batched.double(), expected, rtol=0, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------ other CPU levels
 
 
