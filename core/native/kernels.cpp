@@ -749,7 +749,7 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
   int64_t chunks_per_group = (per_kv + shared - 1) / shared;
   AttendArgs args{src, kc, vc, cs, sn, qn, epsf, width, d, k_len, v_len, window, static_cast<float>(scale)};
   at::parallel_for(0, t_len * n_kv * chunks_per_group, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(MAX_SHARED_HEADS * k_len);
+    std::vector<float> scores(shared * k_len);
     for (int64_t i = i0; i < i1; ++i) {
       int64_t t = i / (n_kv * chunks_per_group), rest = i % (n_kv * chunks_per_group);
       int64_t g = rest / chunks_per_group, h0 = g * per_kv + (rest % chunks_per_group) * shared;
