@@ -187,10 +187,12 @@ def test_packed_linear_matches_float64_matmul_of_the_reference_weight(kernels, w
     names += ["p.Q6_K"] if qtype == Q.Q6_K else []
     for name in names:
         lin, w = _packed(g, [name]), reference[name]
-        # single rows, a partial tile, a full tile (8 with AVX-512), tile + rest; 40 and 70 take the panel path
+        # single rows, a partial tile, a full tile (8 with AVX-512), tile + rest; as a prompt, 13 rows and
+        # more take the panel path (AVX-512)
         for t in (1, 5, 8, 13, 40, 70):
             x = torch.randn(t, w.shape[1], generator=gen)
             _assert_matmul_close(lin(x), x.double() @ w.T)
+            _assert_matmul_close(lin(x, prompt=True), x.double() @ w.T)
         # 3-D input: rows are everything but the last dimension
         x = torch.randn(2, 3, w.shape[1], generator=gen)
         _assert_matmul_close(lin(x), x.double() @ w.T)
@@ -303,15 +305,16 @@ ROW_NAMES = ["w.Q4_0", "w.Q4_K", "w.Q5_0", "w.Q5_K", "w.Q8_0", "w.Q5_1", "w.Q6_K
 
 @pytest.mark.parametrize("name", ROW_NAMES)
 def test_each_output_row_is_bitwise_independent_of_the_others(kernels, weights, name):
-    """lin(x) for the first T of 20 rows equals those rows' one-row calls exactly, for every T in 1..20
-    (full tiles of 8 or 4 rows, and every remainder), with and without the fused steps."""
+    """lin(x) for the first T of 40 rows equals those rows' one-row calls exactly, for every T in 1..40
+    (full tiles of 8 or 4 rows, and every remainder), with and without the fused steps. Only calls
+    marked `prompt` may sum in another order."""
     g, _ = weights
     gen = torch.Generator().manual_seed(17 + ROW_NAMES.index(name))
     lin = _packed(g, [name])
     in_norm, out_norm = _norm_weight(gen, COLS), _norm_weight(gen, ROWS)
-    # up to 32 rows: every verify pass a draft of up to 31 tokens makes (longer forwards are prompts)
-    x, x2 = torch.randn(32, COLS, generator=gen), torch.randn(32, 2 * COLS, generator=gen)
-    res = torch.randn(32, ROWS, generator=gen)
+    # up to 40 rows: a verify pass of a fixed draft length longer than the auto cap is still exact
+    x, x2 = torch.randn(40, COLS, generator=gen), torch.randn(40, 2 * COLS, generator=gen)
+    res = torch.randn(40, ROWS, generator=gen)
     calls = [
         ("plain", x, {}, False),
         ("in_norm", x, dict(in_norm=in_norm, eps=1e-6), False),
@@ -320,8 +323,8 @@ def test_each_output_row_is_bitwise_independent_of_the_others(kernels, weights, 
     ]
     for label, inp, kwargs, with_residual in calls:
         call = lambda a, b: lin(inp[a:b], **kwargs, **({"residual": res[a:b]} if with_residual else {}))
-        one_by_one = torch.cat([call(i, i + 1) for i in range(32)])
-        for t in range(1, 33):
+        one_by_one = torch.cat([call(i, i + 1) for i in range(40)])
+        for t in range(1, 41):
             together = call(0, t)
             assert torch.equal(together, one_by_one[:t]), (label, t, (together - one_by_one[:t]).abs().max().item())
 

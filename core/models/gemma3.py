@@ -121,23 +121,24 @@ class Gemma3:
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False,
                 last_only: bool = False):
         """Logits [T, vocab] (float32) for tokens at positions start..start+T-1 (only the last row with
-        `last_only`); with `hidden`, also the final-normed hidden states [T, hidden_size]. Writes the
-        cache and sets its length to start+T."""
+        `last_only`, which marks a prompt: see `run_in_chunks`); with `hidden`, also the final-normed
+        hidden states [T, hidden_size]. Writes the cache and sets its length to start+T."""
         h = run_in_chunks(self._hidden, tokens, start, cache, self.chunk, last_only)
         logits = self.output(h, softcap=self.config.final_logit_softcap).float()
         return (logits, h) if hidden else logits
 
-    def _hidden(self, tokens: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+    def _hidden(self, tokens: torch.Tensor, start: int, cache: KVCache, prompt: bool) -> torch.Tensor:
         cfg, eps = self.config, self.config.eps
         x = self.embed(tokens) * self.embed_scale
         for i, layer in enumerate(self.layers):
             local = cfg.is_local[i]
             rotary, window = (self.local_rotary, cfg.sliding_window or None) if local else (self.global_rotary, None)
-            qkv = layer.wqkv(x, in_norm=layer.attn_norm, eps=eps)
+            qkv = layer.wqkv(x, in_norm=layer.attn_norm, eps=eps, prompt=prompt)
             o = self.attention(qkv, i, start, cache, rotary, layer.q_norm, layer.k_norm, window)
-            x = layer.wo(o, out_norm=layer.post_attn_norm, residual=x, eps=eps)
-            gate_up = layer.w_gate_up(x, in_norm=layer.ffn_norm, eps=eps)
-            x = layer.w_down(gate_up, act="gelu_tanh", out_norm=layer.post_ffn_norm, residual=x, eps=eps)
+            x = layer.wo(o, out_norm=layer.post_attn_norm, residual=x, eps=eps, prompt=prompt)
+            gate_up = layer.w_gate_up(x, in_norm=layer.ffn_norm, eps=eps, prompt=prompt)
+            x = layer.w_down(gate_up, act="gelu_tanh", out_norm=layer.post_ffn_norm, residual=x, eps=eps,
+                             prompt=prompt)
         cache.length = start + tokens.shape[0]
         return rms_norm(x, self.output_norm, eps)
 

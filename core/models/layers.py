@@ -119,16 +119,17 @@ class Attention:
 
 
 def run_in_chunks(hidden_fn, tokens: torch.Tensor, start: int, cache, chunk: int, last_only: bool) -> torch.Tensor:
-    """Final hidden states of `hidden_fn(tokens, start, cache)`, `chunk` tokens at a time when `chunk` is set,
-    which bounds the memory a long prompt takes. With `last_only`, only the last row is kept, so a
-    prefill never pays the output head for the whole prompt."""
+    """Final hidden states of `hidden_fn(tokens, start, cache, prompt)`, `chunk` tokens at a time when `chunk`
+    is set, which bounds the memory a long prompt takes. With `last_only`, only the last row is kept, so a
+    prefill never pays the output head for the whole prompt; such a forward is a prompt, whose rows the
+    linear layers may sum in a faster order than one-row steps do (a verify pass needs every row)."""
     t = tokens.shape[0]
     if not chunk or t <= chunk:
-        h = hidden_fn(tokens, start, cache)
+        h = hidden_fn(tokens, start, cache, last_only)
         return h[-1:] if last_only else h
     parts = []
     for i in range(0, t, chunk):
-        h = hidden_fn(tokens[i:i + chunk], start + i, cache)
+        h = hidden_fn(tokens[i:i + chunk], start + i, cache, last_only)
         parts.append(h)
     return h[-1:] if last_only else torch.cat(parts)
 

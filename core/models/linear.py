@@ -14,7 +14,10 @@ how a weight is held decides the speed. Two forms:
 
 Both take the same call: `linear(x, in_norm=..., act=..., out_norm=..., residual=..., softcap=...)` is
 post(W @ pre(x)), the steps around a matmul in a transformer layer, so the native kernel can do them
-in one call and `DenseLinear` spells out what that call means.
+in one call and `DenseLinear` spells out what that call means. `prompt=True` marks rows that no one
+compares bit for bit with one-row calls (a prefill): the kernel may then sum in a faster order. Without
+it every row gets exactly the bits a one-row call gives it, which keeps greedy speculation equal to
+plain decoding.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class DenseLinear:
 
     def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
                  act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                 softcap: float = 0.0) -> torch.Tensor:
+                 softcap: float = 0.0, prompt: bool = False) -> torch.Tensor:
         if in_norm is not None:
             x = rms_norm(x, in_norm, eps)
         if act is not None:
@@ -94,11 +97,12 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
                  act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                 softcap: float = 0.0) -> torch.Tensor:
+                 softcap: float = 0.0, prompt: bool = False) -> torch.Tensor:
         if residual is not None:
             residual = residual.expand(*x.shape[:-1], self.n_out).contiguous()
         return self.kernels.linear(x.contiguous(), self.kind, self.codes, self.scales, self.zeros, self.group,
-                                   self.n_out, self.k, in_norm, eps, NATIVE_ACT[act], residual, out_norm, softcap)
+                                   self.n_out, self.k, in_norm, eps, NATIVE_ACT[act], residual, out_norm, softcap,
+                                   prompt)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.kernels.dequantize_rows(ids, self.kind, self.codes, self.scales, self.zeros, self.group, self.k)

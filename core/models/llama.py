@@ -105,19 +105,20 @@ class Llama:
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False,
                 last_only: bool = False):
         """Logits [T, vocab] (float32) for tokens at positions start..start+T-1 (only the last row with
-        `last_only`); with `hidden`, also the final-normed hidden states [T, hidden_size]. Writes the
-        cache and sets its length to start+T."""
+        `last_only`, which marks a prompt: see `run_in_chunks`); with `hidden`, also the final-normed
+        hidden states [T, hidden_size]. Writes the cache and sets its length to start+T."""
         h = run_in_chunks(self._hidden, tokens, start, cache, self.chunk, last_only)
         logits = self.output(h).float()
         return (logits, h) if hidden else logits
 
-    def _hidden(self, tokens: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+    def _hidden(self, tokens: torch.Tensor, start: int, cache: KVCache, prompt: bool) -> torch.Tensor:
         eps = self.config.eps
         x = self.embed(tokens)
         for i, layer in enumerate(self.layers):
-            qkv = layer.wqkv(x, in_norm=layer.attn_norm, eps=eps)
-            x = layer.wo(self.attention(qkv, i, start, cache, self.rotary), residual=x)
-            x = layer.w_down(layer.w_gate_up(x, in_norm=layer.ffn_norm, eps=eps), act="silu", residual=x)
+            qkv = layer.wqkv(x, in_norm=layer.attn_norm, eps=eps, prompt=prompt)
+            x = layer.wo(self.attention(qkv, i, start, cache, self.rotary), residual=x, prompt=prompt)
+            gate_up = layer.w_gate_up(x, in_norm=layer.ffn_norm, eps=eps, prompt=prompt)
+            x = layer.w_down(gate_up, act="silu", residual=x, prompt=prompt)
         cache.length = start + tokens.shape[0]
         return rms_norm(x, self.output_norm, eps)
 
