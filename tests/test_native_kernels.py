@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as Q
 from outrider import native
 from outrider.gguf_file import GGUFFile
 from outrider.models import load_model
-from outrider.models.linear import DenseLinear, PackedLinear, block_codes, load_linear
+from outrider.models.linear import KIND_F32, DenseLinear, PackedLinear, block_codes, load_linear
 from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama
 
 NUMPY_QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
@@ -295,6 +295,24 @@ def test_non_contiguous_residual_matches_dense_linear(kernels, weights):
     residual = torch.randn(4, 2 * ROWS, generator=gen)[:, ::2]  # a strided view
     assert not residual.is_contiguous()
     torch.testing.assert_close(packed(x, residual=residual), dense(x, residual=residual), rtol=1e-4, atol=1e-4)
+
+
+def test_wide_output_steps_split_across_threads_match_dense_linear_and_one_row_calls(kernels):
+    """A row wider than the kernel's block of post-step columns (Gemma 3's 262k-wide softcapped head) has
+    its residual and softcap done in column blocks on all threads: against torch's ops on the same
+    weight, and bit for bit against one-row calls. 40_008 columns: two full blocks and a ragged end."""
+    gen = torch.Generator().manual_seed(23)
+    n_out, k = 40_008, 64
+    weight = torch.randn(n_out, k, generator=gen) / 4
+    packed = PackedLinear(KIND_F32, weight, torch.empty(0), None, 32, n_out, k)
+    dense = DenseLinear(weight)
+    x, res = torch.randn(3, k, generator=gen), torch.randn(3, n_out, generator=gen)
+    for kwargs in (dict(softcap=2.0), dict(residual=res, softcap=3.0), dict(residual=res)):
+        got = packed(x, **kwargs)
+        torch.testing.assert_close(got, dense(x, **kwargs), rtol=1e-4, atol=1e-4)
+        rows = [packed(x[i:i + 1], **{**kwargs, **({"residual": res[i:i + 1]} if "residual" in kwargs else {})})
+                for i in range(3)]
+        assert torch.equal(got, torch.cat(rows)), kwargs
 
 
 # -------------------------------------------------------------------------------- row independence

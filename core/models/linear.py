@@ -98,7 +98,7 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
                  act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                  softcap: float = 0.0, prompt: bool = False) -> torch.Tensor:
-        if residual is not None:
+        if residual is not None and (residual.shape[:-1] != x.shape[:-1] or not residual.is_contiguous()):
             residual = residual.expand(*x.shape[:-1], self.n_out).contiguous()
         return self.kernels.linear(x.contiguous(), self.kind, self.codes, self.scales, self.zeros, self.group,
                                    self.n_out, self.k, in_norm, eps, NATIVE_ACT[act], residual, out_norm, softcap,

@@ -437,6 +437,7 @@ static void with_format(int64_t kind, const torch::Tensor& codes, const torch::T
 // each row the bits a one-row call gives it. Below 12 rows the tiles' repeated dequantization costs less
 // than the panel's stores (measured on both real models' layers).
 constexpr int64_t PROMPT_PANEL_MIN_ROWS = 12;
+constexpr int64_t POST_BLOCK = 16384, POST_PARALLEL_MIN = 32768;  // elements
 
 #if defined(__AVX512F__)
 template <int... I>
@@ -556,14 +557,23 @@ torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::
   }
   if (out_norm.has_value() || residual.has_value() || softcap > 0) {
     const float* res = residual.has_value() ? residual->data_ptr<float>() : nullptr;
-    at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
+    // Without a norm the steps are elementwise, so a row may be split into blocks of columns (a multiple
+    // of 16 wide: each element takes the vector or scalar path it takes in a whole-row pass), and Gemma's
+    // 262k-wide softcapped head row runs on every thread. A small output stays on this thread: waking
+    // the others costs more than the steps.
+    const int64_t block = out_norm.has_value() ? n_out : POST_BLOCK;
+    const int64_t per_row = (n_out + block - 1) / block;
+    auto post = [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        int64_t r = b / per_row, c0 = (b % per_row) * block, c1 = std::min(n_out, c0 + block);
         float* yr = out + r * n_out;
         if (out_norm.has_value()) rms_norm_row(yr, out_norm->data_ptr<float>(), static_cast<float>(eps), n_out, yr);
-        if (res) for (int64_t i = 0; i < n_out; ++i) yr[i] = res[r * n_out + i] + yr[i];
-        if (softcap > 0) softcap_row(yr, n_out, static_cast<float>(softcap));
+        if (res) for (int64_t i = c0; i < c1; ++i) yr[i] = res[r * n_out + i] + yr[i];
+        if (softcap > 0) softcap_row(yr + c0, c1 - c0, static_cast<float>(softcap));
       }
-    });
+    };
+    if (rows * n_out < POST_PARALLEL_MIN) post(0, rows * per_row);
+    else at::parallel_for(0, rows * per_row, 1, post);
   }
   return y;
 }
