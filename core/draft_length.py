@@ -10,18 +10,24 @@
 - the per-position conditional acceptance a_j = P(draft j accepted | draft j-1 accepted), as running
   averages over the rounds that reached position j; a position no round has reached yet is assumed to
   do as well as the deepest one measured, so a drafter that is always right gets to draft further.
+  These are kept per kind of draft (`DraftKind`, which the drafter names before it drafts: for the lookup
+  drafter, the length of the matched n-gram), each starting from its kind's prior, so that a weak 2-gram
+  match is not priced like a 4-gram one. A round the drafter has nothing for is plain decoding and
+  teaches nothing about acceptance.
 
 Expected tokens for k drafts: 1 + sum_{i<=k} prod_{j<=i} a_j (the recovered/bonus token included).
 A cost is only measured for the lengths that get chosen, so one slow round could price longer drafts out
 for good; every `explore_every`-th round that drafts therefore asks for 2k + 1 tokens instead of k, and
 the costs (and acceptance) further out are measured again.
-Rounds that draft nothing let the acceptance estimates drift back towards the prior, so a drafter
-that was poor in one stretch of text is tried again later.
+Rounds where a kind could have been drafted but was not let that kind's estimates drift back towards
+its prior, so a kind of draft that was poor in one stretch of text is tried again later.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from .drafting import DEFAULT_KIND, DraftKind
 
 AUTO_DRAFT_CAP = 16
 
@@ -30,17 +36,31 @@ class FixedDraftLength:
     def __init__(self, n: int):
         self.n = n
 
-    def choose(self) -> int:
+    def choose(self, kind: DraftKind = DEFAULT_KIND) -> int:
         return self.n
 
-    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
+               kind: DraftKind | None = DEFAULT_KIND) -> None:
         pass
+
+
+@dataclass
+class KindAcceptance:
+    """One kind of draft's running per-position acceptance, and how many rounds reached each position."""
+
+    prior: float
+    cap: int
+    acceptance: list[float] = field(default_factory=list)
+    reached: list[int] = field(default_factory=list)  # rounds that drafted position j + 1
+
+    def __post_init__(self) -> None:
+        self.acceptance = self.acceptance or [self.prior] * self.cap
+        self.reached = self.reached or [0] * self.cap
 
 
 @dataclass
 class AdaptiveDraftLength:
     cap: int = AUTO_DRAFT_CAP
-    prior_acceptance: float = 0.6
     smoothing: float = 0.3  # weight of the newest observation in every running average
     recovery: float = 0.03  # per idle round, how far acceptance estimates move back to the prior
     initial_slope: float = 0.03  # assumed extra verify cost per extra token before any is measured
@@ -48,12 +68,12 @@ class AdaptiveDraftLength:
     rounds: int = 0
     verify_s: dict[int, float] = field(default_factory=dict)
     draft_s_per_token: float | None = None
-    acceptance: list[float] = field(default_factory=list)
-    reached: list[int] = field(default_factory=list)  # rounds that drafted position j + 1
+    kinds: dict[DraftKind, KindAcceptance] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.acceptance = [self.prior_acceptance] * self.cap
-        self.reached = [0] * self.cap
+    def estimates(self, kind: DraftKind = DEFAULT_KIND) -> KindAcceptance:
+        if kind not in self.kinds:
+            self.kinds[kind] = KindAcceptance(kind.prior, self.cap)
+        return self.kinds[kind]
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
@@ -74,35 +94,48 @@ class AdaptiveDraftLength:
         base = self.verify_s[known[0]]
         return max(self.verify_s[anchor] + self.initial_slope * base * (n - anchor), 1e-9)
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, kind: DraftKind = DEFAULT_KIND) -> float:
+        est = self.estimates(kind)
         total, survive, deepest = 1.0, 1.0, None
         for j in range(k):
-            if self.reached[j]:
-                deepest = self.acceptance[j]
-            survive *= self.acceptance[j] if self.reached[j] or deepest is None else deepest
+            if est.reached[j]:
+                deepest = est.acceptance[j]
+            survive *= est.acceptance[j] if est.reached[j] or deepest is None else deepest
             total += survive
         return total
 
-    def choose(self) -> int:
+    def choose(self, kind: DraftKind = DEFAULT_KIND) -> int:
+        est = self.estimates(kind)
         draft_cost = self.draft_s_per_token or 0.0
-        best_k, best_rate = 0, 0.0
-        for k in range(self.cap + 1):
-            rate = self.expected_tokens(k) / (self.verify_cost(k + 1) + k * draft_cost)
+        best_k, best_rate = 0, 1.0 / self.verify_cost(1)
+        # expected_tokens(k) for every k in one pass: this runs every round
+        total, survive, deepest = 1.0, 1.0, None
+        for j in range(self.cap):
+            if est.reached[j]:
+                deepest = est.acceptance[j]
+            survive *= est.acceptance[j] if est.reached[j] or deepest is None else deepest
+            total += survive
+            rate = total / (self.verify_cost(j + 2) + (j + 1) * draft_cost)
             if rate > best_rate:
-                best_k, best_rate = k, rate
+                best_k, best_rate = j + 1, rate
         if 0 < best_k < self.cap and self.rounds % self.explore_every == self.explore_every - 1:
             return min(2 * best_k + 1, self.cap)
         return best_k
 
-    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
+               kind: DraftKind | None = DEFAULT_KIND) -> None:
+        """After a round; `kind` None: the drafter had nothing to offer."""
         self.rounds += 1
         n = drafted + 1
         self.verify_s[n] = self._average(self.verify_s.get(n), verify_s)
+        if kind is None:
+            return
+        est = self.estimates(kind)
         if drafted == 0:
-            self.acceptance = [a + self.recovery * (self.prior_acceptance - a) for a in self.acceptance]
+            est.acceptance = [a + self.recovery * (est.prior - a) for a in est.acceptance]
             return
         self.draft_s_per_token = self._average(self.draft_s_per_token, draft_s / drafted)
         for j in range(min(drafted, accepted + 1)):
-            self.reached[j] += 1
+            est.reached[j] += 1
             hit = 1.0 if j < accepted else 0.0
-            self.acceptance[j] = self._average(self.acceptance[j], hit)
+            est.acceptance[j] = self._average(est.acceptance[j], hit)

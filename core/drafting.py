@@ -5,6 +5,8 @@ A drafter is a plain object. Once, when the runner is assembled, `setup(target)`
 sampling settings. Each round, `propose(tokens, k)` returns at most k tokens that should follow
 `tokens` (the whole sequence so far, ending with a token the target has not yet seen), and
 `rollback(length)` says that only the first `length` tokens of what it saw are still valid.
+Optionally, `draft_kind(tokens)`, asked before `propose`, says what kind of draft this round's would be
+(`DraftKind`), or `None` when it would be empty: `--draft-max auto` learns each kind's acceptance apart.
 """
 
 from __future__ import annotations
@@ -36,6 +38,20 @@ class DraftControls:
     draft_p_min: float = 0.0  # drafter-side stop: no token whose draft probability is below this
 
 
+@dataclass(frozen=True)
+class DraftKind:
+    """How a round's draft would be made, known before it is made (for the lookup drafter: the length of
+    the matched n-gram). `--draft-max auto` keeps a separate acceptance estimate per kind, starting from
+    `prior` (the assumed chance that each drafted position is accepted), so a weak kind of draft is not
+    priced like a strong one."""
+
+    name: str
+    prior: float = 0.6
+
+
+DEFAULT_KIND = DraftKind("draft")  # for drafters that do not say
+
+
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
@@ -54,6 +70,8 @@ class Drafter(Protocol):
 
     def rollback(self, length: int) -> None: ...
 
+    # optional: def draft_kind(self, tokens: list[int]) -> DraftKind | None
+
 
 class DrafterBase:
     """Defaults for the parts of the protocol most drafters do not need."""
@@ -69,3 +87,6 @@ class DrafterBase:
 
     def rollback(self, length: int) -> None:
         pass
+
+    def draft_kind(self, tokens: list[int]) -> DraftKind | None:
+        return DEFAULT_KIND

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from .draft_length import AdaptiveDraftLength, FixedDraftLength
-from .drafting import Draft, DraftControls, Target
+from .drafting import DEFAULT_KIND, Draft, DraftControls, Target
 from .errors import OutriderError
 from .sampling import PositionRandom, SamplingParams
 
@@ -110,6 +110,7 @@ class Runner:
                                                     draft_s_per_token=self.draft_length.draft_s_per_token)
         rng = PositionRandom(params.seed)
         model, cache, acceptor = self.target.model, self.cache, self.acceptor
+        draft_kind = getattr(self.drafter, "draft_kind", None) or (lambda tokens: DEFAULT_KIND)
         max_tokens = min(max_tokens, self.context - len(prompt))
 
         t = time.perf_counter()
@@ -130,9 +131,10 @@ class Runner:
                 stats.stop_reason = "length"
                 break
             n = len(tokens) - 1  # position of t0, the last token, which the target has not seen yet
-            chosen = self.draft_length.choose()
-            k = min(chosen, max_tokens - stats.generated_tokens - 1, self.context - len(tokens))
             t = time.perf_counter()
+            kind = draft_kind(tokens)
+            chosen = self.draft_length.choose(kind) if kind is not None else 0
+            k = min(chosen, max_tokens - stats.generated_tokens - 1, self.context - len(tokens))
             draft = self._clean(self.drafter.propose(tokens, k) if k > 0 else Draft(), k)
             t_drafted = time.perf_counter()
             batch = torch.tensor([tokens[-1], *draft.tokens], device=self.device)
@@ -143,7 +145,7 @@ class Runner:
             stats.verify_s += t_verified - t_drafted
             stats.record_round(len(draft.tokens), result.accepted)
             stats.chosen_lengths.append(chosen)
-            self.draft_length.update(len(draft.tokens), result.accepted, t_drafted - t, t_verified - t_drafted)
+            self.draft_length.update(len(draft.tokens), result.accepted, t_drafted - t, t_verified - t_drafted, kind)
             cache.truncate(n + 1 + result.accepted)
             self.drafter.rollback(n + 1 + result.accepted)
             for token in result.tokens:

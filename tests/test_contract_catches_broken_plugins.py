@@ -1,7 +1,7 @@
 """The contract suite fails deliberately broken plugins, with messages that say what is wrong.
 
 Fixtures: drafters each broken in one way (too many tokens, out-of-range ids, a different proposal on
-every call, ignoring rollback) and acceptors that claim `lossless = True` but are not (a Leviathan rule
+every call, ignoring rollback, a draft kind that says there is nothing to draft when there is) and acceptors that claim `lossless = True` but are not (a Leviathan rule
 that resamples from p instead of the residual; p-min). They are caught by the check functions, through
 the pytest contract classes (pytester) and through `outrider check`.
 """
@@ -28,7 +28,7 @@ pytest_plugins = ("pytester",)
 class BrokenDrafter(DrafterBase):
     """Proposes the context's continuation 5, 6, 7, ... but with one deliberate flaw."""
 
-    FLAWS = ("too-many", "out-of-range", "nondeterministic", "ignores-rollback")
+    FLAWS = ("too-many", "out-of-range", "nondeterministic", "ignores-rollback", "kind-says-none")
 
     def __init__(self, flaw: str = "too-many"):
         self.flaw, self.calls, self.seen = flaw, 0, []
@@ -46,6 +46,9 @@ class BrokenDrafter(DrafterBase):
             self.seen += ids  # treats its own drafts as accepted context, whatever rollback says
             ids = [(t + len(self.seen)) % 200 for t in ids]
         return Draft(ids)
+
+    def draft_kind(self, tokens):
+        return None if self.flaw == "kind-says-none" else super().draft_kind(tokens)
 
 
 class WrongResidualAcceptor:
@@ -79,6 +82,7 @@ def _results(kind, make, fixtures):
     ("out-of-range", "ids_inside_the_vocabulary", "outside the vocabulary [0, 265): [100000]"),
     ("nondeterministic", "same_proposal_for_the_same_state", "the same propose again gave"),
     ("ignores-rollback", "consistent_after_rollback", "a fresh instance shown only the kept tokens"),
+    ("kind-says-none", "draft_kind_none_means_an_empty_draft", "said None (nothing to draft), but propose("),
 ])
 def test_broken_drafter_is_caught_with_a_readable_message(outrider_contract_fixtures, flaw, check, fragment):
     results = _results("drafter", lambda: BrokenDrafter(flaw), outrider_contract_fixtures)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from outrider.draft_length import AdaptiveDraftLength
+from outrider.drafting import DraftKind
 
 
 def policy(acceptance: float, verify: dict[int, float], cap: int = 8) -> AdaptiveDraftLength:
     p = AdaptiveDraftLength(cap=cap, verify_s=dict(verify), draft_s_per_token=0.0)
-    p.acceptance = [acceptance] * cap
+    p.estimates().acceptance = [acceptance] * cap
     return p
 
 
@@ -74,3 +75,30 @@ def test_a_stale_high_cost_is_measured_again():
         chosen.append(k)
         p.update(k, k, 0.0, 1.0 + 0.1 * k)
     assert chosen[:7] == [1] * 7 and chosen[7] == 3
+
+
+def test_each_kind_of_draft_learns_its_own_acceptance_from_its_own_prior():
+    # verify(n) = 1 + 0.1 (n - 1). A kind with prior 0.5 gets k = 2 (see the first test); one with prior
+    # 0.2: rate(1) = 1.2 / 1.1 = 1.09 > 1, rate(2) = 1.24 / 1.2 = 1.03, so k = 1.
+    weak, strong = DraftKind("weak", 0.2), DraftKind("strong", 0.5)
+    p = AdaptiveDraftLength(cap=8, verify_s={n: 1 + 0.1 * (n - 1) for n in range(1, 10)}, draft_s_per_token=0.0)
+    assert (p.choose(weak), p.choose(strong)) == (1, 2)
+    for _ in range(20):  # the weak kind is never accepted: it stops drafting, the strong one is untouched
+        p.update(1, 0, 0.0, 1.1, weak)
+    assert (p.choose(weak), p.choose(strong)) == (0, 2)
+    for _ in range(20):  # the strong kind always is: it drafts to the cap, the weak one stays off
+        p.update(2, 2, 0.0, 1.2, strong)
+    p.verify_s = {n: 1 + 0.1 * (n - 1) for n in range(1, 10)}  # undo the running averages
+    assert (p.choose(weak), p.choose(strong)) == (0, 8)
+
+
+def test_a_round_with_nothing_to_draft_teaches_nothing_about_acceptance():
+    p = AdaptiveDraftLength(cap=8)
+    for _ in range(10):
+        p.update(4, 0, 0.0, 1.5)
+    before = list(p.estimates().acceptance)
+    for _ in range(50):  # the drafter had nothing (kind None): no drift back to the prior either
+        p.update(0, 0, 0.0, 1.0, None)
+    assert p.estimates().acceptance == before
+    p.update(0, 0, 0.0, 1.0)  # a round that could have drafted and did not: drift towards the prior 0.6
+    assert p.estimates().acceptance[0] == before[0] + p.recovery * (0.6 - before[0])

@@ -274,6 +274,34 @@ def consistent_after_rollback(subject: Subject) -> None:
                             f"it proposed {got}; a fresh instance shown only the kept tokens proposes {want}"
 
 
+@_check("drafter")
+def draft_kind_none_means_an_empty_draft(subject: Subject) -> None:
+    """draft_kind(tokens), asked before propose, gives a DraftKind (prior in [0, 1]) or None, None only where
+    the proposal is empty (the runner then skips propose), and asking it changes no proposal."""
+    from outrider.drafting import DraftKind
+
+    for params in (GREEDY, SAMPLED):
+        plain = _session(subject, params)
+        drafter = _ready_drafter(subject, params)
+        if not callable(getattr(drafter, "draft_kind", None)):
+            raise CheckSkipped("the drafter has no draft_kind (optional): every round is one kind")
+        vocab = _vocab(subject)
+        tokens = PROMPT + [7]
+        for i, (k, expected) in enumerate(zip(ROUND_KS, plain)):
+            kind = drafter.draft_kind(list(tokens))
+            where = f"draft_kind(tokens of length {len(tokens)} ending {tokens[-3:]})"
+            assert kind is None or (isinstance(kind, DraftKind) and 0.0 <= kind.prior <= 1.0), \
+                f"{where} must return None or an outrider.drafting.DraftKind with a prior in [0, 1], got {kind!r}"
+            draft = drafter.propose(list(tokens), k)
+            assert list(draft.tokens) == list(expected.draft.tokens), \
+                f"asking {where} first changed {expected.where()}: {list(draft.tokens)}, not {list(expected.draft.tokens)}"
+            assert kind is not None or not draft.tokens, \
+                f"{where} said None (nothing to draft), but {expected.where()} proposed {list(draft.tokens)}"
+            accepted = _valid_ids(draft, vocab)[: min(k, i % 3)]
+            drafter.rollback(len(tokens) + len(accepted))
+            tokens += accepted + [CONTINUATION[i % len(CONTINUATION)]]
+
+
 class _Greedy:
     """The argmax-chain acceptor, written out here so a drafter's check does not depend on a built-in acceptor."""
 

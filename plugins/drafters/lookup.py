@@ -4,11 +4,17 @@ of the sequence earlier in prompt + output, and propose what followed it there.
 An index from each n-gram to the position after its most recent occurrence is kept up to date
 incrementally, so a round costs O(max_n) dictionary look-ups however long the context is.
 Only accepted tokens ever enter `tokens`, so rollback needs no work.
+
+The kind of a round's draft (`draft_kind`) is the length n of the matched n-gram: a longer match is
+much more often right. On the bench's prompts (both real models, greedy and sampled) the first drafted
+token was accepted after 15-56% of 2-gram matches in open text, and after 92-98% of 4-gram matches in
+text that quotes its context. `--draft-max auto` learns each length's acceptance apart, starting from
+the prior 0.2 n (at most 0.8).
 """
 
 from __future__ import annotations
 
-from outrider.drafting import Draft, DrafterBase, DraftControls
+from outrider.drafting import Draft, DrafterBase, DraftControls, DraftKind
 from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
 from outrider.sampling import SamplingParams
@@ -19,6 +25,7 @@ class LookupDrafter(DrafterBase):
         if not 1 <= min_n <= max_n:
             raise ConfigError(f"lookup drafter needs 1 <= min_n <= max_n, got min_n={min_n} max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
+        self._kinds = {n: DraftKind(f"{n}-gram", round(min(0.2 * n, 0.8), 2)) for n in range(min_n, max_n + 1)}
         self._reset()
 
     def _reset(self) -> None:
@@ -38,15 +45,22 @@ class LookupDrafter(DrafterBase):
                 self._index[tuple(tokens[i - n:i])] = i
         self._seen = list(tokens)
 
-    def propose(self, tokens: list[int], k: int) -> Draft:
-        if k <= 0 or not tokens:
-            return Draft()
+    def _match(self, tokens: list[int]) -> tuple[int, int] | None:
+        """(n, start): the longest n-gram ending `tokens` seen before, and where its continuation starts."""
         self._extend_index(tokens)
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             start = self._index.get(tuple(tokens[-n:]))
             if start is not None:
-                return Draft(tokens[start:start + k])
-        return Draft()
+                return n, start
+        return None
+
+    def draft_kind(self, tokens: list[int]) -> DraftKind | None:
+        match = self._match(tokens) if tokens else None
+        return None if match is None else self._kinds[match[0]]
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        match = self._match(tokens) if k > 0 and tokens else None
+        return Draft() if match is None else Draft(tokens[match[1]:match[1] + k])
 
 
 @hookimpl
