@@ -315,6 +315,22 @@ def test_wide_output_steps_split_across_threads_match_dense_linear_and_one_row_c
         assert torch.equal(got, torch.cat(rows)), kwargs
 
 
+@pytest.mark.parametrize("k", [2048, 4096])
+def test_tiles_too_wide_for_l1_walk_k_in_blocks_with_the_same_bits(kernels, k):
+    """8 rows of K = 2048 (4 of K = 4096) are more x than the kernel keeps per tile, so it walks K in
+    blocks: every row still equals its one-row call bit for bit, and float64's product."""
+    gen = torch.Generator().manual_seed(k)
+    n_out = 37  # not a multiple of the block of weight rows
+    weight = torch.randn(n_out, k, generator=gen) / 8
+    lin = PackedLinear(KIND_F32, weight, torch.empty(0), None, 32, n_out, k)
+    x = torch.randn(12, k, generator=gen)
+    one_by_one = torch.cat([lin(x[i:i + 1]) for i in range(12)])
+    for t in (4, 8, 9, 12):
+        together = lin(x[:t])
+        assert torch.equal(together, one_by_one[:t]), (t, (together - one_by_one[:t]).abs().max().item())
+        _assert_matmul_close(together, x[:t].double() @ weight.double().T)
+
+
 # -------------------------------------------------------------------------------- row independence
 
 
