@@ -21,7 +21,8 @@ tok/s = tokens after the first delivery / time after it (the first delivery is o
 transformers' prompt lookup, which may deliver several at once).
 
 Cells run interleaved: every configuration once per round, a warm-up round first, then `runs` rounds, so
-slow drifts of a shared machine hit all configurations alike; the report gives medians.
+slow drifts of a shared machine hit all configurations alike; the report gives medians, and ratios as the
+median over rounds of the ratio within a round (`paired_ratio`).
 """
 
 from __future__ import annotations
@@ -676,13 +677,37 @@ def run_bench(settings: BenchSettings, echo: Callable[[str], None] = print) -> d
     return report
 
 
+def paired_ratio(runs: list[dict], base: list[dict], key: str = "decode_tokens_per_s") -> float | None:
+    """Median over rounds of runs[i][key] / base[i][key]. A round runs every configuration back to back, so
+    the ratio within a round is free of the machine's drift between rounds, which a ratio of two medians
+    is not (a slow minute that hits one configuration's median run and not the other's)."""
+    ratios = [r[key] / b[key] for r, b in zip(runs, base) if r.get(key) is not None and b.get(key)]
+    return statistics.median(ratios) if ratios else None
+
+
+# Outrider's configurations against: its own plain decoding, llama.cpp plain and with prompt lookup, and
+# transformers with the same drafter (plain against plain, lookup against lookup).
+PAIRED = (("vs_outrider_plain", lambda config: "outrider"), ("vs_llama_cpp", lambda config: "llama.cpp"),
+          ("vs_llama_cpp_lookup", lambda config: "llama.cpp+lookup"),
+          ("vs_transformers", lambda config: config.replace("outrider", "transformers", 1)))
+
+
 def _add_ratios(cells: list[dict]) -> None:
-    """Decode speed relative to llama.cpp plain on the same prompt and temperature."""
-    base = {(c["prompt"], c["temperature"]): c["median"]["decode_tokens_per_s"]
-            for c in cells if c["config"] == "llama.cpp"}
+    """Per cell, decode speed relative to llama.cpp plain on the same prompt and temperature (paired by
+    round); per Outrider cell, the paired ratios of `PAIRED` and prefill relative to llama.cpp."""
+    by = {(c["prompt"], c["temperature"], c["config"]): c for c in cells}
     for c in cells:
-        b, v = base.get((c["prompt"], c["temperature"])), c["median"]["decode_tokens_per_s"]
-        c["median"]["ratio_to_llama_cpp"] = v / b if b and v is not None else None
+        where = (c["prompt"], c["temperature"])
+        base = by.get((*where, "llama.cpp"))
+        c["median"]["ratio_to_llama_cpp"] = paired_ratio(c["runs"], base["runs"]) if base else None
+        if c["engine"] != "outrider":
+            continue
+        c["paired"] = {}
+        for name, peer_of in PAIRED:
+            peer = by.get((*where, peer_of(c["config"])))
+            c["paired"][name] = paired_ratio(c["runs"], peer["runs"]) if peer and peer is not c else None
+        c["paired"]["prefill_vs_llama_cpp"] = (paired_ratio(c["runs"], base["runs"], "prefill_tokens_per_s")
+                                               if base else None)
 
 
 def _machine() -> dict[str, Any]:
@@ -712,7 +737,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines.append(f"{s['tokens']} new tokens per run (end-of-generation ignored), median of {s['runs']} runs after "
                  f"a warm-up round, {s['threads']} threads, draft length {s['draft_max']}; decode tok/s = tokens "
                  "after the first / time after the first; prefill tok/s = prompt tokens / time to the first "
-                 "token.")
+                 "token. Each run runs every configuration back to back; a ratio (vs ...) is the median over runs "
+                 "of the ratio within a run, which the machine's drift from run to run does not move.")
     if bandwidth:
         lines.append(f"Measured DRAM read bandwidth: {bandwidth:.1f} GB/s.")
     for model, entry in report["models"].items():
@@ -747,6 +773,21 @@ def markdown(report: dict[str, Any]) -> str:
         if approximate:
             lines.append("")
             lines.append("~ counted outside the engine (draft calls and drafted tokens; the last round may be cut).")
+        paired = [c for c in entry["cells"] if c.get("paired")]
+        if paired:
+            lines.append("")
+            lines.append("Outrider against each reference, decode tok/s, as the median over runs of the ratio within a run "
+                         "(transformers with the same drafter: plain against plain, lookup against lookup):")
+            lines.append("")
+            lines.append("| prompt | T | engine | vs Outrider plain | vs llama.cpp | vs llama.cpp+lookup | "
+                         "vs transformers | prefill vs llama.cpp |")
+            lines.append("|---|---|---|---|---|---|---|---|")
+            for c in paired:
+                r = c["paired"]
+                lines.append(f"| {c['prompt']} | {c['temperature']:g} | {c['config']} | "
+                             + " | ".join(_fmt(r[key], ".2f", "x") for key in
+                                          ("vs_outrider_plain", "vs_llama_cpp", "vs_llama_cpp_lookup",
+                                           "vs_transformers", "prefill_vs_llama_cpp")) + " |")
         if entry.get("forward_cost_curve"):
             lines.append("")
             lines.append("Outrider: cost of a k-token forward relative to a 1-token forward (median of 5):")
@@ -805,5 +846,5 @@ def draw_chart(report: dict[str, Any], path: str | os.PathLike) -> bool:
 
 __all__ = ["BenchSettings", "DEFAULT_MODELS", "DRAFTERS", "ENGINES", "Engine", "LlamaCppEngine", "OutriderEngine",
            "PROMPTS", "RunResult", "TransformersEngine", "draw_chart", "forward_cost_curve", "make_engines",
-           "markdown", "median", "medians", "prompt_ids", "read_bandwidth_gbs", "run_bench", "stored_weight_bytes",
+           "markdown", "median", "medians", "paired_ratio", "prompt_ids", "read_bandwidth_gbs", "run_bench", "stored_weight_bytes",
            "tensor_bytes", "write_json"]

@@ -51,12 +51,28 @@ def test_run_result_definitions_are_the_same_for_every_engine():
     assert m["acceptance_rate"] is None
 
 
-def test_ratio_to_llama_cpp_pairs_prompt_and_temperature():
-    cells = [{"prompt": "code", "temperature": 0.0, "config": "llama.cpp", "median": {"decode_tokens_per_s": 50.0}},
-             {"prompt": "code", "temperature": 0.0, "config": "outrider", "median": {"decode_tokens_per_s": 25.0}},
-             {"prompt": "code", "temperature": 0.7, "config": "outrider", "median": {"decode_tokens_per_s": 25.0}}]
+def _cell(prompt, temperature, config, decode, prefill=None):
+    runs = [{"decode_tokens_per_s": d, "prefill_tokens_per_s": p}
+            for d, p in zip(decode, prefill or [100.0] * len(decode))]
+    return {"prompt": prompt, "temperature": temperature, "config": config, "engine": config.split("+")[0],
+            "median": {"decode_tokens_per_s": bench.median(decode)}, "runs": runs}
+
+
+def test_ratios_pair_prompt_temperature_and_round():
+    cells = [_cell("code", 0.0, "llama.cpp", [50.0, 40.0, 100.0], [200.0, 100.0, 400.0]),
+             _cell("code", 0.0, "outrider", [25.0, 30.0, 40.0], [100.0, 300.0, 100.0]),
+             _cell("code", 0.0, "outrider+lookup", [50.0, 90.0, 60.0]),
+             _cell("code", 0.0, "transformers", [5.0, 10.0, 10.0]),
+             _cell("code", 0.7, "outrider", [25.0])]
     bench._add_ratios(cells)
-    assert [c["median"]["ratio_to_llama_cpp"] for c in cells] == [1.0, 0.5, None]
+    # per round 0.5, 0.75, 0.4: median 0.5 (the ratio of the medians, 30 / 50, would be 0.6)
+    assert [c["median"]["ratio_to_llama_cpp"] for c in cells] == [1.0, 0.5, 1.0, 0.1, None]  # lookup: 1, 2.25, 0.6
+    plain, lookup = cells[1]["paired"], cells[2]["paired"]
+    assert plain["vs_outrider_plain"] is None and lookup["vs_outrider_plain"] == 2.0  # 2, 3, 1.5
+    assert plain["vs_transformers"] == 4.0  # 5, 3, 4
+    assert lookup["vs_transformers"] is None and lookup["vs_llama_cpp_lookup"] is None  # not in the run
+    assert plain["prefill_vs_llama_cpp"] == 0.5  # 0.5, 3, 0.25
+    assert "paired" not in cells[0] and cells[4]["paired"]["vs_llama_cpp"] is None
 
 
 def test_tensor_bytes_counts_each_storage_once_and_skips_embeddings():
@@ -103,7 +119,9 @@ def test_bench_on_a_tiny_model(tiny, short_prompts, tmp_path):
 
     table = bench.markdown(report)
     rows = [line for line in table.splitlines() if line.startswith("| code") or line.startswith("| story")]
-    assert len(rows) == 8 and all(line.count("|") == 9 for line in rows)
+    # the main table, then the paired ratios of every Outrider cell (all 8 here)
+    assert len(rows) == 16 and all(line.count("|") == 9 for line in rows)
+    assert "| prompt | T | engine | vs Outrider plain |" in table
     path = tmp_path / "bench.json"
     bench.write_json(report, path)
     assert json.loads(path.read_text())["models"][str(tiny)]["cells"][0]["runs"]
