@@ -36,14 +36,22 @@ class LookupDrafter(DrafterBase):
         super().begin(prompt, params, controls)
         self._reset()
 
-    def _extend_index(self, tokens: list[int]) -> None:
-        if tokens[:len(self._seen)] != self._seen:  # not an extension of what we indexed: start over
+    def rollback(self, length: int) -> None:
+        if length < len(self._seen):  # tokens it indexed are gone (the runner never does this)
             self._reset()
+
+    def _extend_index(self, tokens: list[int]) -> None:
+        seen = len(self._seen)
+        # Called twice a round: checking the whole prefix would cost O(context). Rollback resets on a
+        # shorter context; this catches a caller that skipped it.
+        if seen and (len(tokens) < seen or tokens[seen - 1] != self._seen[-1] or tokens[0] != self._seen[0]):
+            self._reset()
+            seen = 0
         # An n-gram ending at i - 1 maps to its continuation position i; the last token has none yet.
-        for i in range(max(len(self._seen), 1), len(tokens)):
+        for i in range(max(seen, 1), len(tokens)):
             for n in range(self.min_n, min(self.max_n, i) + 1):
                 self._index[tuple(tokens[i - n:i])] = i
-        self._seen = list(tokens)
+        self._seen.extend(tokens[seen:])
 
     def _match(self, tokens: list[int]) -> tuple[int, int] | None:
         """(n, start): the longest n-gram ending `tokens` seen before, and where its continuation starts."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from outrider.drafting import Draft, DrafterBase
+from outrider.drafting import Draft, DrafterBase, DraftKind
 from outrider.hookspecs import hookimpl
 
 
 class NoDrafter(DrafterBase):
+    def draft_kind(self, tokens: list[int]) -> DraftKind | None:
+        return None  # so the runner does not weigh draft lengths every round
+
     def propose(self, tokens: list[int], k: int) -> Draft:
         return Draft()
 
