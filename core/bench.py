@@ -685,16 +685,16 @@ def paired_ratio(runs: list[dict], base: list[dict], key: str = "decode_tokens_p
     return statistics.median(ratios) if ratios else None
 
 
-# Outrider's configurations against: its own plain decoding, llama.cpp plain and with prompt lookup, and
-# transformers with the same drafter (plain against plain, lookup against lookup).
-PAIRED = (("vs_outrider_plain", lambda config: "outrider"), ("vs_llama_cpp", lambda config: "llama.cpp"),
-          ("vs_llama_cpp_lookup", lambda config: "llama.cpp+lookup"),
-          ("vs_transformers", lambda config: config.replace("outrider", "transformers", 1)))
+def _references(config: str) -> dict[str, str]:
+    """What an Outrider configuration is compared with: its own plain decoding, llama.cpp plain and with
+    prompt lookup, and transformers with the same drafter (plain against plain, lookup against lookup)."""
+    return {"vs_outrider_plain": "outrider", "vs_llama_cpp": "llama.cpp", "vs_llama_cpp_lookup": "llama.cpp+lookup",
+            "vs_transformers": config.replace("outrider", "transformers", 1)}
 
 
 def _add_ratios(cells: list[dict]) -> None:
     """Per cell, decode speed relative to llama.cpp plain on the same prompt and temperature (paired by
-    round); per Outrider cell, the paired ratios of `PAIRED` and prefill relative to llama.cpp."""
+    round); per Outrider cell, the paired ratios against `_references` and prefill against llama.cpp."""
     by = {(c["prompt"], c["temperature"], c["config"]): c for c in cells}
     for c in cells:
         where = (c["prompt"], c["temperature"])
@@ -703,8 +703,8 @@ def _add_ratios(cells: list[dict]) -> None:
         if c["engine"] != "outrider":
             continue
         c["paired"] = {}
-        for name, peer_of in PAIRED:
-            peer = by.get((*where, peer_of(c["config"])))
+        for name, reference in _references(c["config"]).items():
+            peer = by.get((*where, reference))
             c["paired"][name] = paired_ratio(c["runs"], peer["runs"]) if peer and peer is not c else None
         c["paired"]["prefill_vs_llama_cpp"] = (paired_ratio(c["runs"], base["runs"], "prefill_tokens_per_s")
                                                if base else None)
