@@ -26,6 +26,8 @@ its prior, so a kind of draft that was poor in one stretch of text is tried agai
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import islice
+from typing import Iterator
 
 from .drafting import DEFAULT_KIND, DraftKind
 
@@ -94,30 +96,27 @@ class AdaptiveDraftLength:
         base = self.verify_s[known[0]]
         return max(self.verify_s[anchor] + self.initial_slope * base * (n - anchor), 1e-9)
 
-    def expected_tokens(self, k: int, kind: DraftKind = DEFAULT_KIND) -> float:
+    def _expected_by_length(self, kind: DraftKind) -> Iterator[float]:
+        """expected_tokens(k) for k = 1, 2, ..., cap, in one pass."""
         est = self.estimates(kind)
-        total, survive, deepest = 1.0, 1.0, None
-        for j in range(k):
-            if est.reached[j]:
-                deepest = est.acceptance[j]
-            survive *= est.acceptance[j] if est.reached[j] or deepest is None else deepest
-            total += survive
-        return total
-
-    def choose(self, kind: DraftKind = DEFAULT_KIND) -> int:
-        est = self.estimates(kind)
-        draft_cost = self.draft_s_per_token or 0.0
-        best_k, best_rate = 0, 1.0 / self.verify_cost(1)
-        # expected_tokens(k) for every k in one pass: this runs every round
         total, survive, deepest = 1.0, 1.0, None
         for j in range(self.cap):
             if est.reached[j]:
                 deepest = est.acceptance[j]
             survive *= est.acceptance[j] if est.reached[j] or deepest is None else deepest
             total += survive
-            rate = total / (self.verify_cost(j + 2) + (j + 1) * draft_cost)
+            yield total
+
+    def expected_tokens(self, k: int, kind: DraftKind = DEFAULT_KIND) -> float:
+        return 1.0 if k == 0 else next(islice(self._expected_by_length(kind), k - 1, None))
+
+    def choose(self, kind: DraftKind = DEFAULT_KIND) -> int:
+        draft_cost = self.draft_s_per_token or 0.0
+        best_k, best_rate = 0, 1.0 / self.verify_cost(1)
+        for k, expected in enumerate(self._expected_by_length(kind), start=1):
+            rate = expected / (self.verify_cost(k + 1) + k * draft_cost)
             if rate > best_rate:
-                best_k, best_rate = j + 1, rate
+                best_k, best_rate = k, rate
         if 0 < best_k < self.cap and self.rounds % self.explore_every == self.explore_every - 1:
             return min(2 * best_k + 1, self.cap)
         return best_k
