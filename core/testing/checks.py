@@ -137,6 +137,7 @@ class Round:
     tokens: list[int]
     k: int
     draft: Draft
+    kind: Any = None  # what draft_kind(tokens) said before propose, in a session that asked
 
     def where(self) -> str:
         return f"propose(tokens of length {len(self.tokens)} ending {self.tokens[-3:]}, k={self.k})"
@@ -148,17 +149,19 @@ ROUND_KS = (1, 4, 8, 0, 2, 6, 3)
 CONTINUATION = (7, 8, 9, 5, 6)
 
 
-def _session(subject: Subject, params: SamplingParams = GREEDY) -> list[Round]:
-    """Drive a drafter the way the runner does: propose, accept a prefix, roll back, append the target's token."""
+def _session(subject: Subject, params: SamplingParams = GREEDY, ask_kind: bool = False) -> list[Round]:
+    """Drive a drafter the way the runner does: (with `ask_kind`, ask draft_kind first,) propose, accept a
+    prefix, roll back, append the target's token."""
     vocab = _vocab(subject)
     drafter = _ready_drafter(subject, params)
     tokens = PROMPT + [7]
     rounds = []
     for i, k in enumerate(ROUND_KS):
+        kind = drafter.draft_kind(list(tokens)) if ask_kind else None
         draft = drafter.propose(list(tokens), k)
         if not isinstance(draft, Draft):
             raise AssertionError(f"propose must return an outrider.drafting.Draft, got {type(draft).__name__}")
-        rounds.append(Round(list(tokens), k, draft))
+        rounds.append(Round(list(tokens), k, draft, kind))
         accepted = _valid_ids(draft, vocab)[: min(k, i % 3)]  # accept 0, 1 or 2 of the drafts
         drafter.rollback(len(tokens) + len(accepted))
         tokens += accepted + [CONTINUATION[i % len(CONTINUATION)]]
@@ -280,26 +283,18 @@ def draft_kind_none_means_an_empty_draft(subject: Subject) -> None:
     the proposal is empty (the runner then skips propose), and asking it changes no proposal."""
     from outrider.drafting import DraftKind
 
+    if not callable(getattr(subject.new(), "draft_kind", None)):
+        raise CheckSkipped("the drafter has no draft_kind (optional): every round is one kind")
     for params in (GREEDY, SAMPLED):
-        plain = _session(subject, params)
-        drafter = _ready_drafter(subject, params)
-        if not callable(getattr(drafter, "draft_kind", None)):
-            raise CheckSkipped("the drafter has no draft_kind (optional): every round is one kind")
-        vocab = _vocab(subject)
-        tokens = PROMPT + [7]
-        for i, (k, expected) in enumerate(zip(ROUND_KS, plain)):
-            kind = drafter.draft_kind(list(tokens))
-            where = f"draft_kind(tokens of length {len(tokens)} ending {tokens[-3:]})"
+        for plain, asked in zip(_session(subject, params), _session(subject, params, ask_kind=True)):
+            kind, where = asked.kind, f"draft_kind(tokens of length {len(asked.tokens)} ending {asked.tokens[-3:]})"
             assert kind is None or (isinstance(kind, DraftKind) and 0.0 <= kind.prior <= 1.0), \
                 f"{where} must return None or an outrider.drafting.DraftKind with a prior in [0, 1], got {kind!r}"
-            draft = drafter.propose(list(tokens), k)
-            assert list(draft.tokens) == list(expected.draft.tokens), \
-                f"asking {where} first changed {expected.where()}: {list(draft.tokens)}, not {list(expected.draft.tokens)}"
-            assert kind is not None or not draft.tokens, \
-                f"{where} said None (nothing to draft), but {expected.where()} proposed {list(draft.tokens)}"
-            accepted = _valid_ids(draft, vocab)[: min(k, i % 3)]
-            drafter.rollback(len(tokens) + len(accepted))
-            tokens += accepted + [CONTINUATION[i % len(CONTINUATION)]]
+            assert list(asked.draft.tokens) == list(plain.draft.tokens), \
+                f"asking {where} first changed {plain.where()}: {list(asked.draft.tokens)}, " \
+                f"not {list(plain.draft.tokens)}"
+            assert kind is not None or not asked.draft.tokens, \
+                f"{where} said None (nothing to draft), but {asked.where()} proposed {list(asked.draft.tokens)}"
 
 
 class _Greedy:
