@@ -194,18 +194,18 @@ struct NibbleDequant {
 // in place of isolating bit 4 with a variable shift, a mask, an or, a conversion and a multiply-add.
 #if defined(__AVX512F__)
 struct FiveBitDequant {
-  __m512 low, high;
-  inline FiveBitDequant(float s, float z) {
-    const v16f codes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  NibbleDequant low;  // codes 0-15
+  __m512 high;        // codes 16-31
+  inline FiveBitDequant(float s, float z) : low(s, z) {
     const v16f upper = {16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
-    v16f t = codes * s + z, u = upper * s + z;
-    std::memcpy(&low, &t, sizeof low);
+    v16f u = upper * s + z;
     std::memcpy(&high, &u, sizeof high);
   }
   inline v16f operator()(v16i w, uint32_t top) const {
     __m512i idx;
     std::memcpy(&idx, &w, sizeof idx);
-    __m512 f = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(idx, low), static_cast<__mmask16>(top), idx, high);
+    __m512 f = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(idx, low.table), static_cast<__mmask16>(top), idx,
+                                          high);
     v16f out;
     std::memcpy(&out, &f, sizeof out);
     return out;
@@ -514,7 +514,6 @@ static void with_format(int64_t kind, const torch::Tensor& codes, const torch::T
 // each row the bits a one-row call gives it. Below 12 rows the tiles' repeated dequantization costs less
 // than the panel's stores (measured on both real models' layers).
 constexpr int64_t PROMPT_PANEL_MIN_ROWS = 12;
-constexpr int64_t POST_BLOCK = 16384, POST_PARALLEL_MIN = 32768;  // elements
 
 #if defined(__AVX512F__)
 template <int... I>
@@ -592,6 +591,10 @@ static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Te
     matmul(w, groups, x, rows, k, y, n_out);
   });
 }
+
+// Post steps (see linear): columns per block of a row split across threads, and the output size below
+// which they stay on the calling thread.
+constexpr int64_t POST_BLOCK = 16384, POST_PARALLEL_MIN = 32768;
 
 // y = post(W @ pre(x)). pre: rms_norm with in_norm, then act(gate) * up over the two halves of x.
 // post: rms_norm with out_norm, then + residual, then softcap. kind: see with_format. zeros may be
