@@ -692,6 +692,11 @@ def _references(config: str) -> dict[str, str]:
             "vs_transformers": config.replace("outrider", "transformers", 1)}
 
 
+PAIRED_COLUMNS = {"vs_outrider_plain": "vs Outrider plain", "vs_llama_cpp": "vs llama.cpp",
+                  "vs_llama_cpp_lookup": "vs llama.cpp+lookup", "vs_transformers": "vs transformers",
+                  "prefill_vs_llama_cpp": "prefill vs llama.cpp"}  # the keys of a cell's "paired"
+
+
 def _add_ratios(cells: list[dict]) -> None:
     """Per cell, decode speed relative to llama.cpp plain on the same prompt and temperature (paired by
     round); per Outrider cell, the paired ratios against `_references` and prefill against llama.cpp."""
@@ -779,15 +784,11 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append("Outrider against each reference, decode tok/s, as the median over runs of the ratio within a run "
                          "(transformers with the same drafter: plain against plain, lookup against lookup):")
             lines.append("")
-            lines.append("| prompt | T | engine | vs Outrider plain | vs llama.cpp | vs llama.cpp+lookup | "
-                         "vs transformers | prefill vs llama.cpp |")
-            lines.append("|---|---|---|---|---|---|---|---|")
+            lines.append("| prompt | T | engine | " + " | ".join(PAIRED_COLUMNS.values()) + " |")
+            lines.append("|---|---|---|" + "---|" * len(PAIRED_COLUMNS))
             for c in paired:
-                r = c["paired"]
                 lines.append(f"| {c['prompt']} | {c['temperature']:g} | {c['config']} | "
-                             + " | ".join(_fmt(r[key], ".2f", "x") for key in
-                                          ("vs_outrider_plain", "vs_llama_cpp", "vs_llama_cpp_lookup",
-                                           "vs_transformers", "prefill_vs_llama_cpp")) + " |")
+                             + " | ".join(_fmt(c["paired"][key], ".2f", "x") for key in PAIRED_COLUMNS) + " |")
         if entry.get("forward_cost_curve"):
             lines.append("")
             lines.append("Outrider: cost of a k-token forward relative to a 1-token forward (median of 5):")
