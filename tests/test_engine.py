@@ -17,6 +17,7 @@ import torch
 from outrider.errors import ModelFileError
 from outrider.gguf_file import GGUFFile
 from outrider.models import load_model
+from outrider.models.stack import LayerStack
 from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama
 
 # Logits tolerance against transformers (fp32 both sides; logits are of magnitude 20-50).
@@ -285,6 +286,29 @@ def test_real_truncate_then_replay_equals_fresh_run(real):
     gen = torch.Generator().manual_seed(7)
     prefix, rejected, replacement = (torch.randint(10, 20000, (n,), generator=gen) for n in (505, 8, 8))
     _check_truncate_then_replay(model, prefix, rejected, replacement)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_native_layer_stack_equals_the_python_loop(tiny_paths, arch):
+    """The native stack makes the calls the Python loop makes, so logits and cache must agree bit for bit;
+    a step it drops or misorders (a post-norm, a layer's window or rotary, the prompt flag) shows here."""
+    model = load_model(GGUFFile(tiny_paths[arch]), weights="compact")
+    native = model.stack
+    assert native.native is not None
+    loop = LayerStack(native.layers, native.attention, native.eps, native.act, native=False)
+    gen = torch.Generator().manual_seed(7)
+    prompt, block = torch.randint(0, model.config.vocab_size, (13,), generator=gen), torch.tensor([3, 1, 4, 1])
+    caches, logits = [], []
+    for stack in (native, loop):
+        model.stack = stack
+        cache = model.new_cache(64)
+        first = model.forward(prompt, 0, cache, last_only=True)  # a prompt: the panel kernel's order
+        logits.append(torch.cat([first, model.forward(block, len(prompt), cache)]))  # past the 8-token window
+        caches.append(cache)
+    model.stack = native
+    assert torch.equal(logits[0], logits[1])
+    for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+        assert torch.equal(a, b)
 
 
 # Compact weights (the CPU backend's default) hold the file's codes and run the native kernels in float32:

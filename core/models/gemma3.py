@@ -13,6 +13,7 @@ from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache
 from .layers import ATTENTION_DTYPE, PREFILL_CHUNK, Attention, Rotary, load_ends, run_in_chunks
 from .linear import load_linear, rms_norm
+from .stack import LayerStack, LayerWeights
 
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp hard-codes the local layers' base; GGUF stores only the global one
 DEFAULT_SWA_PERIOD = 6  # five local layers, then one global
@@ -113,6 +114,14 @@ class Gemma3:
         self.local_rotary = Rotary(cfg.head_dim, LOCAL_ROPE_BASE, cfg.context_length, 1.0, None, dtype, device)
         self.global_rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.context_length, cfg.rope_freq_scale,
                                     None, dtype, device)
+        self.stack = LayerStack([self._weights(i, l) for i, l in enumerate(self.layers)], self.attention, cfg.eps,
+                                "gelu_tanh")
+
+    def _weights(self, i: int, l: _Layer) -> LayerWeights:
+        local = self.config.is_local[i]
+        rotary, window = (self.local_rotary, self.config.sliding_window or None) if local else (self.global_rotary, None)
+        return LayerWeights(l.wqkv, l.wo, l.w_gate_up, l.w_down, l.attn_norm, l.ffn_norm, rotary, window, l.q_norm,
+                            l.k_norm, l.post_attn_norm, l.post_ffn_norm)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return self.attention.new_cache(self.config.n_layers, max_len or self.config.context_length, self.device)
@@ -128,19 +137,9 @@ class Gemma3:
         return (logits, h) if hidden else logits
 
     def _hidden(self, tokens: torch.Tensor, start: int, cache: KVCache, prompt: bool) -> torch.Tensor:
-        cfg, eps = self.config, self.config.eps
-        x = self.embed(tokens) * self.embed_scale
-        for i, layer in enumerate(self.layers):
-            local = cfg.is_local[i]
-            rotary, window = (self.local_rotary, cfg.sliding_window or None) if local else (self.global_rotary, None)
-            qkv = layer.wqkv(x, in_norm=layer.attn_norm, eps=eps, prompt=prompt)
-            o = self.attention(qkv, i, start, cache, rotary, layer.q_norm, layer.k_norm, window)
-            x = layer.wo(o, out_norm=layer.post_attn_norm, residual=x, eps=eps, prompt=prompt)
-            gate_up = layer.w_gate_up(x, in_norm=layer.ffn_norm, eps=eps, prompt=prompt)
-            x = layer.w_down(gate_up, act="gelu_tanh", out_norm=layer.post_ffn_norm, residual=x, eps=eps,
-                             prompt=prompt)
+        x = self.stack.run(self.embed(tokens) * self.embed_scale, start, cache, prompt)
         cache.length = start + tokens.shape[0]
-        return rms_norm(x, self.output_norm, eps)
+        return rms_norm(x, self.output_norm, self.config.eps)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor the model reads per token (the input embedding is a row gather, so it is left out)."""

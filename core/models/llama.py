@@ -11,6 +11,7 @@ from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache
 from .layers import ATTENTION_DTYPE, PREFILL_CHUNK, Attention, Rotary, default_scale, load_ends, run_in_chunks
 from .linear import load_linear, rms_norm
+from .stack import LayerStack, LayerWeights
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ class Llama:
                              freq_factors, dtype, device)
         self.attention = Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, default_scale(cfg.head_dim), cfg.eps,
                                    native, attention_dtype)
+        self.stack = LayerStack([LayerWeights(l.wqkv, l.wo, l.w_gate_up, l.w_down, l.attn_norm, l.ffn_norm, self.rotary)
+                                 for l in self.layers], self.attention, cfg.eps, "silu")
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return self.attention.new_cache(self.config.n_layers, max_len or self.config.context_length, self.device)
@@ -112,15 +115,9 @@ class Llama:
         return (logits, h) if hidden else logits
 
     def _hidden(self, tokens: torch.Tensor, start: int, cache: KVCache, prompt: bool) -> torch.Tensor:
-        eps = self.config.eps
-        x = self.embed(tokens)
-        for i, layer in enumerate(self.layers):
-            qkv = layer.wqkv(x, in_norm=layer.attn_norm, eps=eps, prompt=prompt)
-            x = layer.wo(self.attention(qkv, i, start, cache, self.rotary), residual=x, prompt=prompt)
-            gate_up = layer.w_gate_up(x, in_norm=layer.ffn_norm, eps=eps, prompt=prompt)
-            x = layer.w_down(gate_up, act="silu", residual=x, prompt=prompt)
+        x = self.stack.run(self.embed(tokens), start, cache, prompt)
         cache.length = start + tokens.shape[0]
-        return rms_norm(x, self.output_norm, eps)
+        return rms_norm(x, self.output_norm, self.config.eps)
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor the model reads per token (the input embedding is a row gather, so it is left out)."""

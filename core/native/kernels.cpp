@@ -857,8 +857,85 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
   return out;
 }
 
+// ------------------------------------------------------------------------------------ layer stack
+
+// A model's transformer layers run in one call. Each layer is the same five calls a Python loop would
+// make (fused q/k/v projection, attention, output projection, gate/up projection, down projection),
+// with the same arguments, so the result is bit for bit the loop's; what goes is the ~10 us of Python
+// and argument conversion around each of them, about a quarter of SmolLM2's one-token step.
+struct HeldLinear {
+  int64_t kind, group, n_out, k;
+  torch::Tensor codes, scales, zeros;
+  torch::Tensor operator()(const torch::Tensor& x, c10::optional<torch::Tensor> in_norm, double eps, int64_t act,
+                           c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> out_norm,
+                           bool prompt) const {
+    return linear(x, kind, codes, scales, zeros, group, n_out, k, in_norm, eps, act, residual, out_norm, 0.0, prompt);
+  }
+};
+
+struct StackLayer {
+  HeldLinear qkv, o, gate_up, down;
+  c10::optional<torch::Tensor> attn_norm, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffn_norm;
+  torch::Tensor cos, sin;
+  int64_t window;
+};
+
+static c10::optional<torch::Tensor> given(const c10::optional<torch::Tensor>& t) {
+  return t.has_value() && t->numel() ? t : c10::nullopt;
+}
+
+class LayerStack {
+ public:
+  LayerStack(int64_t n_heads, int64_t n_kv, int64_t d, double eps, double scale, int64_t act)
+      : n_heads_(n_heads), n_kv_(n_kv), d_(d), eps_(eps), scale_(scale), act_(act) {}
+
+  // One layer: each linear as (kind, codes, scales, zeros, group, n_out, k); norms may be None.
+  void add(py::tuple qkv, py::tuple o, py::tuple gate_up, py::tuple down, c10::optional<torch::Tensor> attn_norm,
+           c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+           c10::optional<torch::Tensor> post_attn_norm, c10::optional<torch::Tensor> ffn_norm,
+           c10::optional<torch::Tensor> post_ffn_norm, torch::Tensor cos, torch::Tensor sin, int64_t window) {
+    layers_.push_back({held(qkv), held(o), held(gate_up), held(down), given(attn_norm), given(q_norm), given(k_norm),
+                       given(post_attn_norm), given(ffn_norm), given(post_ffn_norm), cos.contiguous(),
+                       sin.contiguous(), window});
+  }
+
+  // x [T, hidden] at positions start..start+T-1 through every layer; keys and values: the cache's
+  // tensors, one per layer (see attend).
+  torch::Tensor run(torch::Tensor x, int64_t start, const std::vector<torch::Tensor>& keys,
+                    const std::vector<torch::Tensor>& values, bool prompt) const {
+    TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(),
+                "LayerStack.run: the cache has ", keys.size(), " layers, the model ", layers_.size());
+    x = x.contiguous();
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const StackLayer& l = layers_[i];
+      torch::Tensor qkv = l.qkv(x, l.attn_norm, eps_, ACT_NONE, c10::nullopt, c10::nullopt, prompt);
+      torch::Tensor a = attend(qkv, keys[i], values[i], start, n_heads_, n_kv_, d_, l.cos, l.sin, l.q_norm, l.k_norm,
+                               eps_, l.window, scale_);
+      x = l.o(a, c10::nullopt, eps_, ACT_NONE, x, l.post_attn_norm, prompt);
+      torch::Tensor gu = l.gate_up(x, l.ffn_norm, eps_, ACT_NONE, c10::nullopt, c10::nullopt, prompt);
+      x = l.down(gu, c10::nullopt, eps_, act_, x, l.post_ffn_norm, prompt);
+    }
+    return x;
+  }
+
+ private:
+  static HeldLinear held(const py::tuple& t) {
+    TORCH_CHECK(t.size() == 7, "LayerStack.add: a linear is (kind, codes, scales, zeros, group, n_out, k)");
+    return {t[0].cast<int64_t>(), t[4].cast<int64_t>(), t[5].cast<int64_t>(), t[6].cast<int64_t>(),
+            t[1].cast<torch::Tensor>(), t[2].cast<torch::Tensor>(), t[3].cast<torch::Tensor>()};
+  }
+  int64_t n_heads_, n_kv_, d_;
+  double eps_, scale_;
+  int64_t act_;
+  std::vector<StackLayer> layers_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = post(W @ pre(x)) with W held as GGUF codes and float32 scales");
   m.def("dequantize_rows", &dequantize_rows, "rows of a held weight as float32");
   m.def("attend", &attend, "rotary, cache write and attention for a block of tokens");
+  py::class_<LayerStack>(m, "LayerStack", py::module_local())  // local: two builds may share a process
+      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t>())
+      .def("add", &LayerStack::add)
+      .def("run", &LayerStack::run);
 }

@@ -1,0 +1,70 @@
+"""The transformer layers of the llama-like architectures, as one object: a list of per-layer weights
+(`LayerWeights`) run either by the CPU kernels' `LayerStack` in one native call, or by a Python loop
+over the same five calls per layer (the torch path, and the reference the native stack must match)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kv_cache import KVCache
+from .layers import Attention, Rotary
+from .linear import NATIVE_ACT, PackedLinear
+
+
+@dataclass
+class LayerWeights:
+    """One pre-norm layer: x += o(attention(qkv(norm(x)))), then x += down(act(gate_up(norm(x)))), with
+    optional post-norms on each branch (Gemma) and q/k norms (Gemma) inside attention."""
+
+    wqkv: object
+    wo: object
+    w_gate_up: object
+    w_down: object
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    rotary: Rotary
+    window: int | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
+
+    def linears(self) -> tuple:
+        return self.wqkv, self.wo, self.w_gate_up, self.w_down
+
+
+class LayerStack:
+    """`run(x, start, cache, prompt)`: x [T, hidden] at positions start..start+T-1 through every layer,
+    writing the cache. Native (one call per forward) when the attention and every linear run on the CPU
+    kernels; a Python loop otherwise, or with `native=False`."""
+
+    def __init__(self, layers: list[LayerWeights], attention: Attention, eps: float, act: str,
+                 native: bool = True):
+        self.layers, self.attention, self.eps, self.act = layers, attention, eps, act
+        kernels = attention.kernels
+        self.native = None
+        if native and kernels is not None and all(isinstance(w, PackedLinear) for l in layers for w in l.linears()):
+            self.native = kernels.LayerStack(attention.n_heads, attention.n_kv_heads, attention.head_dim, eps,
+                                             attention.scale, NATIVE_ACT[act])
+            for l in layers:
+                self.native.add(*(_held(w) for w in l.linears()), l.attn_norm, l.q_norm, l.k_norm,
+                                l.post_attn_norm, l.ffn_norm, l.post_ffn_norm, l.rotary.cos, l.rotary.sin,
+                                l.window or 0)
+
+    def run(self, x: torch.Tensor, start: int, cache: KVCache, prompt: bool) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.run(x, start, cache.keys, cache.values, prompt)
+        eps = self.eps
+        for i, l in enumerate(self.layers):
+            qkv = l.wqkv(x, in_norm=l.attn_norm, eps=eps, prompt=prompt)
+            o = self.attention(qkv, i, start, cache, l.rotary, l.q_norm, l.k_norm, l.window)
+            x = l.wo(o, out_norm=l.post_attn_norm, residual=x, eps=eps, prompt=prompt)
+            gate_up = l.w_gate_up(x, in_norm=l.ffn_norm, eps=eps, prompt=prompt)
+            x = l.w_down(gate_up, act=self.act, out_norm=l.post_ffn_norm, residual=x, eps=eps, prompt=prompt)
+        return x
+
+
+def _held(w: PackedLinear) -> tuple:
+    return w.kind, w.codes, w.scales, w.zeros, w.group, w.n_out, w.k
