@@ -72,8 +72,8 @@ def _random_kquant_blocks(rng: np.random.Generator, qtype: Q, n_blocks: int) -> 
 
 
 def _q6_k_power_of_two_scales(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
-    """Q6_K whose 16 int8 sub-block scales are +-2^i, so every per-16 scale d * sc is an exact float16 (the
-    path where scales may be held in half precision); random Q6_K scales need float32."""
+    """Q6_K whose 16 int8 sub-block scales are +-2^i, so every per-16 scale d * sc is an exact float16, as
+    the file's own d is: a fused tensor then has per-16 scales of both kinds."""
     raw = _random_kquant_blocks(rng, Q.Q6_K, rows * cols // 256)
     powers = rng.choice([-1, 1], (raw.shape[0], 16)) * (2 ** rng.integers(0, 7, (raw.shape[0], 16)))
     raw[:, 192:208] = powers.astype(np.int8).view(np.uint8)

@@ -4,9 +4,8 @@ Decoding a small model on a CPU is bound by how fast weights stream from memory 
 how a weight is held decides the speed. Two forms:
 
 - `PackedLinear` (`weights = compact`, the CPU backend's default): the integers the GGUF file stores,
-  with float32 scales and zeros (float16 where that holds them exactly, as for the file's own d and m),
-  w = scale * code + zero, run by Outrider's own kernel (`outrider.native`), which dequantizes in
-  registers and keeps activations in float32. 4-bit types (Q4_0, Q4_1, Q4_K) as packed nibbles, 5-bit
+  with float32 scales and zeros, w = scale * code + zero, run by Outrider's own kernel
+  (`outrider.native`), which dequantizes in registers and keeps activations in float32. 4-bit types (Q4_0, Q4_1, Q4_K) as packed nibbles, 5-bit
   types (Q5_0, Q5_1, Q5_K) as nibbles plus a word of high bits, Q6_K and Q8_0 as int8 codes, one scale
   (and zero) per 32 weights, per 16 for Q6_K; float tensors as float32.
 - `DenseLinear` (`weights = dense`, the CUDA backend, or where the kernels cannot be built): the
@@ -89,11 +88,8 @@ class PackedLinear:
         self.kernels = native.load()
         self.kind, self.group, self.n_out, self.k = kind, group, n_out, k
         self.codes = codes.contiguous()
-        # float16 where that holds every scale and zero exactly (the file's own d and m), else float32
-        exact = lambda t: t is None or torch.equal(t.to(torch.float16).float(), t.float())
-        held = torch.float16 if exact(scales) and exact(zeros) and kind != KIND_F32 else torch.float32
-        self.scales = scales.to(held).contiguous()
-        self.zeros = (torch.empty(0, dtype=held) if zeros is None else zeros.to(held)).contiguous()
+        self.scales = scales.to(torch.float32).contiguous()  # see RowReader in kernels.cpp for why not float16
+        self.zeros = (torch.empty(0) if zeros is None else zeros.to(torch.float32)).contiguous()
 
     def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
                  act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,

@@ -129,38 +129,6 @@ static inline v16f vtanh(v16f x) {
   return (e - 1.0f) / (e + 1.0f);
 }
 
-// Scales and zeros are float32, or float16 where that holds them exactly (the file's own d and m).
-static inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
-  if (exp == 0) {  // zero or subnormal: exact as man * 2^-24
-    float f = static_cast<float>(man) * 5.9604644775390625e-8f;
-    return sign ? -f : f;
-  }
-  bits = exp == 31 ? sign | 0x7f800000u | (man << 13) : sign | ((exp + 112) << 23) | (man << 13);
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
-// A weight row's scales (or zeros) as float32: float32 ones are read in place, float16 ones converted
-// once per row into buf, so the inner loop broadcasts them straight from memory.
-constexpr int64_t MAX_ROW_SCALES = 4096;  // K / 16 for K up to 65536
-static inline const float* row_floats(const float* p, int64_t n, int64_t count, float*) { return p ? p + n * count : nullptr; }
-static inline const float* row_floats(const uint16_t* p, int64_t n, int64_t count, float* buf) {
-  if (!p) return nullptr;
-  p += n * count;
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= count; i += 16)
-    _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i))));
-#endif
-  for (; i < count; ++i) buf[i] = half_to_float(p[i]);
-  return buf;
-}
-
 // s * c + z for the 4-bit code c in the low four bits of each lane. AVX-512 computes the 16 possible
 // values once per group (the same fused multiply-add per value as computing each lane) and looks
 // them up (vpermps reads only the low four bits of each index): one instruction per 16 weights in
@@ -219,12 +187,11 @@ struct FiveBitDequant {
 // the group), dequantized exactly as w = scale * code + zero, given the row's scales s and zeros z as
 // float32 (SCALES per group of 32).
 
-template <class S>
 struct Q4 {  // 4-bit codes, two per byte: byte j of a group holds code j (low nibble) and j + 16 (high)
   static constexpr int SCALES = 1;
   const uint8_t* codes;
-  const S* scales;
-  const S* zeros;
+  const float* scales;
+  const float* zeros;
   int64_t groups;  // per row: K / 32
   inline const void* row_codes(int64_t n, int64_t& bytes) const { bytes = groups * 16; return codes + n * bytes; }
   inline void group(int64_t n, int64_t g, const float* s, const float* z, v16f& a, v16f& b) const {
@@ -235,12 +202,11 @@ struct Q4 {  // 4-bit codes, two per byte: byte j of a group holds code j (low n
   }
 };
 
-template <class S>
 struct Q5 {  // 5-bit codes: per group 20 bytes, the low 4 bits packed as in Q4, then bit 4 of code j at bit j
   static constexpr int SCALES = 1;
   const uint8_t* codes;
-  const S* scales;
-  const S* zeros;
+  const float* scales;
+  const float* zeros;
   int64_t groups;
   inline const void* row_codes(int64_t n, int64_t& bytes) const { bytes = groups * 20; return codes + n * bytes; }
   inline void group(int64_t n, int64_t g, const float* s, const float* z, v16f& a, v16f& b) const {
@@ -262,12 +228,12 @@ struct Q5 {  // 5-bit codes: per group 20 bytes, the low 4 bits packed as in Q4,
   }
 };
 
-template <int G, bool ZERO, class S>  // int8 codes, one scale (and zero) per G = 16 or 32 weights
+template <int G, bool ZERO>  // int8 codes, one scale (and zero) per G = 16 or 32 weights
 struct Q8 {
   static constexpr int SCALES = 32 / G;
   const int8_t* codes;
-  const S* scales;
-  const S* zeros;
+  const float* scales;
+  const float* zeros;
   int64_t k;
   inline const void* row_codes(int64_t n, int64_t& bytes) const { bytes = k; return codes + n * k; }
   inline void group(int64_t n, int64_t g, const float* s, const float* z, v16f& a, v16f& b) const {
@@ -297,16 +263,17 @@ struct F32 {
   }
 };
 
-// The row's scales and zeros as float32, then its groups: what every kernel loops over.
+// The row's scales and zeros, then its groups: what every kernel loops over. Scales and zeros are held
+// as float32 even where float16 would hold them exactly (the file's own d and m): converting a row's
+// worth before its groups cost 10-15% of a one-row matmul at K = 576 and 640 (measured, both models).
 template <class W>
 struct RowReader {
   const W& w;
   int64_t groups;
-  float s_buf[MAX_ROW_SCALES], z_buf[MAX_ROW_SCALES];
   const float *s = nullptr, *z = nullptr;
   inline void start(int64_t n) {
-    s = row_floats(w.scales, n, groups * W::SCALES, s_buf);
-    z = row_floats(w.zeros, n, groups * W::SCALES, z_buf);
+    s = w.scales ? w.scales + n * groups * W::SCALES : nullptr;
+    z = w.zeros ? w.zeros + n * groups * W::SCALES : nullptr;
   }
   inline void group(int64_t n, int64_t g, v16f& a, v16f& b) const { w.group(n, g, s, z, a, b); }
   // Ask for row n's codes ahead of use: the rows stream from DRAM once per token.
@@ -480,28 +447,29 @@ static void softcap_row(float* y, int64_t n, float cap) {
 
 // ----------------------------------------------------------------------------------------- linear
 
-template <class S>
-static const S* held(const torch::Tensor& t) {
-  return t.numel() ? reinterpret_cast<const S*>(t.data_ptr()) : nullptr;
+static const float* held(const torch::Tensor& t) {
+  TORCH_CHECK(!t.numel() || (t.scalar_type() == torch::kFloat32 && t.is_contiguous()),
+              "scales and zeros must be contiguous float32");
+  return t.numel() ? t.data_ptr<float>() : nullptr;
 }
 
 // Calls f with the weight format named by kind (0 = 4-bit, 1 = int8, 2 = float32, 3 = 5-bit), group and zeros.
-template <class S, class F>
+template <class F>
 static void with_format(int64_t kind, const torch::Tensor& codes, const torch::Tensor& scales,
                         const torch::Tensor& zeros, int64_t group, int64_t k, F&& f) {
-  const S* s = held<S>(scales);
-  const S* z = held<S>(zeros);
+  const float* s = held(scales);
+  const float* z = held(zeros);
   if (kind == 0) {
-    f(Q4<S>{codes.data_ptr<uint8_t>(), s, z, k / 32});
+    f(Q4{codes.data_ptr<uint8_t>(), s, z, k / 32});
   } else if (kind == 1) {
     const int8_t* c = codes.data_ptr<int8_t>();
-    if (group == 32 && z) f(Q8<32, true, S>{c, s, z, k});
-    else if (group == 32) f(Q8<32, false, S>{c, s, z, k});
-    else if (group == 16 && z) f(Q8<16, true, S>{c, s, z, k});
-    else if (group == 16) f(Q8<16, false, S>{c, s, z, k});
+    if (group == 32 && z) f(Q8<32, true>{c, s, z, k});
+    else if (group == 32) f(Q8<32, false>{c, s, z, k});
+    else if (group == 16 && z) f(Q8<16, true>{c, s, z, k});
+    else if (group == 16) f(Q8<16, false>{c, s, z, k});
     else TORCH_CHECK(false, "int8 weights need a group of 16 or 32");
   } else if (kind == 3) {
-    f(Q5<S>{codes.data_ptr<uint8_t>(), s, z, k / 32});
+    f(Q5{codes.data_ptr<uint8_t>(), s, z, k / 32});
   } else {
     f(F32{codes.data_ptr<float>(), nullptr, nullptr, k});
   }
@@ -580,11 +548,10 @@ static void panel_matmul(const W& w, int64_t groups, const float* x, int64_t row
 }
 #endif
 
-template <class S>
 static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Tensor& scales,
                        const torch::Tensor& zeros, int64_t group, int64_t groups, const float* x, int64_t rows,
                        int64_t k, float* y, int64_t n_out, bool prompt) {
-  with_format<S>(kind, codes, scales, zeros, group, k, [&](const auto& w) {
+  with_format(kind, codes, scales, zeros, group, k, [&](const auto& w) {
 #if defined(__AVX512F__)
     if (prompt && rows >= PROMPT_PANEL_MIN_ROWS) return panel_matmul(w, groups, x, rows, k, y, n_out);
 #endif
@@ -604,7 +571,7 @@ torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::
                      int64_t act, c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> out_norm,
                      double softcap, bool prompt) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "linear: x must be contiguous float32");
-  TORCH_CHECK(k % 32 == 0 && k / 16 <= MAX_ROW_SCALES, "linear: K must be a multiple of 32, at most 65536");
+  TORCH_CHECK(k % 32 == 0, "linear: K must be a multiple of 32");
   int64_t rows = x.numel() / x.size(-1);
   const float* xin = x.data_ptr<float>();
   int64_t width = act != ACT_NONE ? 2 * k : k;
@@ -630,11 +597,7 @@ torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::
   torch::Tensor y = torch::empty(shape, x.options());
   float* out = y.data_ptr<float>();
   int64_t groups = k / 32;
-  if (scales.scalar_type() == torch::kHalf) {
-    run_matmul<uint16_t>(kind, codes, scales, zeros, group, groups, xin, rows, k, out, n_out, prompt);
-  } else {
-    run_matmul<float>(kind, codes, scales, zeros, group, groups, xin, rows, k, out, n_out, prompt);
-  }
+  run_matmul(kind, codes, scales, zeros, group, groups, xin, rows, k, out, n_out, prompt);
   if (out_norm.has_value() || residual.has_value() || softcap > 0) {
     const float* res = residual.has_value() ? residual->data_ptr<float>() : nullptr;
     // Without a norm the steps are elementwise, so a row may be split into blocks of columns (a multiple
@@ -679,8 +642,7 @@ torch::Tensor dequantize_rows(torch::Tensor rows, int64_t kind, torch::Tensor co
       }
     }
   };
-  if (scales.scalar_type() == torch::kHalf) with_format<uint16_t>(kind, codes, scales, zeros, group, k, rows_of);
-  else with_format<float>(kind, codes, scales, zeros, group, k, rows_of);
+  with_format(kind, codes, scales, zeros, group, k, rows_of);
   return out;
 }
 
