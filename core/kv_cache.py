@@ -18,14 +18,16 @@ class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int | list[int], head_dim: int | list[int], max_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  keys_transposed: bool = False):
-        """`keys_transposed`: keys held [kv_heads, head_dim, positions], as the native attention kernel reads
-        them (a query's scores for 16 positions are then one vector per dimension); only that kernel
-        writes and reads such a cache."""
+        """`keys_transposed`: keys held [kv_heads, positions / 64, head_dim, 64], as the native attention
+        kernel reads them: a query's scores for 16 positions are one vector per dimension, and a block of
+        64 positions is one contiguous read whatever the context length. Only that kernel writes and
+        reads such a cache."""
         heads = n_kv_heads if isinstance(n_kv_heads, list) else [n_kv_heads] * n_layers
         dims = head_dim if isinstance(head_dim, list) else [head_dim] * n_layers
         if keys_transposed:
             padded = -(-max_len // KEY_BLOCK) * KEY_BLOCK
-            self.keys = [torch.zeros(h, d, padded, dtype=dtype, device=device) for h, d in zip(heads, dims)]
+            self.keys = [torch.zeros(h, padded // KEY_BLOCK, d, KEY_BLOCK, dtype=dtype, device=device)
+                         for h, d in zip(heads, dims)]
         else:  # [kv_heads, max_len, head_dim] per layer: a prefix view [:, :end] is what attention reads.
             self.keys = [torch.zeros(h, max_len, d, dtype=dtype, device=device) for h, d in zip(heads, dims)]
         self.values = [torch.zeros(h, max_len, d, dtype=dtype, device=device) for h, d in zip(heads, dims)]

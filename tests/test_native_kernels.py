@@ -459,6 +459,7 @@ def test_attention_with_three_heads_per_kv_group_matches_float64_and_single_quer
     has; with three heads per group (SmolLM2's shape, not the tiny models') a 6-token call and six
     1-token calls group them differently. Oracles: the single calls, bit for bit, and float64 torch
     attention (rotary, causal, optionally windowed)."""
+    from outrider.kv_cache import KVCache
     from outrider.models.layers import Rotary
 
     n_heads, n_kv, d, prompt_len, t_len = 6, 2, 32, 9, 6
@@ -466,7 +467,11 @@ def test_attention_with_three_heads_per_kv_group_matches_float64_and_single_quer
     rotary = Rotary(d, 10000.0, 128)
     gen = torch.Generator().manual_seed(5)
     qkv = torch.randn(end, (n_heads + 2 * n_kv) * d, generator=gen)
-    new_caches = lambda: (torch.zeros(n_kv, d, 64), torch.zeros(n_kv, 64, d))
+
+    def new_caches():
+        cache = KVCache(1, n_kv, d, 64, keys_transposed=True)
+        return cache.keys[0], cache.values[0]
+
     call = lambda rows, start, cache: kernels.attend(rows.contiguous(), *cache, start, n_heads, n_kv, d, rotary.cos,
                                                      rotary.sin, None, None, 1e-6, window, d ** -0.5)
     previous = torch.get_num_threads()

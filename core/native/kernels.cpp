@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -666,12 +667,13 @@ constexpr int64_t MAX_SHARED_HEADS = 1;  // 16 ymm registers hold one head's fou
 
 struct AttendArgs {
   const float* src;  // qkv
-  const float* kc;   // keys [G, D, Lpad]
+  const float* kc;   // keys [G, Lpad / KEY_BLOCK, D, KEY_BLOCK]
   const float* vc;   // values [G, L, D]
   const float *cs, *sn, *qn;
   float eps;
   int64_t width, d, k_len, v_len, window;
   float scale;
+  int64_t scores_len;  // per head in a work item's scores buffer: the positions this call reaches
 };
 
 // Q heads h0..h0+Q-1 of token t (at position p), all of kv group g: each head's scores, softmax and
@@ -687,17 +689,20 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
     if (a.qn) { rms_norm_row(qsrc, a.qn, a.eps, d, normed); qsrc = normed; }
     rope_row(qsrc, a.cs + p * d, a.sn + p * d, d, q[c]);
     for (int64_t e = 0; e < d; ++e) q[c][e] *= a.scale;
-    scores[c] = scores_buf + c * k_len;
+    scores[c] = scores_buf + c * a.scores_len;
   }
   int64_t first = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
-  int64_t begin = first / 16 * 16, end = (p + 1 + 15) / 16 * 16;  // whole vectors of positions
+  // whole blocks of keys from the first one the window reaches (the positions before it are masked
+  // below), then whole vectors up to p
+  int64_t begin = first / KEY_BLOCK * KEY_BLOCK, end = (p + 1 + 15) / 16 * 16;
   const float* keys = a.kc + g * d * k_len;
   // scores of 64 positions at a time: four chains per head, each a sum over e in order
   int64_t j = begin;
   for (; j + KEY_BLOCK <= end; j += KEY_BLOCK) {
     v16f s[Q][4] = {};
+    const float* block = keys + j * d;  // [D, KEY_BLOCK], contiguous
     for (int64_t e = 0; e < d; ++e) {
-      const float* row = keys + e * k_len + j;
+      const float* row = block + e * KEY_BLOCK;
       v16f k0 = load16(row), k1 = load16(row + 16), k2 = load16(row + 32), k3 = load16(row + 48);
       for (int c = 0; c < Q; ++c) {
         v16f qe = splat(q[c][e]);
@@ -713,7 +718,7 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
   for (; j < end; j += 16) {
     v16f s[Q] = {};
     for (int64_t e = 0; e < d; ++e) {
-      v16f k0 = load16(keys + e * k_len + j);
+      v16f k0 = load16(keys + (j / KEY_BLOCK) * KEY_BLOCK * d + e * KEY_BLOCK + j % KEY_BLOCK);
       for (int c = 0; c < Q; ++c) s[c] = s[c] + splat(q[c][e]) * k0;
     }
     for (int c = 0; c < Q; ++c) store16(&scores[c][j], s[c]);
@@ -754,7 +759,8 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
 }
 
 // qkv [T, (H + 2 G) * D]: queries, keys, values of T tokens at positions start..start+T-1. Normalizes
-// (q_norm, k_norm) and rotates q and k, writes k into the cache of keys [G, D, Lpad] (transposed) and v
+// (q_norm, k_norm) and rotates q and k, writes k into the cache of keys [G, Lpad / 64, D, 64] (blocks of
+// 64 positions, each held transposed) and v
 // into the values [G, L, D] at those positions, and returns attention [T, H * D] over positions
 // [first, p] for the query at p, first = p - window + 1 with a window. Each (query, head) is computed
 // alone, in the same order whatever T is.
@@ -766,8 +772,9 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
   TORCH_CHECK(d % 16 == 0 && d <= 1024, "attend: head_dim must be a multiple of 16, at most 1024");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "attend: caches must be contiguous");
   int64_t t_len = qkv.size(0), width = (n_heads + 2 * n_kv) * d;
-  int64_t k_len = k_cache.size(2), v_len = v_cache.size(1);
-  TORCH_CHECK(k_cache.size(1) == d && k_len % KEY_BLOCK == 0, "attend: keys must be held transposed and padded");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == d && k_cache.size(3) == KEY_BLOCK,
+              "attend: keys must be held in transposed blocks [kv_heads, blocks, head_dim, ", KEY_BLOCK, "]");
+  int64_t k_len = k_cache.size(1) * KEY_BLOCK, v_len = v_cache.size(1);
   TORCH_CHECK(start + t_len <= v_len, "attend: positions past the end of the cache");
   const float* src = qkv.data_ptr<float>();
   float* kc = k_cache.data_ptr<float>();
@@ -786,7 +793,8 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
       const float* k = src + t * width + (n_heads + g) * d;
       if (kn) { rms_norm_row(k, kn, epsf, d, normed); k = normed; }
       rope_row(k, cs + p * d, sn + p * d, d, rotated);
-      for (int64_t e = 0; e < d; ++e) kc[(g * d + e) * k_len + p] = rotated[e];
+      float* block = kc + g * d * k_len + (p / KEY_BLOCK) * KEY_BLOCK * d;
+      for (int64_t e = 0; e < d; ++e) block[e * KEY_BLOCK + p % KEY_BLOCK] = rotated[e];
       std::memcpy(vc + (g * v_len + p) * d, src + t * width + (n_heads + n_kv + g) * d, d * sizeof(float));
     }
   }
@@ -800,19 +808,23 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
   int64_t shared = std::min<int64_t>(MAX_SHARED_HEADS, per_kv);
   while (shared > 1 && t_len * n_kv * ((per_kv + shared - 1) / shared) < 2 * at::get_num_threads()) --shared;
   int64_t chunks_per_group = (per_kv + shared - 1) / shared;
-  AttendArgs args{src, kc, vc, cs, sn, qn, epsf, width, d, k_len, v_len, window, static_cast<float>(scale)};
+  // Scores only up to the last position this call reaches, not the cache's length, and not zeroed:
+  // every score read is written first. (Sized by the context, the buffer cost Gemma 3 a 512 KB memset
+  // per layer.)
+  int64_t scores_len = (start + t_len + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
+  AttendArgs args{src, kc, vc, cs, sn, qn, epsf, width, d, k_len, v_len, window, static_cast<float>(scale), scores_len};
   at::parallel_for(0, t_len * n_kv * chunks_per_group, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(shared * k_len);
+    std::unique_ptr<float[]> scores(new float[shared * scores_len]);
     for (int64_t i = i0; i < i1; ++i) {
       int64_t t = i / (n_kv * chunks_per_group), rest = i % (n_kv * chunks_per_group);
       int64_t g = rest / chunks_per_group, h0 = g * per_kv + (rest % chunks_per_group) * shared;
       int64_t heads = std::min<int64_t>(shared, (g + 1) * per_kv - h0);
       float* o = op + t * n_heads * d + h0 * d;
       switch (heads) {
-        case 4: if constexpr (MAX_SHARED_HEADS >= 4) { attend_heads<4>(args, t, start + t, h0, g, scores.data(), o); } break;
-        case 3: if constexpr (MAX_SHARED_HEADS >= 3) { attend_heads<3>(args, t, start + t, h0, g, scores.data(), o); } break;
-        case 2: if constexpr (MAX_SHARED_HEADS >= 2) { attend_heads<2>(args, t, start + t, h0, g, scores.data(), o); } break;
-        default: attend_heads<1>(args, t, start + t, h0, g, scores.data(), o); break;
+        case 4: if constexpr (MAX_SHARED_HEADS >= 4) { attend_heads<4>(args, t, start + t, h0, g, scores.get(), o); } break;
+        case 3: if constexpr (MAX_SHARED_HEADS >= 3) { attend_heads<3>(args, t, start + t, h0, g, scores.get(), o); } break;
+        case 2: if constexpr (MAX_SHARED_HEADS >= 2) { attend_heads<2>(args, t, start + t, h0, g, scores.get(), o); } break;
+        default: attend_heads<1>(args, t, start + t, h0, g, scores.get(), o); break;
       }
     }
   });
