@@ -119,7 +119,8 @@ class Gemma3:
 
     def _weights(self, i: int, l: _Layer) -> LayerWeights:
         local = self.config.is_local[i]
-        rotary, window = (self.local_rotary, self.config.sliding_window or None) if local else (self.global_rotary, None)
+        rotary = self.local_rotary if local else self.global_rotary
+        window = (self.config.sliding_window or None) if local else None
         return LayerWeights(l.wqkv, l.wo, l.w_gate_up, l.w_down, l.attn_norm, l.ffn_norm, rotary, window, l.q_norm,
                             l.k_norm, l.post_attn_norm, l.post_ffn_norm)
 
