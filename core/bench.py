@@ -781,8 +781,8 @@ def markdown(report: dict[str, Any]) -> str:
         paired = [c for c in entry["cells"] if c.get("paired")]
         if paired:
             lines.append("")
-            lines.append("Outrider against each reference, decode tok/s, as the median over runs of the ratio within a run "
-                         "(transformers with the same drafter: plain against plain, lookup against lookup):")
+            lines.append("Outrider against each reference, decode tok/s, as the median over runs of the ratio within "
+                         "a run (transformers with the same drafter: plain against plain, lookup against lookup):")
             lines.append("")
             lines.append("| prompt | T | engine | " + " | ".join(PAIRED_COLUMNS.values()) + " |")
             lines.append("|---|---|---|" + "---|" * len(PAIRED_COLUMNS))
@@ -847,5 +847,5 @@ def draw_chart(report: dict[str, Any], path: str | os.PathLike) -> bool:
 
 __all__ = ["BenchSettings", "DEFAULT_MODELS", "DRAFTERS", "ENGINES", "Engine", "LlamaCppEngine", "OutriderEngine",
            "PROMPTS", "RunResult", "TransformersEngine", "draw_chart", "forward_cost_curve", "make_engines",
-           "markdown", "median", "medians", "paired_ratio", "prompt_ids", "read_bandwidth_gbs", "run_bench", "stored_weight_bytes",
-           "tensor_bytes", "write_json"]
+           "markdown", "median", "medians", "paired_ratio", "prompt_ids", "read_bandwidth_gbs", "run_bench",
+           "stored_weight_bytes", "tensor_bytes", "write_json"]

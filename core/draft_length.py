@@ -52,12 +52,12 @@ class KindAcceptance:
 
     prior: float
     cap: int
-    acceptance: list[float] = field(default_factory=list)
-    reached: list[int] = field(default_factory=list)  # rounds that drafted position j + 1
+    acceptance: list[float] = field(init=False)
+    reached: list[int] = field(init=False)  # rounds that drafted position j + 1
 
     def __post_init__(self) -> None:
-        self.acceptance = self.acceptance or [self.prior] * self.cap
-        self.reached = self.reached or [0] * self.cap
+        self.acceptance = [self.prior] * self.cap
+        self.reached = [0] * self.cap
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The contract suite fails deliberately broken plugins, with messages that say what is wrong.
 
 Fixtures: drafters each broken in one way (too many tokens, out-of-range ids, a different proposal on
-every call, ignoring rollback, a draft kind that says there is nothing to draft when there is) and acceptors that claim `lossless = True` but are not (a Leviathan rule
-that resamples from p instead of the residual; p-min). They are caught by the check functions, through
+every call, ignoring rollback, a draft kind that says there is nothing to draft when there is) and
+acceptors that claim `lossless = True` but are not (a Leviathan rule that resamples from p instead of the
+residual; p-min). They are caught by the check functions, through
 the pytest contract classes (pytester) and through `outrider check`.
 """
 
