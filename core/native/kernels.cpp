@@ -868,7 +868,7 @@ class LayerStack {
            c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
            c10::optional<torch::Tensor> post_attn_norm, c10::optional<torch::Tensor> ffn_norm,
            c10::optional<torch::Tensor> post_ffn_norm, torch::Tensor cos, torch::Tensor sin, int64_t window) {
-    layers_.push_back({held(qkv), held(o), held(gate_up), held(down), attn_norm, q_norm, k_norm, post_attn_norm,
+    layers_.push_back({unpack(qkv), unpack(o), unpack(gate_up), unpack(down), attn_norm, q_norm, k_norm, post_attn_norm,
                        ffn_norm, post_ffn_norm, cos.contiguous(), sin.contiguous(), window});
   }
 
@@ -892,7 +892,7 @@ class LayerStack {
   }
 
  private:
-  static HeldLinear held(const py::tuple& t) {
+  static HeldLinear unpack(const py::tuple& t) {  // see stack.py's _held
     TORCH_CHECK(t.size() == 7, "LayerStack.add: a linear is (kind, codes, scales, zeros, group, n_out, k)");
     return {t[0].cast<int64_t>(), t[4].cast<int64_t>(), t[5].cast<int64_t>(), t[6].cast<int64_t>(),
             t[1].cast<torch::Tensor>(), t[2].cast<torch::Tensor>(), t[3].cast<torch::Tensor>()};
