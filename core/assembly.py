@@ -9,7 +9,7 @@ from typing import Any
 
 from .catalog import resolve_model
 from .config import PLUGIN_KINDS, Config
-from .drafting import NEEDS_DRAFT_MODEL, NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, DraftControls, Target
+from .drafting import NEEDS_DRAFT_MODEL, NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, DraftControls, Target, reads_the_target
 from .errors import ConfigError
 from .gguf_file import GGUFFile
 from .registry import PluginSpec, Registry, default_registry
@@ -64,6 +64,9 @@ def check_pair(drafter: PluginSpec, acceptor: PluginSpec, drafter_obj: Any, para
     missing = needs - SUPPORTED_NEEDS
     if missing:
         raise ConfigError(f"{drafter.label} needs {', '.join(sorted(missing))}, which this version of Outrider cannot give")
+    if reads_the_target(drafter_obj) and not callable(getattr(drafter_obj, "observe", None)):
+        raise ConfigError(f"{drafter.label} needs the target's hidden states or KV cache but has no "
+                          "observe(hidden, start, cache) method to receive them; add one (see docs/plugins.md)")
     gives_q = bool(getattr(drafter_obj, "gives_draft_probs", drafter.capabilities.get("gives_draft_probs")))
     if acceptor.capabilities.get("needs_draft_probs") and not gives_q:
         raise ConfigError(f"{acceptor.label} needs draft probabilities, but {drafter.label} drafts deterministically "

@@ -7,6 +7,13 @@ sampling settings. Each round, `propose(tokens, k)` returns at most k tokens tha
 `rollback(length)` says that only the first `length` tokens of what it saw are still valid.
 Optionally, `draft_kind(tokens)`, asked before `propose`, says what kind of draft this round's would be
 (`DraftKind`), or `None` when it would be empty: `--draft-max auto` learns each kind's acceptance apart.
+
+A drafter that declares `target_hidden` or `target_kv` in `needs` (an MTP head, Gemma 4's assistant) is
+shown what the target computed, with no second forward: after the prompt, and after every round once
+the rejected positions are rolled back, `observe(hidden, start, cache)` gives the final-normed hidden
+states [m, hidden_size] of the rows at positions start..start+m-1 whose tokens are now certain (every
+prompt row; then t0 and the accepted drafts of each round), and the target's KV cache, which holds
+exactly positions [0, start+m) then. The cache is the target's own: read it, never write or truncate it.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ class Drafter(Protocol):
     def rollback(self, length: int) -> None: ...
 
     # optional: def draft_kind(self, tokens: list[int]) -> DraftKind | None
+    # with needs target_hidden / target_kv: def observe(self, hidden: torch.Tensor, start: int, cache) -> None
 
 
 class DrafterBase:
@@ -90,3 +98,8 @@ class DrafterBase:
 
     def draft_kind(self, tokens: list[int]) -> DraftKind | None:
         return DEFAULT_KIND
+
+
+def reads_the_target(drafter: Any) -> bool:
+    """Whether the runner must show `drafter` the target's hidden states and KV cache (`observe`)."""
+    return bool(set(getattr(drafter, "needs", ())) & {NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV})

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from .draft_length import AdaptiveDraftLength, FixedDraftLength
-from .drafting import DEFAULT_KIND, Draft, DraftControls, Target
+from .drafting import DEFAULT_KIND, Draft, DraftControls, Target, reads_the_target
 from .errors import OutriderError
 from .sampling import PositionRandom, SamplingParams
 
@@ -111,14 +111,19 @@ class Runner:
         rng = PositionRandom(params.seed)
         model, cache, acceptor = self.target.model, self.cache, self.acceptor
         draft_kind = getattr(self.drafter, "draft_kind", None) or (lambda tokens: DEFAULT_KIND)
+        observe = self.drafter.observe if reads_the_target(self.drafter) else None
         max_tokens = min(max_tokens, self.context - len(prompt))
 
         t = time.perf_counter()
         cache.truncate(0)
-        logits = model.forward(torch.tensor(prompt, device=self.device), 0, cache, last_only=True)
+        out = model.forward(torch.tensor(prompt, device=self.device), 0, cache, last_only=True,
+                            hidden=observe is not None)
+        logits, hidden = out if observe is not None else (out, None)
         first = acceptor.accept(logits.float().cpu(), [], None, params, rng, len(prompt)).tokens[0]
         stats.prefill_s = time.perf_counter() - t
         self.drafter.begin(list(prompt), params, self.controls)
+        if observe is not None:
+            observe(hidden, 0, cache)
 
         tokens = list(prompt) + [first]
         stats.generated_tokens = 1
@@ -138,7 +143,9 @@ class Runner:
             draft = self._clean(self.drafter.propose(tokens, k) if k > 0 else Draft(), k)
             t_drafted = time.perf_counter()
             batch = torch.tensor([tokens[-1], *draft.tokens], device=self.device)
-            logits = model.forward(batch, n, cache).float().cpu()
+            out = model.forward(batch, n, cache, hidden=observe is not None)
+            logits, hidden = out if observe is not None else (out, None)
+            logits = logits.float().cpu()
             result = acceptor.accept(logits, draft.tokens, draft.probs, params, rng, n + 1)
             t_verified = time.perf_counter()
             stats.draft_s += t_drafted - t
@@ -148,6 +155,8 @@ class Runner:
             self.draft_length.update(len(draft.tokens), result.accepted, t_drafted - t, t_verified - t_drafted, kind)
             cache.truncate(n + 1 + result.accepted)
             self.drafter.rollback(n + 1 + result.accepted)
+            if observe is not None:  # t0 and the accepted drafts: the rows whose tokens are now certain
+                observe(hidden[: result.accepted + 1], n, cache)
             for token in result.tokens:
                 tokens.append(token)
                 stats.generated_tokens += 1

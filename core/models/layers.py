@@ -118,20 +118,23 @@ class Attention:
         return self._masks[key]
 
 
-def run_in_chunks(hidden_fn, tokens: torch.Tensor, start: int, cache, chunk: int, last_only: bool) -> torch.Tensor:
+def run_in_chunks(hidden_fn, tokens: torch.Tensor, start: int, cache, chunk: int, last_only: bool,
+                  every_row: bool = False) -> torch.Tensor:
     """Final hidden states of `hidden_fn(tokens, start, cache, prompt)`, `chunk` tokens at a time when `chunk`
-    is set, which bounds the memory a long prompt takes. With `last_only`, only the last row is kept, so a
-    prefill never pays the output head for the whole prompt; such a forward is a prompt, whose rows the
-    linear layers may sum in a faster order than one-row steps do (a verify pass needs every row)."""
+    is set, which bounds the memory a long prompt takes. With `last_only`, only the last row is kept (every
+    row with `every_row`, for a drafter that reads the prompt's hidden states), so a prefill never pays the
+    output head for the whole prompt; such a forward is a prompt, whose rows the linear layers may sum in a
+    faster order than one-row steps do (a verify pass needs every row)."""
     t = tokens.shape[0]
+    keep_last = last_only and not every_row
     if not chunk or t <= chunk:
         h = hidden_fn(tokens, start, cache, last_only)
-        return h[-1:] if last_only else h
+        return h[-1:] if keep_last else h
     parts = []
     for i in range(0, t, chunk):
         h = hidden_fn(tokens[i:i + chunk], start + i, cache, last_only)
         parts.append(h)
-    return h[-1:] if last_only else torch.cat(parts)
+    return h[-1:] if keep_last else torch.cat(parts)
 
 
 def default_scale(head_dim: int) -> float:

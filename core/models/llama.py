@@ -109,9 +109,10 @@ class Llama:
                 last_only: bool = False):
         """Logits [T, vocab] (float32) for tokens at positions start..start+T-1 (only the last row with
         `last_only`, which marks a prompt: see `run_in_chunks`); with `hidden`, also the final-normed
-        hidden states [T, hidden_size]. Writes the cache and sets its length to start+T."""
-        h = run_in_chunks(self._hidden, tokens, start, cache, self.chunk, last_only)
-        logits = self.output(h).float()
+        hidden states [T, hidden_size] of every row, `last_only` or not. Writes the cache and sets its
+        length to start+T."""
+        h = run_in_chunks(self._hidden, tokens, start, cache, self.chunk, last_only, every_row=hidden)
+        logits = self.output(h[-1:] if last_only else h).float()
         return (logits, h) if hidden else logits
 
     def _hidden(self, tokens: torch.Tensor, start: int, cache: KVCache, prompt: bool) -> torch.Tensor:
