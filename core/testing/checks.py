@@ -10,8 +10,6 @@ the obvious loop, analytic distributions of toy tables), never from the code und
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -87,26 +85,6 @@ def _check(kind: str, gpu: bool = False):
         return fn
 
     return register
-
-
-@contextlib.contextmanager
-def one_torch_thread():
-    # the toy tensors are tiny: OpenMP hand-offs cost more than they save and stall on a busy machine
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _on_one_thread(fn: Callable[[Subject], None]) -> Callable[[Subject], None]:
-    @functools.wraps(fn)
-    def wrapper(subject: Subject) -> None:
-        with one_torch_thread():
-            fn(subject)
-
-    return wrapper
 
 
 # ------------------------------------------------------------------------------------------------ drafters
@@ -415,7 +393,6 @@ def _random_rounds(seed: int, n: int, vocab: int, params: SamplingParams, with_q
 
 
 @_check("acceptor")
-@_on_one_thread
 def greedy_is_the_argmax_chain(subject: Subject) -> None:
     """At temperature 0: drafts kept while they equal the target's argmax, then the argmax (bonus if all kept)."""
     acceptor = subject.new()
@@ -442,7 +419,6 @@ def greedy_is_the_argmax_chain(subject: Subject) -> None:
 
 
 @_check("acceptor")
-@_on_one_thread
 def emitted_is_accepted_plus_one(subject: Subject) -> None:
     """1 <= emitted = accepted + 1 <= k + 1, kept tokens are the drafts, ids in range; lossless: p(token) > 0."""
     acceptor = subject.new()
@@ -463,7 +439,6 @@ def emitted_is_accepted_plus_one(subject: Subject) -> None:
 
 
 @_check("acceptor")
-@_on_one_thread
 def lossless_in_distribution(subject: Subject) -> None:
     """Statistical: the emitted tokens are distributed as plain sampling from the target (chi-square, toy tables)."""
     acceptor = subject.new()
@@ -490,7 +465,6 @@ def lossless_in_distribution(subject: Subject) -> None:
 
 
 @_check("acceptor")
-@_on_one_thread
 def seeded_determinism(subject: Subject) -> None:
     """The same seed gives the same result, on a fresh instance as on a reused one."""
     reused = subject.new()
