@@ -154,7 +154,8 @@ def models(ctx):
     """List the model catalog and what is cached; `outrider models pull NAME` fetches one."""
     if ctx.invoked_subcommand is not None:
         return
-    from .catalog import CATALOG, DEFAULT_MODEL, cached_path, is_cached, outrider_home
+    from .catalog import CATALOG, DEFAULT_MODEL, cached_path, is_cached
+    from .paths import outrider_home
 
     click.echo(f"cache: {outrider_home() / 'models'}")
     for entry in CATALOG.values():
