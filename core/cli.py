@@ -154,7 +154,8 @@ def models(ctx):
     """List the model catalog and what is cached; `outrider models pull NAME` fetches one."""
     if ctx.invoked_subcommand is not None:
         return
-    from .catalog import CATALOG, DEFAULT_MODEL, cached_path, is_cached, outrider_home
+    from .catalog import CATALOG, DEFAULT_MODEL, cached_path, is_cached
+    from .paths import outrider_home
 
     click.echo(f"cache: {outrider_home() / 'models'}")
     for entry in CATALOG.values():
@@ -195,7 +196,8 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--runs", type=int, default=3, show_default=True, help="Measured rounds (after one warm-up round).")
 @click.option("--threads", type=int, default=0, help="Threads for every engine [torch's default].")
 @click.option("--prompts", multiple=True, help="Any of code, summary, story [all].")
-@click.option("--temperatures", multiple=True, help="Comma-separated [0,0.7].")
+@click.option("--temperatures", multiple=True,
+              help="Comma-separated; T@p adds top-p p (0.7@0.95 is what chat front-ends send) [0,0.7,0.7@0.95].")
 @click.option("--engines", multiple=True, help="Any of outrider, llama.cpp, transformers [all installed].")
 @click.option("--drafters", multiple=True, help="Outrider drafters: none, lookup, draft-model [all].")
 @click.option("--draft-max", default="auto", show_default=True, help="Outrider draft length: a number or auto.")
@@ -221,14 +223,14 @@ def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafter
     from .config import parse_draft_max
     from .errors import ConfigError
 
+    samplings = [harness.Sampling.parse(spec) for spec in _split(temperatures)] or list(harness.DEFAULT_SAMPLINGS)
     try:
-        temps = [float(t) for t in _split(temperatures)] or [0.0, 0.7]
         draft_length = parse_draft_max(draft_max)
     except ValueError:
-        raise ConfigError("--temperatures takes numbers (e.g. 0,0.7); --draft-max a number >= 0 or auto") from None
+        raise ConfigError("--draft-max takes a number >= 0 or auto") from None
     settings = harness.BenchSettings(
         models=_split(models) or list(harness.DEFAULT_MODELS), tokens=tokens, runs=runs, threads=threads,
-        prompts=_split(prompts) or list(harness.PROMPTS), temperatures=temps,
+        prompts=_split(prompts) or list(harness.PROMPTS), samplings=samplings,
         engines=_split(engines) or list(harness.ENGINES), drafters=_split(drafters) or list(harness.DRAFTERS),
         chat=chat, seed=seed, draft_max=draft_length, bandwidth=bandwidth, cost_curve=cost_curve)
     settings.check()
@@ -236,7 +238,7 @@ def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafter
     command = shlex.join([
         "outrider", "bench", "--models", ",".join(settings.models), "--tokens", str(tokens), "--runs", str(runs),
         "--threads", str(threads or _torch_threads()), "--prompts", ",".join(settings.prompts),
-        "--temperatures", ",".join(f"{t:g}" for t in temps), "--engines", ",".join(settings.engines),
+        "--temperatures", ",".join(str(s) for s in samplings), "--engines", ",".join(settings.engines),
         "--drafters", ",".join(settings.drafters), "--draft-max", str(draft_length), "--seed", str(seed),
         "--chat" if chat else "--no-chat", *([] if bandwidth else ["--no-bandwidth"]),
         *(["--cost-curve"] if cost_curve else []),

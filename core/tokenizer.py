@@ -374,7 +374,7 @@ def _cache_key(model: str, tokens: list[str], token_types: list[int], scores: li
 
 
 def _tokenizer_cache_dir() -> Path:
-    from .catalog import outrider_home  # $OUTRIDER_HOME, default ~/.cache/outrider
+    from .paths import outrider_home
     return outrider_home() / "tokenizers"
 
 

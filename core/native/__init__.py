@@ -54,7 +54,7 @@ def load():
         raise NativeUnavailable("disabled by OUTRIDER_NATIVE=0")
     from torch.utils import cpp_extension
 
-    from ..catalog import outrider_home
+    from ..paths import outrider_home
 
     key = build_key()
     folder = outrider_home() / "native" / key

@@ -39,6 +39,15 @@ def plain_sampled(model: Any, prompt: list[int], n: int, params: SamplingParams)
     return tokens[len(prompt):]
 
 
+def cpu_target(path: str | Path) -> Target:
+    """The model file at `path` loaded on the CPU backend (float32), with its tokenizer."""
+    from outrider.plugins.backends.cpu import CPUBackend
+
+    gguf = GGUFFile(path)
+    backend = CPUBackend()
+    return Target(model=backend.load_model(gguf), tokenizer=Tokenizer.from_gguf(gguf), gguf=gguf, backend=backend)
+
+
 class ContractFixtures:
     """Tiny models in `folder`, written on first use and loaded once on the CPU backend (float32)."""
 
@@ -68,12 +77,7 @@ class ContractFixtures:
 
     def target(self, arch: str = "llama") -> Target:
         if arch not in self._targets:
-            from outrider.plugins.backends.cpu import CPUBackend
-
-            gguf = GGUFFile(self.model_path(arch))
-            backend = CPUBackend()
-            self._targets[arch] = Target(model=backend.load_model(gguf), tokenizer=Tokenizer.from_gguf(gguf),
-                                         gguf=gguf, backend=backend)
+            self._targets[arch] = cpu_target(self.model_path(arch))
         return self._targets[arch]
 
     def plain_greedy(self, arch: str, prompt: list[int], n: int) -> list[int]:
