@@ -22,13 +22,13 @@ import torch
 from outrider.drafting import Draft, DraftControls
 from outrider.errors import OutriderError
 from outrider.gguf_file import GGUFFile
+from outrider.hookspecs import PLUGIN_KINDS
 from outrider.runner import Runner
 from outrider.sampling import PositionRandom, SamplingParams, warp
 from outrider.testing.fixtures import ARCHITECTURES, ContractFixtures
 from outrider.testing.stats import chi2_test, tv_distance
 from outrider.testing.toy import CopyingToyModel, ToyModel
 
-KINDS = ("backend", "drafter", "acceptor")
 # A prompt with repeats, so drafters that look things up have something to find.
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 GREEDY = SamplingParams(temperature=0.0)
@@ -78,7 +78,7 @@ class Check:
     gpu: bool = False
 
 
-CHECKS: dict[str, list[Check]] = {kind: [] for kind in KINDS}
+CHECKS: dict[str, list[Check]] = {kind: [] for kind in PLUGIN_KINDS}
 
 
 def _check(kind: str, gpu: bool = False):
