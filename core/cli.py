@@ -10,6 +10,7 @@ import time
 import click
 
 from .errors import OutriderError
+from .hookspecs import PLUGIN_KINDS
 
 
 def friendly_errors(fn):
@@ -41,8 +42,8 @@ class OutriderGroup(click.Group):
         try:
             from .registry import default_registry
             default_registry().manager.hook.register_commands(cli=self)
-        except OutriderError as exc:
-            click.echo(f"warning: {exc}", err=True)
+        except Exception as exc:  # a third-party command that fails to register must not take the CLI down
+            click.echo(f"warning: a plugin's register_commands failed ({type(exc).__name__}: {exc})", err=True)
 
     def list_commands(self, ctx):
         self._ensure_plugin_commands()
@@ -286,7 +287,7 @@ def plugins(as_json):
 
 @main.command()
 @click.argument("name")
-@click.option("--kind", "-k", type=click.Choice(["backend", "drafter", "acceptor"]),
+@click.option("--kind", "-k", type=click.Choice(PLUGIN_KINDS),
               help="Which kind NAME is, when more than one kind has a plugin of that name [all of them].")
 @click.option("-o", "--option", "options", type=(str, str), multiple=True, metavar="KEY VALUE",
               help="Create the plugin with this option, e.g. `-o max_depth 16`.")

@@ -20,13 +20,13 @@ import torch
 from outrider.drafting import Draft, DraftControls
 from outrider.errors import OutriderError
 from outrider.gguf_file import GGUFFile
+from outrider.hookspecs import PLUGIN_KINDS
 from outrider.runner import Runner
 from outrider.sampling import PositionRandom, SamplingParams, warp
 from outrider.testing.fixtures import ARCHITECTURES, ContractFixtures
 from outrider.testing.stats import chi2_test, tv_distance
-from outrider.testing.toy import ToyModel
+from outrider.testing.toy import CopyingToyModel, ToyModel
 
-KINDS = ("backend", "drafter", "acceptor")
 # A prompt with repeats, so drafters that look things up have something to find.
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 GREEDY = SamplingParams(temperature=0.0)
@@ -76,7 +76,7 @@ class Check:
     gpu: bool = False
 
 
-CHECKS: dict[str, list[Check]] = {kind: [] for kind in KINDS}
+CHECKS: dict[str, list[Check]] = {kind: [] for kind in PLUGIN_KINDS}
 
 
 def _check(kind: str, gpu: bool = False):
@@ -233,13 +233,13 @@ def sane_on_an_empty_or_one_token_context(subject: Subject) -> None:
 
 @_check("drafter")
 def consistent_after_rollback(subject: Subject) -> None:
-    """After rejected drafts are rolled back, it proposes what a fresh instance shown only the kept tokens would."""
-    probe = subject.new()
-    if subject.capability("gives_draft_probs", probe, False):
-        raise CheckSkipped("gives_draft_probs is True: a sampling drafter's proposals depend on its random stream")
+    """After rejected drafts are rolled back, it proposes what a fresh instance shown only the kept tokens would
+    (a drafter that gives q: the same q for the first drafted position, and the same q rows while the drafts agree)."""
+    gives_q = subject.capability("gives_draft_probs", subject.new(), False)
+    params = SAMPLED if gives_q else GREEDY  # seeded: a sampling drafter's draws are reproducible
     vocab = _vocab(subject)
     for keep in (0, 1, 3):
-        a = _ready_drafter(subject)
+        a = _ready_drafter(subject, params)
         tokens = PROMPT + [7]
         draft = _valid_ids(a.propose(list(tokens), 4), vocab)
         kept = draft[:keep]
@@ -248,11 +248,25 @@ def consistent_after_rollback(subject: Subject) -> None:
         replacement = next(t for t in (9, 8, 5, 6, 7) if t != rejected)
         a.rollback(len(tokens) + len(kept))
         after = tokens + kept + [replacement]
-        got = list(a.propose(list(after), 4).tokens)
-        b = _ready_drafter(subject)
-        want = list(b.propose(list(after), 4).tokens)
-        assert got == want, f"after proposing {draft}, keeping {kept} and rolling back to {len(tokens) + len(kept)}, " \
-                            f"it proposed {got}; a fresh instance shown only the kept tokens proposes {want}"
+        got = a.propose(list(after), 4)
+        want = _ready_drafter(subject, params).propose(list(after), 4)
+        where = f"after proposing {draft}, keeping {kept} and rolling back to {len(tokens) + len(kept)}, it proposed"
+        if not gives_q:
+            assert list(got.tokens) == list(want.tokens), \
+                f"{where} {list(got.tokens)}; a fresh instance shown only the kept tokens proposes {list(want.tokens)}"
+            continue
+        # a sampling drafter's draws may come from a stream that the rolled-back drafts advanced, so its
+        # tokens may differ; the distributions may not: row 0 always, later rows while the drafts agree
+        if got.probs is None or want.probs is None or not len(got.tokens) or not len(want.tokens):
+            continue  # nothing drafted, or no q at this state: probability_rows_sum_to_one judges that
+        same = 1 + next((i for i, (x, y) in enumerate(zip(got.tokens, want.tokens)) if x != y),
+                        min(len(got.tokens), len(want.tokens)))
+        rows = min(same, got.probs.shape[0], want.probs.shape[0])
+        qa, qb = got.probs[:rows].double().cpu(), want.probs[:rows].double().cpu()
+        diff = float((qa - qb).abs().max()) if qa.shape == qb.shape else float("inf")
+        assert diff <= 1e-4, f"{where} {list(got.tokens)} with q rows that differ from a fresh instance's " \
+                             f"(shown only the kept tokens, same seed {params.seed}: {list(want.tokens)}) by up to " \
+                             f"{diff:.3g} in the first {rows} row(s): its state still holds the rejected drafts"
 
 
 @_check("drafter")
@@ -323,6 +337,63 @@ def seeded_sampling_equals_plain_sampling(subject: Subject) -> None:
     want = fx.plain_sampled("llama", PROMPT, E2E_TOKENS, SAMPLED)
     assert got == want, f"seed {SAMPLED.seed}: speculative output {got} differs from plain sampling {want} " \
                         f"(first difference at token {_first_difference(got, want)})"
+
+
+# The losslessness check of drafters that give q: seeded generations on a toy target that copies its context
+# (so context-reading drafters are often right and a wrong q moves a lot of mass), with top-k 3 so the exact
+# law of the first three tokens has at most 27 cells.
+Q_LAW_PARAMS = SamplingParams(1.0, top_k=3)
+Q_LAW_GENERATIONS = 400
+Q_LAW_TOKENS = 3  # token 1 comes from the prefill; with max_tokens 4, tokens 2 and 3 are drafted in one round
+
+
+@_check("drafter")
+@_on_one_thread
+def lossless_with_its_draft_probabilities(subject: Subject) -> None:
+    """Statistical, for a drafter that gives q: with the sampled acceptor the output is distributed as plain
+    sampling from the target (chi-square against the exact law of a seeded toy target)."""
+    from dataclasses import replace
+
+    from outrider.drafting import Target
+    from outrider.plugins.acceptors.sampled import SampledAcceptor
+
+    drafter = subject.new()
+    if not subject.capability("gives_draft_probs", drafter, False):
+        raise CheckSkipped("gives_draft_probs is False: without q the output is plain sampling's token for token, "
+                           "which seeded_sampling_equals_plain_sampling checks")
+    base = subject.fixtures.target("llama")
+    toy = CopyingToyModel(base.model.config.vocab_size, seed=11)
+    target = Target(model=toy, tokenizer=base.tokenizer, gguf=base.gguf, backend=base.backend)
+    drafter.setup(target)
+    runner = Runner(target, drafter, SampledAcceptor(), draft_max=3, context=64)
+    law = toy.law(PROMPT, Q_LAW_TOKENS, Q_LAW_PARAMS)
+    counts: dict[tuple[int, ...], int] = {}
+    drafted = accepted = 0
+    for s in range(Q_LAW_GENERATIONS):
+        out = tuple(runner.generate(list(PROMPT), Q_LAW_TOKENS + 1, replace(Q_LAW_PARAMS, seed=1000 + s)))
+        counts[out[:Q_LAW_TOKENS]] = counts.get(out[:Q_LAW_TOKENS], 0) + 1
+        drafted, accepted = drafted + runner.stats.drafted, accepted + runner.stats.accepted
+    rate = f"{accepted / drafted:.2f}" if drafted else "n/a (nothing drafted)"
+    for n in (Q_LAW_TOKENS - 1, Q_LAW_TOKENS):
+        want: dict[tuple[int, ...], float] = {}
+        for seq, mass in law.items():
+            want[seq[:n]] = want.get(seq[:n], 0.0) + mass
+        got: dict[tuple[int, ...], int] = {}
+        for seq, c in counts.items():
+            got[seq[:n]] = got.get(seq[:n], 0) + c
+        cells = sorted(set(want) | set(got))
+        observed = np.array([got.get(c, 0) for c in cells])
+        expected = np.array([want.get(c, 0.0) for c in cells])
+        stat, df, pval, forbidden = chi2_test(observed, expected)
+        detail = (f"with the sampled acceptor, over {Q_LAW_GENERATIONS} seeded generations on a toy target "
+                  f"(temperature {Q_LAW_PARAMS.temperature}, top_k {Q_LAW_PARAMS.top_k}, draft_max 3) the first "
+                  f"{n} tokens are not distributed as plain sampling from the target: chi2={stat:.1f} df={df} "
+                  f"p={pval:.2g} (threshold {P_THRESHOLD}), TV distance {tv_distance(observed, expected):.3f}, "
+                  f"acceptance rate {rate}. A drafter that gives q must draw each draft x from the q row it "
+                  "returns (x ~ q, q warped with the run's params); a q for tokens picked another way (argmax, "
+                  "lookup) breaks losslessness: give probs=None for those")
+        assert forbidden == 0, f"{detail}; {forbidden} outputs the target cannot produce were emitted"
+        assert pval > P_THRESHOLD, detail
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:

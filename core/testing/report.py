@@ -65,9 +65,12 @@ def find_specs(name: str, kind: str | None = None, registry: Registry | None = N
     if not specs:
         from outrider.errors import ConfigError
 
+        if name in registry.broken:  # `outrider check` of a package that failed to import: its import error
+            raise ConfigError(registry.broken[name])
         installed = "; ".join(f"{k}s: {', '.join(sorted(registry.plugins[k]))}" for k in kinds)
         what = f"{kind} " if kind else "plugin "
-        raise ConfigError(f"unknown {what}'{name}'; installed {installed}")
+        note = "".join(f"; {problem}" for problem in registry.broken.values())
+        raise ConfigError(f"unknown {what}'{name}'; installed {installed}{note}")
     return specs
 
 
