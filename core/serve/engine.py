@@ -74,7 +74,8 @@ class GenerationEngine:
         self.acceptors, self.metrics, self.queue_size = acceptors, metrics, queue_size
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self.waiting = 0
+        self.waiting = 0  # submitted, not yet taken by the worker
+        self.busy = 0  # 1 while the worker holds a job; counted with `waiting` under the lock, so no gap
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._current: Job | None = None
@@ -100,7 +101,7 @@ class GenerationEngine:
 
     def submit(self, job: Job) -> None:
         with self._lock:
-            if self.waiting >= self.queue_size:
+            if self.waiting + self.busy > self.queue_size:
                 self.metrics.requests_rejected.labels(self.metrics.model_name).inc()
                 raise QueueFull
             self.waiting += 1
@@ -114,28 +115,32 @@ class GenerationEngine:
         while (job := self._jobs.get()) is not None:
             with self._lock:
                 self.waiting -= 1
-            if self._stopping:
-                job.send("error", OutriderError("the server is shutting down; retry on another server"))
-                continue
-            if job.cancelled.is_set():
-                self.metrics.request_success.labels(self.metrics.model_name, "abort").inc()
-                continue
-            self._current = job
-            self._running.set(1)
-            try:
-                outcome = self._generate(job)
-            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the server
-                if not isinstance(exc, OutriderError):
-                    log.exception("generation failed")
-                self.metrics.request_success.labels(self.metrics.model_name, "error").inc()
-                job.send("error", exc)
-            else:
-                job.send("done", outcome)
-            finally:
-                self._current = None
-                self._running.set(0)
-                latency = time.perf_counter() - job.arrival
-                self._mean_latency_s += 0.2 * (latency - self._mean_latency_s)
+                self.busy = 1
+            event = self._take(job)
+            with self._lock:
+                self.busy = 0
+            if event is not None:  # after the place is free, so a client that goes on at once finds it free
+                job.send(*event)
+
+    def _take(self, job: Job) -> tuple[str, Any] | None:
+        if self._stopping:
+            return "error", OutriderError("the server is shutting down; retry on another server")
+        if job.cancelled.is_set():
+            self.metrics.request_success.labels(self.metrics.model_name, "abort").inc()
+            return None
+        self._current = job
+        self._running.set(1)
+        try:
+            return "done", self._generate(job)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the server
+            if not isinstance(exc, OutriderError):
+                log.exception("generation failed")
+            self.metrics.request_success.labels(self.metrics.model_name, "error").inc()
+            return "error", exc
+        finally:
+            self._current = None
+            self._running.set(0)
+            self._mean_latency_s += 0.2 * (time.perf_counter() - job.arrival - self._mean_latency_s)
 
     def _generate(self, job: Job) -> Outcome:
         request, runner, tokenizer, metrics = job.request, self.runner, self.tokenizer, self.metrics
