@@ -139,6 +139,39 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
         click.echo(_summary(stats), err=True)
 
 
+# generate's settings that a server has no use for: the prompt comes with each request, and each endpoint
+# decides whether the chat template applies
+_NOT_SERVED = {"prompt", "chat", "as_json", "verbose"}
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8080, show_default=True, help="Port to listen on.")
+@click.option("--queue-size", type=click.IntRange(min=0), default=16, show_default=True,
+              help="Requests that may wait while one generates; more are answered 503 with Retry-After.")
+@friendly_errors
+def serve(host, port, queue_size, options, config_file, **flags):
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+
+    Takes every setting `generate` takes; the model is assembled once. Sampling settings given here are
+    the defaults for requests that leave them out."""
+    from .assembly import assemble
+    from .config import resolve_config
+    from .serve import create_app, run_server
+
+    config = resolve_config(flags, config_file, option_flags=list(options))
+    assembly = assemble(config)
+    for warning in assembly.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    app = create_app(assembly, config, queue_size=queue_size)
+    click.echo(f"serving {app.state.model_id} ({', '.join(f'{k} {s.name}' for k, s in assembly.plugins.items())}) "
+               f"on http://{host}:{port}/v1", err=True)
+    run_server(app, host, port)
+
+
+serve.params.extend(p for p in generate.params if p.name not in _NOT_SERVED)
+
+
 def _summary(stats: dict) -> str:
     line = (f"{stats['plugins']['drafter']}+{stats['plugins']['acceptor']}: {stats['generated_tokens']} tokens, "
             f"{stats['decode_tokens_per_s']:.1f} tok/s decode, prefill {stats['prompt_tokens']} tokens in "
