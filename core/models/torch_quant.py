@@ -82,19 +82,19 @@ class Int4Linear(_QuantLinear):
         tiles = int4_inner_k_tiles(k)
         if tiles is None:
             raise ValueError(f"int4 weights need an input width that is a multiple of 32, not {k}")
-        pad = -n % ROW_MULTIPLE
-        codes = F.pad(codes.to(torch.int32), (0, 0, 0, pad), value=INT4_MIDPOINT)  # padded rows: w = 0
-        scales, zeros = F.pad(scales.float(), (0, 0, 0, pad)), F.pad(zeros.float(), (0, 0, 0, pad))
         self.device, self.dtype, self.n_out, self.k = torch.device(device), dtype, n, k
+        pad = -n % ROW_MULTIPLE
+        # moved as bytes first: the repacking then runs on the device, which matters at 8B weights
+        codes = F.pad(codes.to(torch.uint8).to(device), (0, 0, 0, pad), value=INT4_MIDPOINT)  # padded rows: w = 0
+        scales, zeros = F.pad(scales.float(), (0, 0, 0, pad)), F.pad(zeros.float(), (0, 0, 0, pad))
         # [K / 32, N, 2]: a group's scale and zero side by side, as the kernel loads them
         self.scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype).to(device)
         if self.device.type == "cuda":
             # the CUDA packer takes two codes per byte, the even column in the high nibble
-            pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(codes[:, ::2] << 4 | codes[:, 1::2], tiles)
             self._mm = torch.ops.aten._weight_int4pack_mm
         else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(device), 1)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
             self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,11 +109,11 @@ class Int8Linear(_QuantLinear):
     """weight [N, K] (float) requantized to int8 codes with one scale per row: w ~ code * scale."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, device: torch.device | str):
-        weight = weight.double()
+        weight = weight.to(device).double()  # requantized where the weight will live (the GPU at 8B)
         # the scale as the kernel will read it (rounded to dtype), so the codes are rounded against it
         scale = (weight.abs().amax(dim=1).clamp_min(1e-30) / 127).to(dtype)
-        self.codes = torch.round(weight / scale.double()[:, None]).clamp(-127, 127).to(torch.int8).to(device)
-        self.scales = scale.to(device)
+        self.codes = torch.round(weight / scale.double()[:, None]).clamp(-127, 127).to(torch.int8)
+        self.scales = scale
         self.device, self.dtype = torch.device(device), dtype
         self.n_out, self.k = weight.shape
         self._kernel = self._probe()
@@ -153,7 +153,7 @@ def int4_parts(g: GGUFFile, names: Sequence[str], remap) -> tuple[torch.Tensor, 
         rows = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(info.shape[0], -1)
         fix = remap(info.name)
         s, z = rows(s), rows(z)
-        codes.append(fix(rows(c).to(torch.int32)))
+        codes.append(fix(rows(c)))
         scales.append(fix(s))
         zeros.append(fix(z + INT4_MIDPOINT * s))  # d q + m = d (q - 8) + (m + 8 d)
     return torch.cat(codes), torch.cat(scales), torch.cat(zeros)
