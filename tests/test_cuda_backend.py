@@ -93,8 +93,10 @@ def test_verify_blocks_of_every_size_match_single_steps(cuda_models, label, arch
     model = cuda_models[label, arch]
     vocab = model.config.vocab_size
     for k in range(1, 17):
-        drift = verify_drift(model, _ids(5, vocab, k).cuda(), _ids(k, vocab, 100 + k).cuda())
-        assert drift <= 5e-2 * 30, f"{label} {arch}: k={k} drift {drift}"
+        prefix, block = _ids(5, vocab, k).cuda(), _ids(k, vocab, 100 + k).cuda()
+        drift = verify_drift(model, prefix, block)
+        scale = max(1.0, float(model.forward(torch.cat([prefix, block]), 0, model.new_cache(32)).abs().max()))
+        assert drift <= 5e-2 * scale, f"{label} {arch}: k={k}: drift {drift:.3g} beyond bfloat16 tolerance"
 
 
 class _NoisyOracleDrafter(DrafterBase):

@@ -74,6 +74,8 @@ class StaticStepModel:
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
     def __getattr__(self, name: str):
+        if name == "model":  # not set yet (copy, unpickling): no delegation, no recursion
+            raise AttributeError(name)
         return getattr(self.model, name)
 
     def new_cache(self, max_len: int | None = None) -> StaticKVCache:

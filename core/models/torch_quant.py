@@ -122,8 +122,9 @@ class Int8Linear(_QuantLinear):
         """Whether torch has `_weight_int8pack_mm` for this device and dtype; else a dequantize-then-matmul
         that is correct anywhere (and slow: it writes the dense weight once per call)."""
         try:
-            torch.ops.aten._weight_int8pack_mm(torch.zeros(1, self.k, dtype=self.dtype, device=self.device),
-                                               self.codes, self.scales)
+            for rows in (1, 16, 64):  # a step, a verify bucket, a prefill chunk: a kernel may take only some
+                torch.ops.aten._weight_int8pack_mm(torch.zeros(rows, self.k, dtype=self.dtype, device=self.device),
+                                                   self.codes, self.scales)
             return True
         except (RuntimeError, NotImplementedError):
             return False
