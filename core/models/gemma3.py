@@ -80,7 +80,7 @@ class Gemma3Config:
 
 
 class _Layer:
-    def __init__(self, g: GGUFFile, i: int, packed: bool, dtype: torch.dtype, device):
+    def __init__(self, g: GGUFFile, i: int, packed: bool | str, dtype: torch.dtype, device):
         p = f"blk.{i}."
         linear = lambda *names: load_linear(g, [p + n + ".weight" for n in names], packed, dtype, device)
         norm = lambda name: g.load(p + name + ".weight").to(dtype).to(device)
@@ -100,15 +100,17 @@ class Gemma3:
     architecture = "gemma3"
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 native: bool = False, attention_dtype: torch.dtype = ATTENTION_DTYPE):
-        """`native`: weights packed for, and attention run by, the CPU kernels (`outrider.native`)."""
+                 native: bool = False, attention_dtype: torch.dtype = ATTENTION_DTYPE, linear_form: str | None = None):
+        """`native`: weights packed for, and attention run by, the CPU kernels (`outrider.native`);
+        `linear_form` overrides how the linear layers are held (`load_linear`: "quantized" on a GPU)."""
         self.config = cfg = Gemma3Config.from_gguf(g)
         self.dtype, self.device = dtype, torch.device(device)
         self.chunk = PREFILL_CHUNK if native else 0
-        self.output, self.embed, self.output_norm = load_ends(g, native, dtype, device)
+        form = linear_form or ("native" if native else "dense")
+        self.output, self.embed, self.output_norm = load_ends(g, form, dtype, device)
         # rounded to the model dtype first, as the reference implementations do
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=dtype)
-        self.layers = [_Layer(g, i, native, dtype, device) for i in range(cfg.n_layers)]
+        self.layers = [_Layer(g, i, form, dtype, device) for i in range(cfg.n_layers)]
         self.attention = Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.attention_scale, cfg.eps,
                                    native, attention_dtype)
         self.local_rotary = Rotary(cfg.head_dim, LOCAL_ROPE_BASE, cfg.context_length, 1.0, None, dtype, device)

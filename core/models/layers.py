@@ -158,10 +158,11 @@ class TokenEmbedding:
         return [] if self.table is None else [self.table]
 
 
-def load_ends(g, packed: bool, dtype: torch.dtype, device) -> tuple[object, TokenEmbedding, torch.Tensor]:
+def load_ends(g, packed: bool | str, dtype: torch.dtype, device) -> tuple[object, TokenEmbedding, torch.Tensor]:
     """(output head, token embedding, final norm weight): the parts every architecture shares. The head is
     `output.weight`, or the embedding table when the file ties them (then held once, in the head)."""
     tied = "output.weight" not in g.tensors
     head = load_linear(g, ["token_embd.weight" if tied else "output.weight"], packed, dtype, device)
-    table = None if tied else g.load("token_embd.weight").to(device)
+    # a tied head serves the embedding's rows where its form can (int4 tiles cannot: they get a table)
+    table = None if tied and hasattr(head, "rows") else g.load("token_embd.weight").to(device)
     return head, TokenEmbedding(table, head, dtype), g.load("output_norm.weight").to(dtype).to(device)

@@ -64,7 +64,7 @@ def _unpermute(n_heads: int):
 
 
 class _Layer:
-    def __init__(self, g: GGUFFile, i: int, cfg: LlamaConfig, packed: bool, dtype: torch.dtype, device):
+    def __init__(self, g: GGUFFile, i: int, cfg: LlamaConfig, packed: bool | str, dtype: torch.dtype, device):
         p = f"blk.{i}."
         unpermute = {p + "attn_q.weight": _unpermute(cfg.n_heads), p + "attn_k.weight": _unpermute(cfg.n_kv_heads)}
         linear = lambda *names: load_linear(g, [p + n + ".weight" for n in names], packed, dtype, device, unpermute)
@@ -84,15 +84,17 @@ class Llama:
     architecture = "llama"
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 native: bool = False, attention_dtype: torch.dtype = ATTENTION_DTYPE):
-        """`native`: weights packed for, and attention run by, the CPU kernels (`outrider.native`)."""
+                 native: bool = False, attention_dtype: torch.dtype = ATTENTION_DTYPE, linear_form: str | None = None):
+        """`native`: weights packed for, and attention run by, the CPU kernels (`outrider.native`);
+        `linear_form` overrides how the linear layers are held (`load_linear`: "quantized" on a GPU)."""
         self.config = cfg = LlamaConfig.from_gguf(g)
         self.dtype, self.device = dtype, torch.device(device)
         self.chunk = PREFILL_CHUNK if native else 0
         if any(name.endswith(".bias") for name in g.tensors) or any("_exps" in name for name in g.tensors):
             raise ModelFileError(f"{g.path}: llama variants with biases or experts are not supported")
-        self.output, self.embed, self.output_norm = load_ends(g, native, dtype, device)
-        self.layers = [_Layer(g, i, cfg, native, dtype, device) for i in range(cfg.n_layers)]
+        form = linear_form or ("native" if native else "dense")
+        self.output, self.embed, self.output_norm = load_ends(g, form, dtype, device)
+        self.layers = [_Layer(g, i, cfg, form, dtype, device) for i in range(cfg.n_layers)]
         freq_factors = g.load("rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.context_length, cfg.rope_freq_scale,
                              freq_factors, dtype, device)
