@@ -175,3 +175,69 @@ class TransformersAssistant:
             rows.append(out.logits[0, -1])
             ids.append(int(last_token))
         return torch.stack(rows), ids
+
+
+def matching_config(target_gguf: str | os.PathLike, centroids: bool = False) -> dict:
+    """`assistant_config` arguments for an assistant that pairs with the Gemma 4 target in `target_gguf`: its
+    hidden size as backbone, its vocabulary, its last sliding / global layers' kv heads and head dims."""
+    from outrider.gguf_file import GGUFFile
+
+    g = GGUFFile(target_gguf)
+    pattern = [bool(p) for p in g.require("attention.sliding_window_pattern")]
+    n = len(pattern)
+    kv = g.require("attention.head_count_kv")
+    kv = list(kv) if isinstance(kv, list) else [kv] * n
+    shared = int(g.arch_key("attention.shared_kv_layers", 0) or 0)
+    producers = range(n - shared)  # KV-sharing layers read the last earlier layer of their kind
+    last_swa = max(i for i in producers if pattern[i])
+    last_full = max(i for i in producers if not pattern[i])
+    vocab = g.tensors["token_embd.weight"].shape[0]
+    n_centroids = 8 if vocab % 8 == 0 else next(c for c in (7, 6, 5, 3, 2) if vocab % c == 0)
+    return dict(vocab_size=vocab, backbone=int(g.require("embedding_length")), hidden=32, n_layers=4, heads=2,
+                kv_heads=int(kv[last_swa]), global_kv_heads=int(kv[last_full]),
+                head_dim=int(g.require("attention.key_length_swa")), global_head_dim=int(g.require("attention.key_length")),
+                sliding_window=int(g.require("attention.sliding_window")), centroids=centroids,
+                n_centroids=n_centroids, centroid_top_k=2)
+
+
+def cached_assistant(target_gguf: str | os.PathLike, head: str = "dense", seed: int = 0) -> tuple[Path, Path]:
+    """(transformers checkpoint folder, converted GGUF) of an assistant matched to `target_gguf`, built once
+    per machine under `$OUTRIDER_HOME/fixtures/` and keyed by this file, the target file, the converter's,
+    transformers' and torch's versions (the converter takes tens of seconds)."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    import transformers
+
+    from outrider.catalog import outrider_home
+    from outrider.testing.llama_cpp import LLAMA_CPP_PYTHON
+
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    digest.update(hashlib.sha256(Path(target_gguf).read_bytes()).digest())
+    for part in (LLAMA_CPP_PYTHON, transformers.__version__, torch.__version__, head, str(seed)):
+        digest.update(part.encode())
+    folder = outrider_home() / "fixtures" / f"gemma4-assistant-{head}-{digest.hexdigest()[:12]}"
+    hf_dir, gguf_path = folder / "hf", folder / "assistant.gguf"
+    if not gguf_path.is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+        try:
+            centroids = head == "centroids"
+            write_assistant_checkpoint(staging / "hf", seed=seed, **matching_config(target_gguf, centroids))
+            assistant_gguf(staging / "hf", staging / "assistant.gguf", keep_centroids=centroids)
+            try:
+                staging.rename(folder)  # whole or not at all
+            except OSError:  # another process finished first
+                if not gguf_path.is_file():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return hf_dir, gguf_path
+
+
+def load_transformers_assistant(hf_dir: str | os.PathLike):
+    from transformers.models.gemma4_assistant import Gemma4AssistantForCausalLM
+
+    with _every_layer_shares_kv():
+        return Gemma4AssistantForCausalLM.from_pretrained(hf_dir).eval()
