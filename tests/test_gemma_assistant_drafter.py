@@ -137,6 +137,7 @@ def _exact_laws(model, prompt: list[int], params: SamplingParams, depth: int = 3
     return laws
 
 
+@pytest.mark.slow  # 1500 generations: over a minute on a busy 2-core machine
 def test_sampled_acceptor_with_the_assistants_q_is_lossless(targets):
     t = target(targets, "dense")
     params = SamplingParams(temperature=1.5, top_k=4)

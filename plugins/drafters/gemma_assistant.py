@@ -135,7 +135,8 @@ class GemmaAssistantDrafter(DrafterBase):
 
 @hookimpl
 def register_drafters(register):
-    register("gemma-assistant", GemmaAssistantDrafter, aliases=("gemma4-assistant",), options={
+    register("gemma-assistant", GemmaAssistantDrafter, aliases=("gemma4-assistant",),
+             capabilities={"target_architecture": TARGET_ARCHITECTURE}, options={
         "model": (str, "", "the assistant GGUF (gemma4-assistant), e.g. mtp-gemma-4-31B-it.gguf (also --draft-model)"),
         "head": (str, "auto", "output head: auto (the file's centroid head if it has one), dense (llama.cpp's "
                               "choice: the tied head over the whole vocabulary), centroids"),
