@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from outrider.drafting import Draft, DraftControls
+from outrider.drafting import Draft, DraftControls, reads_the_target
 from outrider.errors import OutriderError
 from outrider.gguf_file import GGUFFile
 from outrider.hookspecs import PLUGIN_KINDS
@@ -90,15 +90,46 @@ def _check(kind: str, gpu: bool = False):
 # ------------------------------------------------------------------------------------------------ drafters
 
 
-def _ready_drafter(subject: Subject, params: SamplingParams = GREEDY, prompt: list[int] = PROMPT):
+def _arch(subject: Subject) -> str:
+    """The tiny target a drafter is checked against: llama, unless it declares the one it drafts for."""
+    return subject.capabilities.get("target_architecture", "llama")
+
+
+class _TargetFeed:
+    """For a drafter that reads the target (`observe`): the target's forwards over the certain rows, as the
+    runner does them, so the drafter is shown the hidden states and cache it would be shown in a run."""
+
+    def __init__(self, subject: Subject, drafter: Any):
+        self.drafter, self.model = drafter, subject.fixtures.target(_arch(subject)).model
+        self.cache = self.model.new_cache(256)
+        self.on = reads_the_target(drafter)
+
+    def certain(self, rows: list[int], start: int) -> None:
+        """`rows` (at positions start..) are now certain: the runner's forward, truncation and observe."""
+        if not self.on or not rows:
+            return
+        self.cache.truncate(min(self.cache.length, start))
+        device = getattr(self.model, "device", torch.device("cpu"))
+        _, hidden = self.model.forward(torch.tensor(rows, device=device), start, self.cache, hidden=True)
+        self.drafter.observe(hidden, start, self.cache)
+
+
+def _fed_drafter(subject: Subject, params: SamplingParams = GREEDY, prompt: list[int] = PROMPT):
+    """A drafter set up and begun on `prompt` (and shown it, if it reads the target), with its feed."""
     drafter = subject.new()
-    drafter.setup(subject.fixtures.target("llama"))
+    drafter.setup(subject.fixtures.target(_arch(subject)))
     drafter.begin(list(prompt), params, DraftControls())
-    return drafter
+    feed = _TargetFeed(subject, drafter)
+    feed.certain(list(prompt), 0)
+    return drafter, feed
+
+
+def _ready_drafter(subject: Subject, params: SamplingParams = GREEDY, prompt: list[int] = PROMPT):
+    return _fed_drafter(subject, params, prompt)[0]
 
 
 def _vocab(subject: Subject) -> int:
-    return subject.fixtures.target("llama").model.config.vocab_size
+    return subject.fixtures.target(_arch(subject)).model.config.vocab_size
 
 
 def _valid_ids(draft: Draft, vocab: int) -> list[int]:
@@ -131,7 +162,7 @@ def _session(subject: Subject, params: SamplingParams = GREEDY, ask_kind: bool =
     """Drive a drafter the way the runner does: (with `ask_kind`, ask draft_kind first,) propose, accept a
     prefix, roll back, append the target's token."""
     vocab = _vocab(subject)
-    drafter = _ready_drafter(subject, params)
+    drafter, feed = _fed_drafter(subject, params)
     tokens = PROMPT + [7]
     rounds = []
     for i, k in enumerate(ROUND_KS):
@@ -142,6 +173,7 @@ def _session(subject: Subject, params: SamplingParams = GREEDY, ask_kind: bool =
         rounds.append(Round(list(tokens), k, draft, kind))
         accepted = _valid_ids(draft, vocab)[: min(k, i % 3)]  # accept 0, 1 or 2 of the drafts
         drafter.rollback(len(tokens) + len(accepted))
+        feed.certain(tokens[-1:] + accepted, len(tokens) - 1)
         tokens += accepted + [CONTINUATION[i % len(CONTINUATION)]]
     return rounds
 
@@ -315,9 +347,9 @@ def _run(target, drafter, acceptor, params: SamplingParams, n: int = E2E_TOKENS,
 def greedy_output_equals_plain_decoding(subject: Subject) -> None:
     """End to end with greedy acceptance, the output is identical to plain greedy decoding."""
     fx = subject.fixtures
-    want = fx.plain_greedy("llama", PROMPT, E2E_TOKENS)
+    want = fx.plain_greedy(_arch(subject), PROMPT, E2E_TOKENS)
     for draft_max in (4, 8):
-        got, stats = _run(fx.target("llama"), subject.new(), _Greedy(), GREEDY, draft_max=draft_max)
+        got, stats = _run(fx.target(_arch(subject)), subject.new(), _Greedy(), GREEDY, draft_max=draft_max)
         assert got == want, f"draft_max {draft_max}: speculative output {got} differs from plain greedy {want} " \
                             f"(first difference at token {_first_difference(got, want)})"
 
@@ -329,12 +361,12 @@ def seeded_sampling_equals_plain_sampling(subject: Subject) -> None:
 
     fx = subject.fixtures
     drafter = subject.new()
-    got, _ = _run(fx.target("llama"), drafter, SampledAcceptor(), SAMPLED)
+    got, _ = _run(fx.target(_arch(subject)), drafter, SampledAcceptor(), SAMPLED)
     vocab = _vocab(subject)
     assert len(got) == E2E_TOKENS and all(0 <= t < vocab for t in got), f"bad output {got}"
     if subject.capability("gives_draft_probs", drafter, False):
         raise CheckSkipped("gives_draft_probs is True: a sampling drafter preserves the distribution, not the tokens")
-    want = fx.plain_sampled("llama", PROMPT, E2E_TOKENS, SAMPLED)
+    want = fx.plain_sampled(_arch(subject), PROMPT, E2E_TOKENS, SAMPLED)
     assert got == want, f"seed {SAMPLED.seed}: speculative output {got} differs from plain sampling {want} " \
                         f"(first difference at token {_first_difference(got, want)})"
 

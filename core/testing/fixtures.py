@@ -70,9 +70,35 @@ class ContractFixtures:
     def tiny_gemma3_path(self) -> Path:
         return write_tiny_gemma3(self.folder / "tiny-gemma3.gguf", seed=0)
 
+    @functools.cached_property
+    def tiny_gemma4_path(self) -> Path:
+        """The tiny dense Gemma 4, made by transformers and llama.cpp's converter (cached per machine): the
+        target of drafters that draft only for Gemma 4. Needs the test extra; CheckSkipped without it."""
+        return self._test_only(lambda: __import__("outrider.testing.gemma4_fixtures", fromlist=["x"])
+                               .cached_fixture("dense")[1])
+
+    @functools.cached_property
+    def tiny_gemma4_assistant_path(self) -> Path:
+        """A tiny Gemma 4 assistant (dense head) matched to `tiny_gemma4_path`."""
+        return self._test_only(lambda: __import__("outrider.testing.gemma4_assistant", fromlist=["x"])
+                               .cached_assistant(self.tiny_gemma4_path, "dense")[1])
+
+    @staticmethod
+    def _test_only(build):
+        from outrider.testing.checks import CheckSkipped
+        from outrider.testing.llama_cpp import ReferenceUnavailable
+
+        try:
+            return build()
+        except (ImportError, ReferenceUnavailable) as exc:
+            raise CheckSkipped(f"the tiny Gemma 4 fixtures need transformers and llama.cpp's converter "
+                               f"(setup --test): {exc}") from None
+
     def model_path(self, arch: str) -> Path:
+        if arch == "gemma4":
+            return self.tiny_gemma4_path
         if arch not in ARCHITECTURES:
-            raise ValueError(f"no tiny model for architecture {arch!r}; have {ARCHITECTURES}")
+            raise ValueError(f"no tiny model for architecture {arch!r}; have {ARCHITECTURES} and gemma4")
         return self.tiny_llama_path if arch == "llama" else self.tiny_gemma3_path
 
     def target(self, arch: str = "llama") -> Target:

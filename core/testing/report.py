@@ -26,10 +26,17 @@ class CheckResult:
 def subject_for(spec: PluginSpec, fixtures: ContractFixtures, options: dict[str, Any] | None = None) -> Subject:
     """A subject that creates `spec`'s plugin with `options`; a drafter that needs a draft model gets the tiny one."""
     settings = dict(options or {})
-    if spec.kind == "drafter" and "draft_model" in spec.capabilities.get("needs", ()) and "model" in spec.options:
+    needs = spec.capabilities.get("needs", ())
+    if spec.kind == "drafter" and "draft_model" in needs and "model" in spec.options:
         settings.setdefault("model", str(fixtures.tiny_draft_llama_path))
     spec.resolve_options(settings)  # an unknown or ill-typed option is the user's error, reported up front
-    return Subject(spec.kind, spec.name, lambda: spec.create(settings), dict(spec.capabilities), fixtures)
+    if spec.kind == "drafter" and spec.capabilities.get("target_architecture") == "gemma4" \
+            and "model" in spec.options and "model" not in settings:
+        # a Gemma 4 assistant: built on first use (tens of seconds, then cached), by the checks that make one
+        make = lambda: spec.create({**settings, "model": str(fixtures.tiny_gemma4_assistant_path)})
+    else:
+        make = lambda: spec.create(settings)
+    return Subject(spec.kind, spec.name, make, dict(spec.capabilities), fixtures)
 
 
 def run_check(check: Check, subject: Subject) -> CheckResult:
