@@ -27,6 +27,7 @@ BUILTIN_MODULES = (
     "outrider.plugins.drafters.none",
     "outrider.plugins.drafters.lookup",
     "outrider.plugins.drafters.draft_model",
+    "outrider.plugins.drafters.mtp",
     "outrider.plugins.acceptors.greedy",
     "outrider.plugins.acceptors.sampled",
     "outrider.plugins.acceptors.pmin",

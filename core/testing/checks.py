@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from outrider.drafting import Draft, DraftControls
+from outrider.drafting import Draft, DraftControls, reads_the_target
 from outrider.errors import OutriderError
 from outrider.gguf_file import GGUFFile
 from outrider.runner import Runner
@@ -116,7 +116,19 @@ def _ready_drafter(subject: Subject, params: SamplingParams = GREEDY, prompt: li
     drafter = subject.new()
     drafter.setup(subject.fixtures.target("llama"))
     drafter.begin(list(prompt), params, DraftControls())
+    _show_target(subject, drafter, prompt, 0)
     return drafter
+
+
+def _show_target(subject: Subject, drafter: Any, certain: list[int], start: int) -> None:
+    """For a drafter that reads the target, what the runner shows it: `observe` with the target's hidden
+    states of the certain rows start..len(certain)-1 and a cache holding exactly `certain`."""
+    if not reads_the_target(drafter) or start >= len(certain):
+        return
+    model = subject.fixtures.target("llama").model
+    cache = model.new_cache(len(certain))
+    _, hidden = model.forward(torch.tensor(certain), 0, cache, hidden=True)
+    drafter.observe(hidden[start:], start, cache)
 
 
 def _vocab(subject: Subject) -> int:
@@ -164,6 +176,7 @@ def _session(subject: Subject, params: SamplingParams = GREEDY, ask_kind: bool =
         rounds.append(Round(list(tokens), k, draft, kind))
         accepted = _valid_ids(draft, vocab)[: min(k, i % 3)]  # accept 0, 1 or 2 of the drafts
         drafter.rollback(len(tokens) + len(accepted))
+        _show_target(subject, drafter, tokens + accepted, len(tokens) - 1)
         tokens += accepted + [CONTINUATION[i % len(CONTINUATION)]]
     return rounds
 
@@ -232,6 +245,7 @@ def same_proposal_for_the_same_state(subject: Subject) -> None:
         assert first == again, f"propose(..., k={k}), rollback({len(tokens) - 1}), the same propose again " \
                                f"gave {first} then {again}"
         drafter.rollback(len(tokens))
+        _show_target(subject, drafter, tokens, len(tokens) - 1)
         tokens.append(CONTINUATION[k % len(CONTINUATION)])
 
 
@@ -269,9 +283,11 @@ def consistent_after_rollback(subject: Subject) -> None:
         rejected = draft[len(kept)] if len(draft) > len(kept) else None
         replacement = next(t for t in (9, 8, 5, 6, 7) if t != rejected)
         a.rollback(len(tokens) + len(kept))
+        _show_target(subject, a, tokens + kept, len(tokens) - 1)
         after = tokens + kept + [replacement]
         got = list(a.propose(list(after), 4).tokens)
         b = _ready_drafter(subject)
+        _show_target(subject, b, after[:-1], len(PROMPT))
         want = list(b.propose(list(after), 4).tokens)
         assert got == want, f"after proposing {draft}, keeping {kept} and rolling back to {len(tokens) + len(kept)}, " \
                             f"it proposed {got}; a fresh instance shown only the kept tokens proposes {want}"
