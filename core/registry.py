@@ -32,6 +32,7 @@ BUILTIN_MODULES = (
     "outrider.plugins.drafters.lookup",
     "outrider.plugins.drafters.draft_model",
     "outrider.plugins.drafters.gemma_assistant",
+    "outrider.plugins.drafters.mtp",
     "outrider.plugins.acceptors.greedy",
     "outrider.plugins.acceptors.sampled",
     "outrider.plugins.acceptors.pmin",

@@ -233,7 +233,7 @@ def same_proposal_for_the_same_state(subject: Subject) -> None:
     probe = subject.new()
     if subject.capability("gives_draft_probs", probe, False):
         return  # a sampling drafter's repeat draws from the next part of its random stream
-    drafter = _ready_drafter(subject)
+    drafter, feed = _fed_drafter(subject)
     tokens = PROMPT + [7]
     for k in (4, 1, 8):
         first = list(drafter.propose(list(tokens), k).tokens)
@@ -242,6 +242,7 @@ def same_proposal_for_the_same_state(subject: Subject) -> None:
         assert first == again, f"propose(..., k={k}), rollback({len(tokens) - 1}), the same propose again " \
                                f"gave {first} then {again}"
         drafter.rollback(len(tokens))
+        feed.certain(tokens[-1:], len(tokens) - 1)
         tokens.append(CONTINUATION[k % len(CONTINUATION)])
 
 
@@ -271,7 +272,7 @@ def consistent_after_rollback(subject: Subject) -> None:
     params = SAMPLED if gives_q else GREEDY  # seeded: a sampling drafter's draws are reproducible
     vocab = _vocab(subject)
     for keep in (0, 1, 3):
-        a = _ready_drafter(subject, params)
+        a, feed = _fed_drafter(subject, params)
         tokens = PROMPT + [7]
         draft = _valid_ids(a.propose(list(tokens), 4), vocab)
         kept = draft[:keep]
@@ -279,9 +280,12 @@ def consistent_after_rollback(subject: Subject) -> None:
         rejected = draft[len(kept)] if len(draft) > len(kept) else None
         replacement = next(t for t in (9, 8, 5, 6, 7) if t != rejected)
         a.rollback(len(tokens) + len(kept))
+        feed.certain(tokens[-1:] + kept, len(tokens) - 1)
         after = tokens + kept + [replacement]
         got = a.propose(list(after), 4)
-        want = _ready_drafter(subject, params).propose(list(after), 4)
+        b, fresh_feed = _fed_drafter(subject, params)
+        fresh_feed.certain(tokens[-1:] + kept, len(tokens) - 1)
+        want = b.propose(list(after), 4)
         where = f"after proposing {draft}, keeping {kept} and rolling back to {len(tokens) + len(kept)}, it proposed"
         if not gives_q:
             assert list(got.tokens) == list(want.tokens), \

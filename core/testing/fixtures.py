@@ -12,7 +12,7 @@ import torch
 from outrider.drafting import Target
 from outrider.gguf_file import GGUFFile
 from outrider.sampling import PositionRandom, SamplingParams, sample_at, warp
-from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama
+from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama, write_tiny_mtp_sidecar
 from outrider.tokenizer import Tokenizer
 
 ARCHITECTURES = ("llama", "gemma3")
@@ -65,6 +65,11 @@ class ContractFixtures:
     def tiny_draft_llama_path(self) -> Path:
         """A smaller llama with the tiny llama's vocabulary: the draft model for drafters that need one."""
         return write_tiny_llama(self.folder / "tiny-llama-draft.gguf", seed=1, n_layers=1)
+
+    @functools.cached_property
+    def tiny_mtp_sidecar_path(self) -> Path:
+        """An MTP head (one nextn block) for the tiny llama: for drafters that need one."""
+        return write_tiny_mtp_sidecar(self.folder / "tiny-llama.mtp.gguf", "llama", self.tiny_llama_path, seed=2)
 
     @functools.cached_property
     def tiny_gemma3_path(self) -> Path:

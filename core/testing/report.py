@@ -24,11 +24,14 @@ class CheckResult:
 
 
 def subject_for(spec: PluginSpec, fixtures: ContractFixtures, options: dict[str, Any] | None = None) -> Subject:
-    """A subject that creates `spec`'s plugin with `options`; a drafter that needs a draft model gets the tiny one."""
+    """A subject that creates `spec`'s plugin with `options`; a drafter that needs a draft model (an MTP head)
+    gets the tiny one."""
     settings = dict(options or {})
     needs = spec.capabilities.get("needs", ())
     if spec.kind == "drafter" and "draft_model" in needs and "model" in spec.options:
         settings.setdefault("model", str(fixtures.tiny_draft_llama_path))
+    if spec.kind == "drafter" and "mtp_head" in needs and "model" in spec.options:
+        settings.setdefault("model", str(fixtures.tiny_mtp_sidecar_path))
     spec.resolve_options(settings)  # an unknown or ill-typed option is the user's error, reported up front
     if spec.kind == "drafter" and spec.capabilities.get("target_architecture") == "gemma4" \
             and "model" in spec.options and "model" not in settings:
