@@ -160,7 +160,7 @@ class _Experts:
     """The routed block of a 26B-A4B layer: a softmax router over an RMS-normed, scaled input picks
     `n_used` experts per row, whose weights are renormalized and scaled per expert."""
 
-    def __init__(self, g: GGUFFile, p: str, cfg: Gemma4Config, packed: bool, dtype, device):
+    def __init__(self, g: GGUFFile, p: str, cfg: Gemma4Config, packed: bool | str, dtype, device):
         load = lambda name: g.load(p + name).to(dtype).to(device)
         # a linear layer like the others, so that packed it gives every row the bits a one-row call does
         self.router = load_linear(g, [p + "ffn_gate_inp.weight"], packed, dtype, device)
@@ -197,7 +197,7 @@ class _Experts:
 
 
 class _Layer:
-    def __init__(self, g: GGUFFile, i: int, cfg: Gemma4Config, packed: bool, dtype: torch.dtype, device):
+    def __init__(self, g: GGUFFile, i: int, cfg: Gemma4Config, packed: bool | str, dtype: torch.dtype, device):
         p = f"blk.{i}."
         has = lambda name: p + name + ".weight" in g.tensors
         linear = lambda *names: load_linear(g, [p + n + ".weight" for n in names], packed, dtype, device)
@@ -243,16 +243,18 @@ class Gemma4:
     architecture = "gemma4"
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 native: bool = False, attention_dtype: torch.dtype = ATTENTION_DTYPE):
-        """`native`: weights packed for the CPU kernels (`outrider.native`)."""
+                 native: bool = False, attention_dtype: torch.dtype = ATTENTION_DTYPE, linear_form: str | None = None):
+        """`native`: weights packed for the CPU kernels (`outrider.native`); `linear_form` overrides how the
+        linear layers are held (`load_linear`: "quantized" on a GPU)."""
         self.config = cfg = Gemma4Config.from_gguf(g)
         self.dtype, self.device = dtype, torch.device(device)
         self.attention_dtype = attention_dtype
         self.chunk = PREFILL_CHUNK if native else 0
-        self.output, self.embed, self.output_norm = load_ends(g, native, dtype, device)
+        self.linear_form = form = linear_form or ("native" if native else "dense")
+        self.output, self.embed, self.output_norm = load_ends(g, form, dtype, device)
         # rounded to the model dtype first, as the reference implementations do
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=dtype)
-        self.layers = [_Layer(g, i, cfg, native, dtype, device) for i in range(cfg.n_layers)]
+        self.layers = [_Layer(g, i, cfg, form, dtype, device) for i in range(cfg.n_layers)]
         freq_factors = g.load("rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None
         hd_full = max(cfg.head_dim[i] for i in range(cfg.n_layers) if not cfg.is_local[i]) \
             if not all(cfg.is_local) else None
@@ -263,7 +265,7 @@ class Gemma4:
             if hd_full else None
         if cfg.per_layer_input_size:
             self.per_layer_table = RowTable(g, "per_layer_token_embd.weight", dtype)
-            self.per_layer_proj = load_linear(g, ["per_layer_model_proj.weight"], native, dtype, device)
+            self.per_layer_proj = load_linear(g, ["per_layer_model_proj.weight"], form, dtype, device)
             self.per_layer_proj_norm = g.load("per_layer_proj_norm.weight").to(dtype).to(device)
         self._masks: dict[tuple, tuple] = {}
 
