@@ -91,3 +91,27 @@ def test_a_word_that_is_not_a_boolean_is_refused_by_both():
         Option("strict", bool, False).parse("maybe", "drafter 'x'")
     with pytest.raises(ConfigError, match="chat from env OUTRIDER_CHAT must be a bool"):
         resolve_config({}, None, {"OUTRIDER_CHAT": "maybe"})
+
+
+def test_outrider_check_builds_the_kernels_before_the_first_check_and_says_so(monkeypatch):
+    import time
+
+    import outrider.native
+    import outrider.testing.report as report
+
+    events = []
+
+    def slow_build():  # stands in for a first build; the real one is cached per machine and shared
+        events.append("build")
+        time.sleep(1.05)
+
+    def run_contract(subject):
+        events.append("check")
+        return []
+
+    monkeypatch.setattr(outrider.native, "load", slow_build)
+    monkeypatch.setattr(report, "run_contract", run_contract)
+    result = CliRunner().invoke(main, ["check", "lookup"])
+    assert result.exit_code == 0, result.output
+    assert events == ["build", "check"]
+    assert "CPU kernels ready after 1s; the checks' times below do not include the build" in result.stderr
