@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from outrider.drafting import Draft, DraftControls
+from outrider.drafting import Draft, DraftControls, reads_the_target
 from outrider.errors import OutriderError
 from outrider.gguf_file import GGUFFile
 from outrider.hookspecs import PLUGIN_KINDS
@@ -388,6 +388,9 @@ def lossless_with_its_draft_probabilities(subject: Subject) -> None:
     if not subject.capability("gives_draft_probs", drafter, False):
         raise CheckSkipped("gives_draft_probs is False: without q the output is plain sampling's token for token, "
                            "which seeded_sampling_equals_plain_sampling checks")
+    if reads_the_target(drafter):
+        raise CheckSkipped("the drafter reads the target's hidden states or KV cache, which the toy target this "
+                           "check runs on does not have")
     base = subject.fixtures.target("llama")
     toy = CopyingToyModel(base.model.config.vocab_size, seed=11)
     target = Target(model=toy, tokenizer=base.tokenizer, gguf=base.gguf, backend=base.backend)
