@@ -130,8 +130,11 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
             click.echo(tail)
     stats = runner.stats.as_dict()
     stats["load_s"] = round(load_s, 3)
-    stats["config"] = config.report()
+    stats["config"] = config.report(assembly.options)
     stats["plugins"] = {kind: spec.name for kind, spec in assembly.plugins.items()}
+    instances = {"backend": assembly.runner.target.backend, "drafter": runner.drafter, "acceptor": runner.acceptor}
+    stats["capabilities"] = {kind: _plain(instance_capabilities(spec, instances[kind]))
+                             for kind, spec in assembly.plugins.items()}
     if as_json:
         click.echo(json.dumps({"text": "".join(pieces), "tokens": generated, "prompt_tokens": prompt_ids,
                                "stats": stats}, ensure_ascii=False))
@@ -295,27 +298,51 @@ def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafter
 @friendly_errors
 def plugins(as_json):
     """List every installed plugin: kind, name, aliases, capabilities, options, providing package."""
+    from .config import SETTINGS
     from .registry import default_registry
 
     rows = []
     for spec in default_registry().all():
         rows.append({
             "kind": spec.kind, "name": spec.name, "aliases": list(spec.aliases), "package": spec.package,
-            "capabilities": {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in spec.capabilities.items()},
+            "default": SETTINGS[spec.kind].default == spec.name,
+            "capabilities": _plain(instance_capabilities(spec)),
             "options": {o.name: {"type": o.type.__name__, "default": o.default, "help": o.help}
                         for o in spec.options.values()},
         })
+        if spec.kind == "acceptor" and spec.name == "sampled":  # `auto` is a choice between two, not a plugin
+            rows.append({"kind": "acceptor", "name": "auto", "aliases": [], "package": spec.package,
+                         "default": SETTINGS["acceptor"].default == "auto",
+                         "chooses": "greedy at temperature 0, sampled above", "capabilities": {}, "options": {}})
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     for row in rows:
         aliases = f" (aliases: {', '.join(row['aliases'])})" if row["aliases"] else ""
+        default = " (default)" if row["default"] else ""
+        chooses = f": {row['chooses']}" if "chooses" in row else ""
         caps = ", ".join(f"{k}={v}" for k, v in row["capabilities"].items())
-        click.echo(f"{row['kind']:9} {row['name']}{aliases}  [{row['package']}]")
+        click.echo(f"{row['kind']:9} {row['name']}{aliases}{default}{chooses}  [{row['package']}]")
         if caps:
             click.echo(f"          capabilities: {caps}")
         for name, opt in row["options"].items():
             click.echo(f"          -o {row['kind']}.{name} ({opt['type']}, default {opt['default']!r}): {opt['help']}")
+
+
+def _plain(capabilities: dict) -> dict:
+    return {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in capabilities.items()}
+
+
+def instance_capabilities(spec, instance=None) -> dict:
+    """Capabilities as an instance has them (an option may switch one; the runner asks the instance): `instance`,
+    or one made with the default options; the registered ones where no instance can be made (a missing GPU, a
+    required option), or for what the instance does not say."""
+    if instance is None:
+        try:
+            instance = spec.create()
+        except Exception:
+            instance = None
+    return {key: getattr(instance, key, value) for key, value in spec.capabilities.items()}
 
 
 @main.command()
@@ -333,6 +360,7 @@ def check(name, kind, options):
     from .testing.report import find_specs, format_report, run_contract, subject_for
 
     specs = find_specs(name, kind)
+    _build_kernels_first()
     failed = False
     with tempfile.TemporaryDirectory(prefix="outrider-check-") as folder:
         fixtures = ContractFixtures(folder)
@@ -342,6 +370,21 @@ def check(name, kind, options):
             failed = failed or any(r.status == "FAIL" for r in results)
     if failed:
         sys.exit(1)
+
+
+def _build_kernels_first() -> None:
+    """The fixtures run on the CPU backend, whose kernels are compiled on a machine's first use: build them
+    before the first check (the builder says so on stderr), so the build is not reported as a check's time."""
+    from .native import NativeUnavailable, load
+
+    start = time.perf_counter()
+    try:
+        load()
+    except NativeUnavailable:
+        return  # the CPU backend falls back to torch's ops; the checks say what they find
+    if time.perf_counter() - start > 1.0:
+        click.echo(f"outrider: CPU kernels ready after {time.perf_counter() - start:.0f}s; the checks' times below "
+                   "do not include the build", err=True)
 
 
 if __name__ == "__main__":

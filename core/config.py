@@ -83,10 +83,13 @@ class Config:
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
 
-    def report(self) -> dict[str, Any]:
+    def report(self, resolved: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Every setting and plugin option with its value and source; `resolved` (the chosen plugins' options
+        after defaults and conversion) adds the options left at their default, with source "default"."""
         settings = {key: {"value": self.values[key], "source": self.sources[key]} for key in SETTINGS}
-        options = {kind: {key: {"value": value, "source": self.option_sources[kind][key]}
-                          for key, value in self.options[kind].items()} for kind in PLUGIN_KINDS}
+        values = resolved or self.options
+        options = {kind: {key: {"value": value, "source": self.option_sources[kind].get(key, "default")}
+                          for key, value in values.get(kind, {}).items()} for kind in PLUGIN_KINDS}
         return {"settings": settings, "options": options}
 
 
