@@ -12,10 +12,10 @@ import torch
 from outrider.drafting import Target
 from outrider.gguf_file import GGUFFile
 from outrider.sampling import PositionRandom, SamplingParams, sample_at, warp
-from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama
+from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_gemma4, write_tiny_llama
 from outrider.tokenizer import Tokenizer
 
-ARCHITECTURES = ("llama", "gemma3")
+ARCHITECTURES = ("llama", "gemma3", "gemma4")
 
 
 def plain_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
@@ -61,10 +61,14 @@ class ContractFixtures:
     def tiny_gemma3_path(self) -> Path:
         return write_tiny_gemma3(self.folder / "tiny-gemma3.gguf", seed=0)
 
+    @functools.cached_property
+    def tiny_gemma4_path(self) -> Path:
+        return write_tiny_gemma4(self.folder / "tiny-gemma4.gguf", seed=0)
+
     def model_path(self, arch: str) -> Path:
         if arch not in ARCHITECTURES:
             raise ValueError(f"no tiny model for architecture {arch!r}; have {ARCHITECTURES}")
-        return self.tiny_llama_path if arch == "llama" else self.tiny_gemma3_path
+        return {"llama": self.tiny_llama_path, "gemma3": self.tiny_gemma3_path, "gemma4": self.tiny_gemma4_path}[arch]
 
     def target(self, arch: str = "llama") -> Target:
         if arch not in self._targets:
