@@ -3,12 +3,14 @@ for a bounded time against a server this script starts on 127.0.0.1 and stops at
 
     python benchmarks/serve_load.py [--duration 120] [--clients 8] [--max-requests 5000] [--max-tokens 64]
                                     [--model smollm2-135m] [--drafter lookup] [--temperatures 0,0.7]
+                                    [-- more `outrider serve` arguments]
 
 Clients cycle through `outrider bench`'s three prompts (code edit, summary, story) and the temperatures;
 a sampled request has a seed. Prints requests/s, p50/p99 latency and time to first token (both as the
 client sees them: queueing included, since one generation runs at a time), errors by kind, the acceptance
 the server's /metrics counted, and the server's resident memory after a warm-up request and at the end.
-No new request starts after --duration or --max-requests; the ones in flight finish.
+No request starts after --duration or --max-requests; those still in flight at the end of --duration are cut
+(closed: the server stops their generations) and counted apart from errors, so the run ends on time.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from outrider.bench import PROMPTS
 
 HOST = "127.0.0.1"  # never anything else: this script loads a machine, it must not reach another
+CUT_GRACE_S = 2.0
 
 
 def free_port() -> int:
@@ -85,6 +88,8 @@ def main() -> None:
     parser.add_argument("--drafter", default="lookup")
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="model load and kernel build")
+    parser.add_argument("server_args", nargs=argparse.REMAINDER,
+                        help="after --: more `outrider serve` arguments, e.g. -- -o backend.weights dense")
     args = parser.parse_args()
     import openai  # the test extra; imported late so --help works without it
 
@@ -93,7 +98,8 @@ def main() -> None:
     base = f"http://{HOST}:{port}"
     log = tempfile.NamedTemporaryFile("w+", prefix="outrider-serve-", suffix=".log", delete=False)
     command = [sys.executable, "-m", "outrider", "serve", "--host", HOST, "--port", str(port), "--model", args.model,
-               "--drafter", args.drafter, "--queue-size", str(args.clients)]
+               "--drafter", args.drafter, "--queue-size", str(args.clients),
+               *[a for a in args.server_args if a != "--"]]
     print("server:", " ".join(command[1:]), f"(log: {log.name})", flush=True)
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -107,7 +113,7 @@ def main() -> None:
 
         requests = itertools.count()
         lock = threading.Lock()
-        latencies, ttfts, tokens, errors = [], [], [], collections.Counter()
+        latencies, ttfts, tokens, errors, cut = [], [], [], collections.Counter(), [0]
         deadline = time.monotonic() + args.duration
         jobs = list(itertools.product(PROMPTS.values(), temperatures))
 
@@ -120,18 +126,27 @@ def main() -> None:
                 prompt, temperature = jobs[n % len(jobs)]
                 start = time.perf_counter()
                 first, completion = None, 0
+                # nothing may outlast the deadline by more than a moment: a request still waiting for bytes
+                # then times out, one still streaming is closed at its next chunk; both count as cut, not errors
+                timeout = max(1.0, deadline - time.monotonic() + CUT_GRACE_S)
                 try:
-                    stream = own.chat.completions.create(
+                    stream = own.with_options(timeout=timeout).chat.completions.create(
                         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
                         temperature=temperature, seed=n, stream=True, stream_options={"include_usage": True})
-                    for chunk in stream:
-                        if first is None and chunk.choices and chunk.choices[0].delta.content:
-                            first = time.perf_counter() - start
-                        if chunk.usage:
-                            completion = chunk.usage.completion_tokens
+                    with stream:
+                        for chunk in stream:
+                            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                                first = time.perf_counter() - start
+                            if chunk.usage:
+                                completion = chunk.usage.completion_tokens
+                            if time.monotonic() > deadline + CUT_GRACE_S:
+                                raise TimeoutError("cut at the deadline")
                 except Exception as exc:  # noqa: BLE001 - counted and reported, the load goes on
                     with lock:
-                        errors[f"{type(exc).__name__}: {str(exc)[:80]}"] += 1
+                        if time.monotonic() > deadline:
+                            cut[0] += 1
+                        else:
+                            errors[f"{type(exc).__name__}: {str(exc)[:80]}"] += 1
                     continue
                 with lock:
                     latencies.append(time.perf_counter() - start)
@@ -167,7 +182,7 @@ def main() -> None:
         "requests_per_s": round(done / elapsed, 3), "completion_tokens_per_s": round(sum(tokens) / elapsed, 1),
         "latency_s": {"p50": round(percentile(latencies, 50), 3), "p99": round(percentile(latencies, 99), 3)},
         "ttft_s": {"p50": round(percentile(ttfts, 50), 3), "p99": round(percentile(ttfts, 99), 3)},
-        "errors": sum(errors.values()), "error_kinds": dict(errors),
+        "errors": sum(errors.values()), "error_kinds": dict(errors), "cut_at_deadline": cut[0],
         "acceptance": {"drafted": drafted, "accepted": accepted,
                        "rate": round(accepted / drafted, 3) if drafted else 0.0},
         "server_rss_mib": {"start": round(rss_start, 1), "end": round(rss_end, 1), "max": round(max(rss_samples), 1)},
@@ -176,7 +191,8 @@ def main() -> None:
           f"{report['completion_tokens_per_s']} completion tokens/s")
     print(f"latency p50 {report['latency_s']['p50']} s, p99 {report['latency_s']['p99']} s; "
           f"time to first token p50 {report['ttft_s']['p50']} s, p99 {report['ttft_s']['p99']} s")
-    print(f"errors: {report['errors']} {dict(errors) if errors else ''}")
+    print(f"errors: {report['errors']} {dict(errors) if errors else ''}; requests in flight at the deadline, "
+          f"cut: {cut[0]}")
     print(f"acceptance: {accepted:.0f}/{drafted:.0f} drafted tokens ({report['acceptance']['rate']:.0%})")
     print(f"server RSS: {rss_start:.1f} MiB after warm-up, {rss_end:.1f} MiB at the end, "
           f"{max(rss_samples):.1f} MiB at most")

@@ -148,6 +148,30 @@ def chat(server, stream=False, **kwargs):
     return "".join(pieces), finish, timings, None
 
 
+# -- stop strings on streamed text (no server) ----------------------------------------------------------
+
+
+def stream_through(stops, pieces):
+    """What a stream sends for `pieces` (one take per piece, then the final one) and whether it stopped."""
+    from outrider.serve.stop_text import StopText
+
+    text, sent = StopText(stops), []
+    for piece in pieces:
+        text.feed(piece)
+        sent.append(text.take())
+    sent.append(text.take(final=True))
+    return sent, text.stopped
+
+
+def test_stop_text_holds_back_what_may_start_a_stop_string():
+    assert stream_through(["END"], ["abc E", "N", "D more"]) == (["abc ", "", "", ""], True)
+    assert stream_through(["END"], ["abc E", "Nx", " y"]) == (["abc ", "ENx", " y", ""], False)
+    assert stream_through(["END"], ["abc EN"]) == (["abc ", "EN"], False)  # the end releases what was held
+    assert stream_through(["two", "o"], ["one two"]) == (["", ""], True)  # the earliest stop string wins
+    assert stream_through(["\n\n"], ["a\n", "b\n", "\nc"]) == (["a", "\nb", "", ""], True)
+    assert stream_through([], ["a", "b"]) == (["a", "b", ""], False)
+
+
 # -- answers (tiny model) -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
