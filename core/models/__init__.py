@@ -11,18 +11,20 @@ from ..gguf_file import GGUFFile
 from ..native import NativeUnavailable
 from ..native import load as load_native
 from .gemma3 import Gemma3
+from .gemma4 import Gemma4
 from .layers import ATTENTION_DTYPE
 from .linear import check_weights_mode
 from .llama import Llama
 
-ARCHITECTURES = {cls.architecture: cls for cls in (Llama, Gemma3)}
+ARCHITECTURES = {cls.architecture: cls for cls in (Llama, Gemma3, Gemma4)}
 
 
 def load_model(g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                weights: str = "dense", batch_invariant: bool = True):
     """The model in `g`. `weights`: `dense` dequantizes to `dtype` and runs torch ops; `compact` keeps the
     GGUF's codes and runs Outrider's CPU kernels (float32 on the CPU only; see `outrider.models.linear`),
-    and falls back to `dense`, with a warning, where the kernels cannot be built. `batch_invariant`
+    and falls back to `dense`, with a warning, where the kernels cannot be built; off the CPU it holds
+    them for torch's int4/int8 weight-only kernels (`outrider.models.torch_quant`). `batch_invariant`
     (torch ops only; the kernels are batch invariant by construction): attention in float64, so a forward
     over k tokens gives bit for bit the logits of k single steps (see `layers.attention`)."""
     cls = ARCHITECTURES.get(g.architecture)
@@ -38,4 +40,7 @@ def load_model(g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | to
             warnings.warn(f"{e}; using dense float32 weights (slower)", stacklevel=2)
             native = False
     attention_dtype = ATTENTION_DTYPE if batch_invariant else dtype
-    return cls(g, dtype=dtype, device=device, native=native, attention_dtype=attention_dtype)
+    # compact weights off the CPU: torch's int4/int8 weight-only kernels (outrider.models.torch_quant)
+    quantized = weights == "compact" and torch.device(device).type != "cpu"
+    return cls(g, dtype=dtype, device=device, native=native, attention_dtype=attention_dtype,
+               linear_form="quantized" if quantized else None)

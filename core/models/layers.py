@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..errors import ModelFileError
 from ..kv_cache import KVCache
 from .linear import load_linear, rms_norm
 
@@ -137,6 +138,14 @@ def run_in_chunks(hidden_fn, tokens: torch.Tensor, start: int, cache, chunk: int
     return h[-1:] if keep_last else torch.cat(parts)
 
 
+def trunk_layers(g) -> int:
+    """Layers the trunk runs: `block_count` counts the MTP (nextn) blocks too, which come last (llama.cpp)."""
+    n_blocks, n_mtp = int(g.require("block_count")), int(g.arch_key("nextn_predict_layers", 0) or 0)
+    if not 0 <= n_mtp < n_blocks:
+        raise ModelFileError(f"{g.path}: nextn_predict_layers = {n_mtp} must be below block_count = {n_blocks}")
+    return n_blocks - n_mtp
+
+
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
@@ -158,10 +167,11 @@ class TokenEmbedding:
         return [] if self.table is None else [self.table]
 
 
-def load_ends(g, packed: bool, dtype: torch.dtype, device) -> tuple[object, TokenEmbedding, torch.Tensor]:
+def load_ends(g, packed: bool | str, dtype: torch.dtype, device) -> tuple[object, TokenEmbedding, torch.Tensor]:
     """(output head, token embedding, final norm weight): the parts every architecture shares. The head is
     `output.weight`, or the embedding table when the file ties them (then held once, in the head)."""
     tied = "output.weight" not in g.tensors
     head = load_linear(g, ["token_embd.weight" if tied else "output.weight"], packed, dtype, device)
-    table = None if tied else g.load("token_embd.weight").to(device)
+    # a tied head serves the embedding's rows where its form can (int4 tiles cannot: they get a table)
+    table = None if tied and hasattr(head, "rows") else g.load("token_embd.weight").to(device)
     return head, TokenEmbedding(table, head, dtype), g.load("output_norm.weight").to(dtype).to(device)

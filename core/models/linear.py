@@ -36,6 +36,7 @@ GROUP = 32
 INT4_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q4_K}
 FLOAT_TYPES = {Q.F32, Q.F16, Q.BF16}
 WEIGHT_MODES = ("compact", "dense")
+LINEAR_FORMS = ("native", "quantized", "dense")  # how load_linear holds a weight (see load_linear)
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 KIND_Q4, KIND_Q8, KIND_F32, KIND_Q5 = 0, 1, 2, 3
 INT5_TYPES = {Q.Q5_0, Q.Q5_1, Q.Q5_K}
@@ -219,13 +220,19 @@ def _packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
                         torch.cat(zeros) if with_zero else None, group, n_out, k)
 
 
-def load_linear(g: GGUFFile, names: Sequence[str], packed: bool, dtype: torch.dtype, device: torch.device | str,
-                row_maps: dict[str, RowMap] | None = None):
+def load_linear(g: GGUFFile, names: Sequence[str], packed: bool | str, dtype: torch.dtype,
+                device: torch.device | str, row_maps: dict[str, RowMap] | None = None):
     """One linear layer from the GGUF tensors `names`, their rows stacked in order (fused projections):
-    a `PackedLinear` when `packed` (and the shape allows), else a `DenseLinear` in `dtype`. `row_maps`
-    reorders a tensor's rows (llama's q/k un-permutation) in whatever form it is held."""
+    a `PackedLinear` when `packed` is True or "native" (and the shape allows), torch's int4/int8
+    weight-only forms when it is "quantized" (`outrider.models.torch_quant`, the GPU's compact weights),
+    else a `DenseLinear` in `dtype`. `row_maps` reorders a tensor's rows (llama's q/k un-permutation) in
+    whatever form it is held."""
     remap = lambda name: (row_maps or {}).get(name, lambda rows: rows)
-    if packed and g.tensors[names[0]].shape[1] % GROUP == 0:
+    if packed == "quantized":
+        from .torch_quant import load_quantized_linear
+
+        return load_quantized_linear(g, names, dtype, device, remap)
+    if packed in (True, "native") and g.tensors[names[0]].shape[1] % GROUP == 0:
         return _packed(g, names, remap)
     weight = torch.cat([remap(name)(g.load(name)) for name in names])
     return DenseLinear(weight.to(dtype).to(device))
