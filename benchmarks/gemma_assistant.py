@@ -56,8 +56,8 @@ def _writer_helpers(w, rng):
         w.add_tensor(name, _q8_0(rng, rows, cols), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
 
     def vector(name: str, n: int, value: float | None = None):
-        v = np.full(n, value, np.float32) if value is not None else (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-        w.add_tensor(name, v)
+        v = np.full(n, value) if value is not None else 1 + 0.1 * rng.standard_normal(n)
+        w.add_tensor(name, v.astype(np.float32))
 
     return matrix, vector
 
@@ -82,7 +82,8 @@ def write_target(path: Path, vocab: int, n_layers: int) -> None:
     w.add_feed_forward_length(ffn); w.add_head_count(e["heads"]); w.add_head_count_kv(e["kv_heads"])
     w.add_rope_freq_base(1e6); w.add_float32("gemma4.rope.freq_base_swa", 1e4)
     w.add_layer_norm_rms_eps(1e-6); w.add_key_length(e["global_head_dim"]); w.add_value_length(e["global_head_dim"])
-    w.add_uint32("gemma4.attention.key_length_swa", e["head_dim"]); w.add_uint32("gemma4.attention.value_length_swa", e["head_dim"])
+    w.add_uint32("gemma4.attention.key_length_swa", e["head_dim"])
+    w.add_uint32("gemma4.attention.value_length_swa", e["head_dim"])
     w.add_final_logit_softcapping(30.0); w.add_sliding_window(e["window"]); w.add_shared_kv_layers(shared)
     w.add_uint32("gemma4.embedding_length_per_layer_input", e["per_layer"])
     w.add_array("gemma4.attention.sliding_window_pattern", pattern)
@@ -125,13 +126,15 @@ def write_assistant(path: Path, vocab: int) -> None:
     n, h = a["layers"], a["hidden"]
     pattern = [True] * (n - 1) + [False]
     w = gguf.GGUFWriter(str(path), "gemma4-assistant")
-    w.add_context_length(4096); w.add_embedding_length(h); w.add_uint32("gemma4-assistant.embedding_length_out", e["hidden"])
+    w.add_context_length(4096); w.add_embedding_length(h)
+    w.add_uint32("gemma4-assistant.embedding_length_out", e["hidden"])
     w.add_block_count(n); w.add_uint32("gemma4-assistant.nextn_predict_layers", n); w.add_shared_kv_layers(n)
     w.add_feed_forward_length(a["ffn"]); w.add_head_count(a["heads"]); w.add_head_count_kv([e["kv_heads"]] * n)
     w.add_key_length(e["global_head_dim"]); w.add_value_length(e["global_head_dim"])
     w.add_uint32("gemma4-assistant.attention.key_length_swa", e["head_dim"])
     w.add_uint32("gemma4-assistant.attention.value_length_swa", e["head_dim"])
-    w.add_rope_dimension_count(e["global_head_dim"]); w.add_uint32("gemma4-assistant.rope.dimension_count_swa", e["head_dim"])
+    w.add_rope_dimension_count(e["global_head_dim"])
+    w.add_uint32("gemma4-assistant.rope.dimension_count_swa", e["head_dim"])
     w.add_rope_freq_base(1e6); w.add_float32("gemma4-assistant.rope.freq_base_swa", 1e4)
     w.add_sliding_window(e["window"]); w.add_array("gemma4-assistant.attention.sliding_window_pattern", pattern)
     w.add_layer_norm_rms_eps(1e-6)

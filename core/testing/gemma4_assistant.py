@@ -195,7 +195,8 @@ def matching_config(target_gguf: str | os.PathLike, centroids: bool = False) -> 
     n_centroids = 8 if vocab % 8 == 0 else next(c for c in (7, 6, 5, 3, 2) if vocab % c == 0)
     return dict(vocab_size=vocab, backbone=int(g.require("embedding_length")), hidden=32, n_layers=4, heads=2,
                 kv_heads=int(kv[last_swa]), global_kv_heads=int(kv[last_full]),
-                head_dim=int(g.require("attention.key_length_swa")), global_head_dim=int(g.require("attention.key_length")),
+                head_dim=int(g.require("attention.key_length_swa")),
+                global_head_dim=int(g.require("attention.key_length")),
                 sliding_window=int(g.require("attention.sliding_window")), centroids=centroids,
                 n_centroids=n_centroids, centroid_top_k=2)
 
