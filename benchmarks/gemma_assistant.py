@@ -1,13 +1,13 @@
 """What a Gemma 4 assistant costs beside its target, on a synthetic E2B-shaped pair (random weights).
 
-    python benchmarks/gemma_assistant.py [--vocab 262144] [--layers 35] [--reps 5] [--max-k 8]
+    python benchmarks/gemma_assistant.py [--vocab 262144] [--layers 35] [--reps 5] [--max-k 8] [--prompt 128]
 
 Writes (once, under $OUTRIDER_HOME/bench/) an E2B-shaped gemma4 target GGUF (35 layers, hidden 1536, 8 heads,
 1 kv head, head dims 256/512, 4 sliding : 1 global, the last 20 layers sharing KV, per-layer inputs of 256,
 double-wide MLP on the sharing layers) and an assistant GGUF for it (4 layers [3 sliding, 1 global], hidden 256,
 4 heads, backbone 1536, with the centroid head: vocab/128 centroids, top 32). Matrices are Q8_0 with random
 codes (the CPU backend's int8 kernels), so the numbers are speed, not quality. Then, in this one run, medians of
---reps repetitions after a 128-token prompt:
+--reps repetitions after a --prompt-token prompt:
 
 - the cost of one drafted token (an assistant step over the target's cache, dense head and centroid head) as a
   fraction of one target decode step, r;
@@ -34,7 +34,6 @@ from outrider.models.gemma4_assistant import Gemma4Assistant
 from outrider.plugins.backends.cpu import CPUBackend
 from outrider.plugins.drafters.gemma_assistant import target_kv_layers
 
-PROMPT = 128
 E2B = dict(hidden=1536, heads=8, kv_heads=1, head_dim=256, global_head_dim=512, ffn=6144, per_layer=256,
            shared=20, window=512)
 ASSISTANT = dict(hidden=256, layers=4, heads=4, ffn=2048, top_k=32)
@@ -187,6 +186,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=35, help="target layers (a multiple of 5)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--max-k", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=128, help="tokens in the target's cache before each step")
     args = parser.parse_args()
 
     folder = outrider_home() / "bench" / f"gemma4-e2b-synthetic-v{args.vocab}-l{args.layers}"
@@ -203,28 +203,28 @@ def main() -> None:
     note("loading the target")
     model = CPUBackend().load_model(GGUFFile(target_path))
     note("prefill")
-    cache = model.new_cache(PROMPT + args.max_k + 2)
-    prompt = torch.randint(0, args.vocab, (PROMPT,))
+    cache = model.new_cache(args.prompt + args.max_k + 2)
+    prompt = torch.randint(0, args.vocab, (args.prompt,))
     _, hidden = model.forward(prompt, 0, cache, hidden=True, last_only=True)
     token = torch.tensor([7])
 
     def target_step():
-        model.forward(token, PROMPT, cache)
-        cache.truncate(PROMPT)
+        model.forward(token, args.prompt, cache)
+        cache.truncate(args.prompt)
 
     note("target steps")
     step = _median_seconds(target_step, args.reps)
     layers = target_kv_layers(model)
-    kv = {kind: (cache.keys[i][:, :PROMPT], cache.values[i][:, :PROMPT]) for kind, i in layers.items()}
+    kv = {kind: (cache.keys[i][:, :args.prompt], cache.values[i][:, :args.prompt]) for kind, i in layers.items()}
     a_file = GGUFFile(assistant_path)
     ratios = {}
     for head in ("dense", "centroids"):
         note(f"assistant steps, {head} head")
         assistant = Gemma4Assistant(a_file, head=head, centroid_top_k=ASSISTANT["top_k"])
         rows = lambda: assistant.input_rows(model.embed(token), hidden[-1:])
-        ratios[head] = _median_seconds(lambda: assistant.forward(rows(), PROMPT, kv), args.reps) / step
+        ratios[head] = _median_seconds(lambda: assistant.forward(rows(), args.prompt, kv), args.reps) / step
     note("verify cost curve")
-    curve = forward_cost_curve(model, range(1, args.max_k + 2), prompt_len=PROMPT, reps=args.reps)
+    curve = forward_cost_curve(model, range(1, args.max_k + 2), prompt_len=args.prompt, reps=args.reps)
 
     print(f"synthetic E2B-shaped pair: vocab {args.vocab}, {args.layers} target layers, threads "
           f"{torch.get_num_threads()}; medians of {args.reps}\n")

@@ -183,7 +183,7 @@ def test_mismatched_pairs_are_refused_naming_both_files(targets, tmp_path):
     assert str(err.value).count(str(dense.gguf.path)) >= 2
 
 
-@pytest.mark.parametrize("overrides, message", [({"backbone": 32}, "32-wide target"),
+@pytest.mark.parametrize("overrides, message", [({"backbone": 48}, "48-wide target"),
                                                 ({"vocab_size": 320}, "fewer than the target's")])
 def test_an_assistant_for_another_size_is_refused_naming_both_files(targets, overrides, message):
     dense = target(targets, "dense")
