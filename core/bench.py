@@ -4,7 +4,9 @@ Engines (each a small adapter with the same interface: `load()`, then `run(promp
 temperature, seed) -> RunResult`):
 
 * Outrider: plain (`none`), each drafter (`lookup`, `draft-model` with a bfloat16 copy of the target, since
-  no smaller model with the same vocabulary exists for either catalog model), draft length `auto`;
+  no smaller model with the same vocabulary exists for either catalog model; `mtp` with the head `outrider
+  distill` cached, skipped with a note where there is none) and the combination `lookup+mtp` (in the
+  comma-separated `--drafters` list, + joins the drafters of one configuration), draft length `auto`;
 * llama.cpp through llama-cpp-python: plain, and its prompt-lookup decoding (`LlamaPromptLookupDecoding`,
   10 tokens);
 * transformers (the GGUF dequantized to float32): plain, and `prompt_lookup_num_tokens=10`.
@@ -101,7 +103,9 @@ PROMPTS: dict[str, str] = {
 }
 
 ENGINES = ("outrider", "llama.cpp", "transformers")
-DRAFTERS = ("none", "lookup", "draft-model")
+# `a+b` is one configuration combining drafters a and b (`--drafter a,b`): the list itself is comma-separated
+DRAFTERS = ("none", "lookup", "draft-model", "mtp", "lookup+mtp")
+SINGLE_DRAFTERS = ("none", "lookup", "draft-model", "mtp")
 DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
 PEER_LOOKUP_TOKENS = 10
 
@@ -579,8 +583,10 @@ class BenchSettings:
             if e not in ENGINES:
                 raise ConfigError(f"unknown engine '{e}'; choose from {', '.join(ENGINES)}")
         for d in self.drafters:
-            if d not in DRAFTERS:
-                raise ConfigError(f"unknown drafter '{d}'; choose from {', '.join(DRAFTERS)}")
+            parts = d.split("+")
+            if any(p not in SINGLE_DRAFTERS for p in parts) or ("none" in parts and len(parts) > 1):
+                raise ConfigError(f"unknown drafter '{d}'; choose from {', '.join(SINGLE_DRAFTERS)}, or join "
+                                  "drafters with + to combine them (lookup+mtp)")
         for t in self.temperatures:
             if t < 0:
                 raise ConfigError(f"temperatures must be >= 0, got {t}")

@@ -75,7 +75,8 @@ def _read_prompt(prompt: str) -> str:
 @click.option("--top-p", type=float, help="Nucleus sampling mass; 1 = off [1].")
 @click.option("--seed", type=int, help="Random seed [random].")
 @click.option("--chat/--no-chat", default=None, help="Apply the model's chat template to the prompt.")
-@click.option("--drafter", "-d", help="Drafter plugin [lookup]; `none` for plain decoding.")
+@click.option("--drafter", "-d", help="Drafter plugin [lookup]; `none` for plain decoding; `lookup,mtp` combines "
+              "drafters (the first with a draft drafts each round).")
 @click.option("--acceptor", "-a", help="Acceptor plugin [auto: greedy at T=0, sampled above].")
 @click.option("--backend", "-b", help="Backend plugin [cpu].")
 @click.option("--draft-model", help="Draft model for the draft-model drafter: catalog name or .gguf path.")
@@ -197,7 +198,8 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--prompts", multiple=True, help="Any of code, summary, story [all].")
 @click.option("--temperatures", multiple=True, help="Comma-separated [0,0.7].")
 @click.option("--engines", multiple=True, help="Any of outrider, llama.cpp, transformers [all installed].")
-@click.option("--drafters", multiple=True, help="Outrider drafters: none, lookup, draft-model [all].")
+@click.option("--drafters", multiple=True, help="Outrider drafters: none, lookup, draft-model, mtp, and "
+              "combinations joined with + (lookup+mtp) [all].")
 @click.option("--draft-max", default="auto", show_default=True, help="Outrider draft length: a number or auto.")
 @click.option("--seed", type=int, default=1, show_default=True, help="Seed of the first measured round.")
 @click.option("--chat/--no-chat", default=True, show_default=True,
