@@ -264,7 +264,7 @@ def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafter
               help="Rows of the head's output layer: the most frequent tokens of the training text.")
 @click.option("--tokens", "generate_tokens", type=int, default=160, show_default=True,
               help="Tokens the target writes per built-in prompt.")
-@click.option("--stdlib-chunks", type=int, default=64, show_default=True,
+@click.option("--stdlib-chunks", type=int, default=16, show_default=True,
               help="Passages of the Python standard library's sources added to the training text.")
 @click.option("--fresh", is_flag=True, help="Start over instead of resuming from the checkpoint.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Sidecar path [the cache, where --drafter mtp looks].")

@@ -57,7 +57,7 @@ HELD_OUT_PROMPTS = (
 class DistillSettings:
     minutes: float = 30.0  # wall-clock budget for the whole run
     generate_tokens: int = 160  # per built-in prompt
-    stdlib_chunks: int = 64
+    stdlib_chunks: int = 16
     seq_len: int = 128
     draft_vocab: int = 8192
     top_k: int = 16  # target probabilities kept per row
@@ -138,7 +138,9 @@ def generate(model, prompt: list[int], n: int, temperature: float, generator: to
 @torch.no_grad()  # not inference_mode: what it returns is trained against
 def teacher(model, tokens: list[int], vocab_index: torch.Tensor, top_k: int) -> Sample:
     """The target's hidden states and top-k next-token probabilities (restricted to the draft vocabulary)."""
-    logits, hidden = model.forward(torch.tensor(tokens), 0, model.new_cache(len(tokens)), hidden=True)
+    # a prompt-mode forward (every row's hidden kept): the fast summation order, as a prefill
+    _, hidden = model.forward(torch.tensor(tokens), 0, model.new_cache(len(tokens)), hidden=True, last_only=True)
+    logits = model.output(hidden, softcap=getattr(model.config, "final_logit_softcap", 0.0), prompt=True)
     probs = torch.softmax(logits.float().clone(), -1)
     p, ids = probs.topk(top_k, dim=-1)
     mapped = vocab_index[ids]
@@ -362,11 +364,16 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     pieces = [p for p in pieces if len(p) >= 8]
     order = list(range(len(pieces)))
     random.Random(settings.seed + 1).shuffle(order)
-    n_held = max(1, int(len(order) * settings.held_out))
     from tqdm import tqdm
 
-    samples = [teacher(model, pieces[i], vocab_index, settings.top_k)
-               for i in tqdm(order, desc="the target's distributions", unit="seq", leave=False)]
+    # half of what is left goes to the target's distributions, at most: pieces not reached are left out
+    teacher_budget = 0.5 * max(deadline - time.perf_counter(), 0)
+    samples, t0 = [], time.perf_counter()
+    for i in tqdm(order, desc="the target's distributions", unit="seq", leave=False):
+        if samples and time.perf_counter() - t0 > teacher_budget and not settings.steps:
+            break
+        samples.append(teacher(model, pieces[i], vocab_index, settings.top_k))
+    n_held = max(1, int(len(samples) * settings.held_out))
     held, train = samples[:n_held], samples[n_held:] or samples[:1]
 
     head = TrainableHead(model, g, vocab_ids)
