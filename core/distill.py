@@ -357,7 +357,8 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
             for j in range(0, max(1, len(ids) - settings.seq_len // 2), settings.seq_len):
                 sequences.append(ids[j:j + settings.seq_len])
         counts = np.bincount(np.concatenate([np.array(s) for s in sequences]), minlength=model.config.vocab_size)
-        vocab_ids = torch.from_numpy(np.sort(np.argsort(-counts, kind="stable")[: settings.draft_vocab]).astype(np.int64))
+        frequent = np.argsort(-counts, kind="stable")[: settings.draft_vocab]
+        vocab_ids = torch.from_numpy(np.sort(frequent).astype(np.int64))
     vocab_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
     vocab_index[vocab_ids] = torch.arange(len(vocab_ids))
     pieces = [s[j:j + settings.seq_len] for s in sequences for j in range(0, len(s), settings.seq_len)]

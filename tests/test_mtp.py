@@ -111,7 +111,8 @@ class Oracle:
         if self.arch == "gemma3":
             x = x + rms(o, w["post_attention_norm.weight"], eps)
             f = rms(x, w["ffn_norm.weight"], eps)
-            f = (F.gelu(f @ w["ffn_gate.weight"].T, approximate="tanh") * (f @ w["ffn_up.weight"].T)) @ w["ffn_down.weight"].T
+            f = F.gelu(f @ w["ffn_gate.weight"].T, approximate="tanh") * (f @ w["ffn_up.weight"].T)
+            f = f @ w["ffn_down.weight"].T
             x = x + rms(f, w["post_ffw_norm.weight"], eps)
         else:
             x = x + o
