@@ -406,7 +406,7 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
         optimizer.step()
         step += 1
         if bar is not None:
-            bar.set_postfix_str(f"step {step} KL {float(kl):.3f}")
+            bar.set_postfix_str(f"step {step} KL {kl.item():.3f}")
             bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
         if time.perf_counter() - last_save > 120:
             save()
