@@ -76,7 +76,8 @@ def _read_prompt(prompt: str) -> str:
 @click.option("--top-p", type=float, help="Nucleus sampling mass; 1 = off [1].")
 @click.option("--seed", type=int, help="Random seed [random].")
 @click.option("--chat/--no-chat", default=None, help="Apply the model's chat template to the prompt.")
-@click.option("--drafter", "-d", help="Drafter plugin [lookup]; `none` for plain decoding.")
+@click.option("--drafter", "-d", help="Drafter plugin [lookup]; `none` for plain decoding; `lookup,mtp` combines "
+              "drafters (the first with a draft drafts each round).")
 @click.option("--acceptor", "-a", help="Acceptor plugin [auto: greedy at T=0, sampled above].")
 @click.option("--backend", "-b", help="Backend plugin [cpu].")
 @click.option("--draft-model", help="Draft model for the draft-model drafter: catalog name or .gguf path.")
@@ -236,7 +237,8 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--temperatures", multiple=True,
               help="Comma-separated; T@p adds top-p p (0.7@0.95 is what chat front-ends send) [0,0.7,0.7@0.95].")
 @click.option("--engines", multiple=True, help="Any of outrider, llama.cpp, transformers [all installed].")
-@click.option("--drafters", multiple=True, help="Outrider drafters: none, lookup, draft-model [all].")
+@click.option("--drafters", multiple=True, help="Outrider drafters: none, lookup, draft-model, mtp, and "
+              "combinations joined with + (lookup+mtp) [all].")
 @click.option("--draft-max", default="auto", show_default=True, help="Outrider draft length: a number or auto.")
 @click.option("--seed", type=int, default=1, show_default=True, help="Seed of the first measured round.")
 @click.option("--chat/--no-chat", default=True, show_default=True,
@@ -291,6 +293,34 @@ def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafter
             click.echo(f"wrote {chart}", err=True)
         else:
             click.echo("note: no chart: matplotlib is not installed (pip install 'outrider[bench]')", err=True)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--minutes", type=float, default=30.0, show_default=True, help="Wall-clock budget for the whole run.")
+@click.option("--steps", type=int, default=0, help="Train exactly this many steps instead of until the budget is spent.")
+@click.option("--draft-vocab", type=int, default=8192, show_default=True,
+              help="Rows of the head's output layer: the most frequent tokens of the training text.")
+@click.option("--tokens", "generate_tokens", type=int, default=160, show_default=True,
+              help="Tokens the target writes per built-in prompt.")
+@click.option("--stdlib-chunks", type=int, default=16, show_default=True,
+              help="Passages of the Python standard library's sources added to the training text.")
+@click.option("--fresh", is_flag=True, help="Start over instead of resuming from the checkpoint.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Sidecar path [the cache, where --drafter mtp looks].")
+@click.option("--seed", type=int, default=0, show_default=True)
+@friendly_errors
+def distill(model, minutes, steps, draft_vocab, generate_tokens, stdlib_chunks, fresh, out, seed):
+    """Train an MTP head for MODEL (catalog name or .gguf) on the CPU and cache it for `--drafter mtp`."""
+    from pathlib import Path
+
+    from .distill import DistillSettings
+    from .distill import distill as run_distill
+
+    settings = DistillSettings(minutes=minutes, steps=steps, draft_vocab=draft_vocab, generate_tokens=generate_tokens,
+                               stdlib_chunks=stdlib_chunks, fresh=fresh, seed=seed)
+    report = run_distill(model, settings, Path(out) if out else None, echo=lambda line: click.echo(line, err=True))
+    click.echo(f"{report.sidecar} ({report.head_bytes / 1e6:.1f} MB) in {report.seconds / 60:.1f} min, "
+               f"{report.steps} steps")
 
 
 @main.command()
