@@ -9,7 +9,8 @@ from typing import Any
 
 from .catalog import resolve_model
 from .config import PLUGIN_KINDS, Config
-from .drafting import NEEDS_DRAFT_MODEL, NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, DraftControls, Target, reads_the_target
+from .drafting import (NEEDS_DRAFT_MODEL, NEEDS_MTP_HEAD, NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, DraftControls, Target,
+                       reads_the_target)
 from .errors import ConfigError
 from .gguf_file import GGUFFile
 from .registry import PluginSpec, Registry, default_registry
@@ -17,7 +18,7 @@ from .runner import Runner
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
-SUPPORTED_NEEDS = {NEEDS_DRAFT_MODEL, NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV}
+SUPPORTED_NEEDS = {NEEDS_DRAFT_MODEL, NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, NEEDS_MTP_HEAD}
 
 
 @dataclass

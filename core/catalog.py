@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelFileError
+from .paths import outrider_home
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -64,10 +65,6 @@ CATALOG: dict[str, CatalogEntry] = {
         ),
     )
 }
-
-
-def outrider_home() -> Path:
-    return Path(os.environ.get("OUTRIDER_HOME") or Path.home() / ".cache" / "outrider")
 
 
 def cached_path(entry: CatalogEntry) -> Path:
@@ -146,4 +143,4 @@ def remove_cached(name: str) -> bool:
 
 
 __all__ = ["CATALOG", "DEFAULT_MODEL", "CatalogEntry", "cached_path", "ensure_model", "is_cached",
-           "outrider_home", "pull_model", "remove_cached", "resolve_model"]
+           "pull_model", "remove_cached", "resolve_model"]

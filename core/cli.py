@@ -10,6 +10,7 @@ import time
 import click
 
 from .errors import OutriderError
+from .hookspecs import PLUGIN_KINDS
 
 
 def friendly_errors(fn):
@@ -41,8 +42,8 @@ class OutriderGroup(click.Group):
         try:
             from .registry import default_registry
             default_registry().manager.hook.register_commands(cli=self)
-        except OutriderError as exc:
-            click.echo(f"warning: {exc}", err=True)
+        except Exception as exc:  # a third-party command that fails to register must not take the CLI down
+            click.echo(f"warning: a plugin's register_commands failed ({type(exc).__name__}: {exc})", err=True)
 
     def list_commands(self, ctx):
         self._ensure_plugin_commands()
@@ -138,6 +139,39 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
         click.echo(_summary(stats), err=True)
 
 
+# generate's settings that a server has no use for: the prompt comes with each request, and each endpoint
+# decides whether the chat template applies
+_NOT_SERVED = {"prompt", "chat", "as_json", "verbose"}
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8080, show_default=True, help="Port to listen on.")
+@click.option("--queue-size", type=click.IntRange(min=0), default=16, show_default=True,
+              help="Requests that may wait while one generates; more are answered 503 with Retry-After.")
+@friendly_errors
+def serve(host, port, queue_size, options, config_file, **flags):
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+
+    Takes every setting `generate` takes; the model is assembled once. Sampling settings given here are
+    the defaults for requests that leave them out."""
+    from .assembly import assemble
+    from .config import resolve_config
+    from .serve import create_app, run_server
+
+    config = resolve_config(flags, config_file, option_flags=list(options))
+    assembly = assemble(config)
+    for warning in assembly.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    app = create_app(assembly, config, queue_size=queue_size)
+    click.echo(f"serving {app.state.model_id} ({', '.join(f'{k} {s.name}' for k, s in assembly.plugins.items())}) "
+               f"on http://{host}:{port}/v1", err=True)
+    run_server(app, host, port)
+
+
+serve.params.extend(p for p in generate.params if p.name not in _NOT_SERVED)
+
+
 def _summary(stats: dict) -> str:
     line = (f"{stats['plugins']['drafter']}+{stats['plugins']['acceptor']}: {stats['generated_tokens']} tokens, "
             f"{stats['decode_tokens_per_s']:.1f} tok/s decode, prefill {stats['prompt_tokens']} tokens in "
@@ -154,7 +188,8 @@ def models(ctx):
     """List the model catalog and what is cached; `outrider models pull NAME` fetches one."""
     if ctx.invoked_subcommand is not None:
         return
-    from .catalog import CATALOG, DEFAULT_MODEL, cached_path, is_cached, outrider_home
+    from .catalog import CATALOG, DEFAULT_MODEL, cached_path, is_cached
+    from .paths import outrider_home
 
     click.echo(f"cache: {outrider_home() / 'models'}")
     for entry in CATALOG.values():
@@ -195,7 +230,8 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--runs", type=int, default=3, show_default=True, help="Measured rounds (after one warm-up round).")
 @click.option("--threads", type=int, default=0, help="Threads for every engine [torch's default].")
 @click.option("--prompts", multiple=True, help="Any of code, summary, story [all].")
-@click.option("--temperatures", multiple=True, help="Comma-separated [0,0.7].")
+@click.option("--temperatures", multiple=True,
+              help="Comma-separated; T@p adds top-p p (0.7@0.95 is what chat front-ends send) [0,0.7,0.7@0.95].")
 @click.option("--engines", multiple=True, help="Any of outrider, llama.cpp, transformers [all installed].")
 @click.option("--drafters", multiple=True, help="Outrider drafters: none, lookup, draft-model [all].")
 @click.option("--draft-max", default="auto", show_default=True, help="Outrider draft length: a number or auto.")
@@ -221,14 +257,14 @@ def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafter
     from .config import parse_draft_max
     from .errors import ConfigError
 
+    samplings = [harness.Sampling.parse(spec) for spec in _split(temperatures)] or list(harness.DEFAULT_SAMPLINGS)
     try:
-        temps = [float(t) for t in _split(temperatures)] or [0.0, 0.7]
         draft_length = parse_draft_max(draft_max)
     except ValueError:
-        raise ConfigError("--temperatures takes numbers (e.g. 0,0.7); --draft-max a number >= 0 or auto") from None
+        raise ConfigError("--draft-max takes a number >= 0 or auto") from None
     settings = harness.BenchSettings(
         models=_split(models) or list(harness.DEFAULT_MODELS), tokens=tokens, runs=runs, threads=threads,
-        prompts=_split(prompts) or list(harness.PROMPTS), temperatures=temps,
+        prompts=_split(prompts) or list(harness.PROMPTS), samplings=samplings,
         engines=_split(engines) or list(harness.ENGINES), drafters=_split(drafters) or list(harness.DRAFTERS),
         chat=chat, seed=seed, draft_max=draft_length, bandwidth=bandwidth, cost_curve=cost_curve)
     settings.check()
@@ -236,7 +272,7 @@ def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafter
     command = shlex.join([
         "outrider", "bench", "--models", ",".join(settings.models), "--tokens", str(tokens), "--runs", str(runs),
         "--threads", str(threads or _torch_threads()), "--prompts", ",".join(settings.prompts),
-        "--temperatures", ",".join(f"{t:g}" for t in temps), "--engines", ",".join(settings.engines),
+        "--temperatures", ",".join(str(s) for s in samplings), "--engines", ",".join(settings.engines),
         "--drafters", ",".join(settings.drafters), "--draft-max", str(draft_length), "--seed", str(seed),
         "--chat" if chat else "--no-chat", *([] if bandwidth else ["--no-bandwidth"]),
         *(["--cost-curve"] if cost_curve else []),
@@ -284,7 +320,7 @@ def plugins(as_json):
 
 @main.command()
 @click.argument("name")
-@click.option("--kind", "-k", type=click.Choice(["backend", "drafter", "acceptor"]),
+@click.option("--kind", "-k", type=click.Choice(PLUGIN_KINDS),
               help="Which kind NAME is, when more than one kind has a plugin of that name [all of them].")
 @click.option("-o", "--option", "options", type=(str, str), multiple=True, metavar="KEY VALUE",
               help="Create the plugin with this option, e.g. `-o max_depth 16`.")

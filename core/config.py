@@ -16,8 +16,22 @@ from typing import Any, Mapping
 
 from .catalog import DEFAULT_MODEL
 from .errors import ConfigError
+from .hookspecs import PLUGIN_KINDS
 
-PLUGIN_KINDS = ("backend", "drafter", "acceptor")
+__all__ = ["PLUGIN_KINDS", "SETTINGS", "Config", "Setting", "parse_bool", "parse_draft_max", "resolve_config"]
+
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def parse_bool(value: Any) -> bool:
+    """A boolean setting or option from text: 1/true/yes/on, or 0/false/no/off or empty (an empty environment
+    variable is off); anything else raises ValueError."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in TRUE_WORDS + FALSE_WORDS:
+        raise ValueError(f"not a boolean: {value!r}")
+    return text in TRUE_WORDS
 
 
 @dataclass(frozen=True)
@@ -85,14 +99,7 @@ def _convert(key: str, value: Any, source: str) -> Any:
     if value is None or isinstance(value, setting.type) and not (setting.type is int and isinstance(value, bool)):
         return value
     try:
-        if setting.type is bool:
-            text = str(value).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off", ""):
-                return False
-            raise ValueError
-        return setting.type(value)
+        return parse_bool(value) if setting.type is bool else setting.type(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{key} from {source} must be a {setting.type.__name__}, got {value!r}") from None
 
@@ -121,7 +128,7 @@ def resolve_config(flags: Mapping[str, Any] | None = None, config_file: str | os
         unknown = sorted(set(data) - set(SETTINGS))
         if unknown:
             raise ConfigError(f"unknown key '{unknown[0]}' in {config_file}; valid keys: {', '.join(SETTINGS)}, "
-                              "and [options.backend|drafter|acceptor] tables")
+                              f"and [options.{'|'.join(PLUGIN_KINDS)}] tables")
         for key, value in data.items():
             values[key], sources[key] = _convert(key, value, origin), origin
         if not isinstance(tables, dict) or set(tables) - set(PLUGIN_KINDS):

@@ -21,6 +21,12 @@ for good; every `explore_every`-th round that drafts therefore asks for 2k + 1 t
 the costs (and acceptance) further out are measured again.
 Rounds where a kind could have been drafted but was not let that kind's estimates drift back towards
 its prior, so a kind of draft that was poor in one stretch of text is tried again later.
+
+Measured timings differ from run to run. Where the draft lengths change the output (a drafter that gives q:
+the Leviathan rule emits another token at a drafted position than at an undrafted one; a lossy acceptor)
+and the run should reproduce (a seed, or temperature 0), the runner makes the policy `timed=False`: a
+fixed cost model (a verify of n tokens costs 1 + initial_slope (n - 1) one-token verifies, a drafted token
+`untimed_draft_cost` of one), so the lengths depend on the seeded acceptance history alone.
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ class AdaptiveDraftLength:
     recovery: float = 0.03  # per idle round, how far acceptance estimates move back to the prior
     initial_slope: float = 0.03  # assumed extra verify cost per extra token before any is measured
     explore_every: int = 8
+    timed: bool = True  # False: the fixed cost model above, for runs whose output the lengths change
+    untimed_draft_cost: float = 0.1  # a drafted token's cost in one-token verifies, when not timed
     rounds: int = 0
     verify_s: dict[int, float] = field(default_factory=dict)
     draft_s_per_token: float | None = None
@@ -81,6 +89,8 @@ class AdaptiveDraftLength:
         return new if old is None else old + self.smoothing * (new - old)
 
     def verify_cost(self, n: int) -> float:
+        if not self.timed:
+            return 1.0 + self.initial_slope * (n - 1)
         if n in self.verify_s:
             return self.verify_s[n]
         known = sorted(self.verify_s)
@@ -111,7 +121,7 @@ class AdaptiveDraftLength:
         return 1.0 if k == 0 else next(islice(self._expected_by_length(kind), k - 1, None))
 
     def choose(self, kind: DraftKind = DEFAULT_KIND) -> int:
-        draft_cost = self.draft_s_per_token or 0.0
+        draft_cost = (self.draft_s_per_token or 0.0) if self.timed else self.untimed_draft_cost
         best_k, best_rate = 0, 1.0 / self.verify_cost(1)
         for k, expected in enumerate(self._expected_by_length(kind), start=1):
             rate = expected / (self.verify_cost(k + 1) + k * draft_cost)
@@ -126,14 +136,16 @@ class AdaptiveDraftLength:
         """After a round; `kind` None: the drafter had nothing to offer."""
         self.rounds += 1
         n = drafted + 1
-        self.verify_s[n] = self._average(self.verify_s.get(n), verify_s)
+        if self.timed:
+            self.verify_s[n] = self._average(self.verify_s.get(n), verify_s)
         if kind is None:
             return
         est = self.estimates(kind)
         if drafted == 0:
             est.acceptance = [a + self.recovery * (est.prior - a) for a in est.acceptance]
             return
-        self.draft_s_per_token = self._average(self.draft_s_per_token, draft_s / drafted)
+        if self.timed:
+            self.draft_s_per_token = self._average(self.draft_s_per_token, draft_s / drafted)
         for j in range(min(drafted, accepted + 1)):
             est.reached[j] += 1
             hit = 1.0 if j < accepted else 0.0

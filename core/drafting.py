@@ -29,6 +29,7 @@ from .sampling import SamplingParams
 NEEDS_DRAFT_MODEL = "draft_model"
 NEEDS_TARGET_HIDDEN = "target_hidden"
 NEEDS_TARGET_KV = "target_kv"
+NEEDS_MTP_HEAD = "mtp_head"  # an MTP (nextn) head: in the target's file, a sidecar, or `outrider distill`'s cache
 
 
 @dataclass

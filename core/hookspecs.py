@@ -10,6 +10,8 @@ from __future__ import annotations
 import pluggy
 
 PROJECT = "outrider"
+# The kinds of plugin, one registration hook each (`register_<kind>s`); every list of kinds is this one.
+PLUGIN_KINDS = ("backend", "drafter", "acceptor")
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 

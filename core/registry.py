@@ -2,13 +2,17 @@
 
 Built once per process from the built-in plugin modules and the `outrider` entry-point group.
 `OUTRIDER_PLUGINS` (comma-separated entry-point or distribution names) limits which third-party
-plugins load; set it to an empty string to load none.
+plugins load; set it to an empty string to load none. A third-party package that fails to import, or an
+`OUTRIDER_PLUGINS` name that matches nothing installed, is a warning (`Registry.warnings`, printed once by
+`default_registry`), not an error: the other plugins still work, and choosing a plugin the broken package
+would have provided fails with the import error.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass, field
 from importlib import import_module
 from importlib.metadata import entry_points
@@ -16,10 +20,10 @@ from typing import Any, Callable
 
 import pluggy
 
+from .config import parse_bool
 from .errors import ConfigError
-from .hookspecs import PROJECT, OutriderSpec
+from .hookspecs import PLUGIN_KINDS, PROJECT, OutriderSpec
 
-KINDS = ("backend", "drafter", "acceptor")
 BUILTIN_PACKAGE = "outrider (built-in)"
 BUILTIN_MODULES = (
     "outrider.plugins.backends.cpu",
@@ -27,6 +31,8 @@ BUILTIN_MODULES = (
     "outrider.plugins.drafters.none",
     "outrider.plugins.drafters.lookup",
     "outrider.plugins.drafters.draft_model",
+    "outrider.plugins.drafters.gemma_assistant",
+    "outrider.plugins.drafters.mtp",
     "outrider.plugins.acceptors.greedy",
     "outrider.plugins.acceptors.sampled",
     "outrider.plugins.acceptors.pmin",
@@ -38,7 +44,6 @@ CAPABILITY_DEFAULTS = {
     # greedy_only: lossless at temperature 0 only (it ignores the temperature)
     "acceptor": {"lossless": True, "needs_draft_probs": False, "greedy_only": False},
 }
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,7 @@ class Option:
             return value
         try:
             if self.type is bool:
-                text = str(value).strip().lower()
-                if text not in _TRUE | _FALSE:
-                    raise ValueError
-                return text in _TRUE
+                return parse_bool(value)
             if self.type is int and isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return self.type(value)
@@ -102,22 +104,37 @@ def _as_option(name: str, value: Any) -> Option:
 
 class Registry:
     def __init__(self) -> None:
-        self.plugins: dict[str, dict[str, PluginSpec]] = {kind: {} for kind in KINDS}
-        self._aliases: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}
+        self.plugins: dict[str, dict[str, PluginSpec]] = {kind: {} for kind in PLUGIN_KINDS}
+        self._aliases: dict[str, dict[str, str]] = {kind: {} for kind in PLUGIN_KINDS}
         self.manager = pluggy.PluginManager(PROJECT)
         self.manager.add_hookspecs(OutriderSpec)
         self._packages: dict[str, str] = {}  # plugin name in pluggy -> distribution that provides it
+        self.broken: dict[str, str] = {}  # entry-point name -> why its package could not be loaded
+        self.warnings: list[str] = []
 
     def add_plugin(self, module: Any, name: str, package: str) -> None:
         self.manager.register(module, name=name)
         self._packages[name] = package
 
     def collect(self) -> None:
-        for kind in KINDS:
+        for kind in PLUGIN_KINDS:
             hook = getattr(self.manager.hook, f"register_{kind}s")
             for impl in hook.get_hookimpls():
                 package = self._packages.get(impl.plugin_name, impl.plugin_name)
-                impl.function(register=functools.partial(self._register, kind, package))
+                register = functools.partial(self._register, kind, package)
+                if package == BUILTIN_PACKAGE or not impl.plugin_name.startswith("entrypoint:"):
+                    impl.function(register=register)
+                    continue
+                try:
+                    impl.function(register=register)
+                except ConfigError:
+                    raise  # two packages claiming one name: the user must choose
+                except Exception as exc:  # like a failed import: warn, and keep the other plugins
+                    name = impl.plugin_name.removeprefix("entrypoint:")
+                    problem = (f"plugin '{name}' from {package} failed in register_{kind}s ({type(exc).__name__}: "
+                               f"{exc}); fix or uninstall it, or leave it out with OUTRIDER_PLUGINS")
+                    self.broken[name] = problem
+                    self.warnings.append(problem)
 
     def _register(self, kind: str, package: str, name: str, factory: Callable[..., Any], *,
                   aliases: tuple[str, ...] | list[str] = (), options: dict[str, Any] | None = None,
@@ -142,19 +159,28 @@ class Registry:
     def get(self, kind: str, name: str) -> PluginSpec:
         spec = self._owner(kind, name)
         if spec is None:
+            if name in self.broken:
+                raise ConfigError(self.broken[name])
             valid = ", ".join(sorted(self.plugins[kind]))
-            raise ConfigError(f"unknown {kind} '{name}'; installed {kind}s: {valid} (see `outrider plugins`)")
+            note = f"; {'; '.join(self.broken.values())}" if self.broken else ""
+            raise ConfigError(f"unknown {kind} '{name}'; installed {kind}s: {valid} (see `outrider plugins`){note}")
         return spec
 
     def all(self) -> list[PluginSpec]:
-        return [spec for kind in KINDS for spec in self.plugins[kind].values()]
+        return [spec for kind in PLUGIN_KINDS for spec in self.plugins[kind].values()]
 
 
-def _selected_entry_points():
+def _selected_entry_points(registry: Registry):
     wanted = os.environ.get("OUTRIDER_PLUGINS")
     names = None if wanted is None else {part.strip() for part in wanted.split(",") if part.strip()}
-    for ep in entry_points(group=PROJECT):
-        dist = ep.dist.name if ep.dist else ""
+    installed = [(ep, ep.dist.name if ep.dist else "") for ep in entry_points(group=PROJECT)]
+    if names:
+        known = {ep.name for ep, _ in installed} | {dist for _, dist in installed}
+        for name in sorted(names - known):
+            have = ", ".join(sorted(f"{ep.name} ({dist})" if dist else ep.name for ep, dist in installed)) or "none"
+            registry.warnings.append(f"OUTRIDER_PLUGINS names '{name}', which no installed plugin has; installed "
+                                     f"third-party plugins: {have}")
+    for ep, dist in installed:
         if names is None or ep.name in names or dist in names:
             yield ep, dist
 
@@ -164,12 +190,15 @@ def build_registry(third_party: bool = True) -> Registry:
     for module_name in BUILTIN_MODULES:
         registry.add_plugin(import_module(module_name), module_name, BUILTIN_PACKAGE)
     if third_party:
-        for ep, dist in _selected_entry_points():
+        for ep, dist in _selected_entry_points(registry):
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken third-party package must not take the CLI down
-                raise ConfigError(f"plugin '{ep.name}' from {dist or ep.value} failed to import ({exc}); "
-                                  f"fix or uninstall it, or leave it out with OUTRIDER_PLUGINS") from None
+                problem = (f"plugin '{ep.name}' from {dist or ep.value} failed to import ({type(exc).__name__}: "
+                           f"{exc}); fix or uninstall it, or leave it out with OUTRIDER_PLUGINS")
+                registry.broken[ep.name] = problem
+                registry.warnings.append(problem)
+                continue
             version = ep.dist.version if ep.dist else ""
             registry.add_plugin(plugin, f"entrypoint:{ep.name}", f"{dist} {version}".strip())
     registry.collect()
@@ -178,4 +207,8 @@ def build_registry(third_party: bool = True) -> Registry:
 
 @functools.cache
 def default_registry() -> Registry:
-    return build_registry()
+    """The process's registry, built on first use; its warnings are printed then, once, to stderr."""
+    registry = build_registry()
+    for warning in registry.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return registry

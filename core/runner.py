@@ -107,7 +107,8 @@ class Runner:
         self.stats = stats = GenerationStats(prompt_tokens=len(prompt))
         if isinstance(self.draft_length, AdaptiveDraftLength):  # verify costs carry over; acceptance does not
             self.draft_length = AdaptiveDraftLength(verify_s=self.draft_length.verify_s,
-                                                    draft_s_per_token=self.draft_length.draft_s_per_token)
+                                                    draft_s_per_token=self.draft_length.draft_s_per_token,
+                                                    timed=not self.lengths_change_the_output(params))
         rng = PositionRandom(params.seed)
         model, cache, acceptor = self.target.model, self.cache, self.acceptor
         draft_kind = getattr(self.drafter, "draft_kind", None) or (lambda tokens: DEFAULT_KIND)
@@ -169,6 +170,16 @@ class Runner:
                     break
             stats.decode_s = time.perf_counter() - decode_start
         stats.decode_s = time.perf_counter() - decode_start
+
+    def lengths_change_the_output(self, params: SamplingParams) -> bool:
+        """Whether the draft lengths change which tokens a reproducible run (seeded, or greedy) emits: then
+        `--draft-max auto` must not choose them from timings. A lossless acceptor with a drafter that gives no
+        q emits plain decoding's tokens whatever is drafted; with q, a drafted position is decided by the
+        Leviathan rule, an undrafted one by plain sampling; a lossy acceptor keeps what was drafted."""
+        if params.seed is None and not params.greedy:
+            return False  # not reproducible anyway
+        gives_q = bool(getattr(self.drafter, "gives_draft_probs", False)) and not params.greedy
+        return gives_q or not getattr(self.acceptor, "lossless", True)
 
     def _clean(self, draft: Draft, k: int) -> Draft:
         """Keep a misbehaving drafter from crashing the target: at most k ids, all inside the vocabulary."""

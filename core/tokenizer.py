@@ -1,9 +1,11 @@
 """Tokenizers built from a GGUF file's metadata alone.
 
-A GGUF file has no `tokenizer.json`; it stores the vocabulary under llama.cpp's keys. We support the two
+A GGUF file has no `tokenizer.json`; it stores the vocabulary under llama.cpp's keys. We support the three
 vocabulary kinds (`tokenizer.ggml.model`) that cover most models:
 
 - "gpt2": byte-level BPE. Tokens are spelled in GPT-2's printable byte alphabet and the merges are in the file.
+- "gemma4": Gemma 4's BPE over raw UTF-8 with the merges in the file, spaces spelled "▁", byte fallback, and the
+  text split only at runs of newlines (llama.cpp's `LLAMA_VOCAB_PRE_TYPE_GEMMA4`).
 - "llama": SentencePiece BPE with scores and `<0xXX>` byte fallback. The file has no merges; llama.cpp merges
   the adjacent pair whose concatenation is the highest-scoring token. A BPE whose merges are "every split of
   every token into two tokens, ranked by the merged token's score" does the same thing, so we derive those.
@@ -37,7 +39,7 @@ from .errors import ModelFileError
 if TYPE_CHECKING:
     from .gguf_file import GGUFFile
 
-SUPPORTED_MODELS = ("gpt2", "llama")
+SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")
 
 
 class TokenType(enum.IntEnum):
@@ -142,6 +144,13 @@ class Tokenizer:
             pre = str(meta.get("tokenizer.ggml.pre", "default"))
             backend = _build_byte_level_backend(tokens, token_types, list(merges), pre)
             add_space_prefix = False
+        elif model == "gemma4":
+            merges = meta.get("tokenizer.ggml.merges")
+            if not merges:
+                raise ModelFileError(f"{gguf_file.path}: gemma4 vocabulary without tokenizer.ggml.merges; "
+                                     "re-convert the model with llama.cpp's convert_hf_to_gguf.py")
+            backend = _build_gemma4_backend(tokens, token_types, list(merges))
+            add_space_prefix = False
         else:
             scores = meta.get("tokenizer.ggml.scores")
             if scores is None or len(scores) != len(tokens):
@@ -162,8 +171,9 @@ class Tokenizer:
             token_id = _index_or_none(tokens, text)
             if token_id is not None and token_types[token_id] == TokenType.CONTROL:
                 eog_ids.add(token_id)
-        # llama.cpp adds BOS to SentencePiece vocabularies whose file does not say otherwise, not to gpt2 ones.
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama"))
+        # llama.cpp adds BOS to SentencePiece vocabularies whose file does not say otherwise, not to gpt2 ones,
+        # and always to gemma4 ones (its workaround for files written with add_bos_token = false).
+        add_bos = model == "gemma4" or bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama"))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
         return cls(model=model, tokens=tokens, token_types=token_types, backend=backend, bos_id=bos_id,
                    eos_id=eos_id, eog_ids=frozenset(eog_ids), add_bos=add_bos, add_eos=add_eos,
@@ -300,6 +310,20 @@ def _build_byte_level_backend(tokens: list[str], token_types: list[int], merges:
     return backend
 
 
+def _build_gemma4_backend(tokens: list[str], token_types: list[int], merges: list[str]) -> tokenizers.Tokenizer:
+    """Gemma 4: BPE with the file's merges on raw UTF-8 (not GPT-2's byte alphabet), spaces turned into "▁"
+    first, unknown characters as `<0xXX>` byte tokens, and no word splitting except at runs of newlines."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    # "left right", split at the first space after the first character, as llama.cpp reads them
+    cuts = [merge.find(" ", 1) for merge in merges]
+    merge_pairs = [(merge[:cut], merge[cut + 1:]) for merge, cut in zip(merges, cuts) if cut > 0]
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merge_pairs, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", SPM_SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("\n+"), behavior="isolated")
+    _add_whole_tokens(backend, tokens, token_types, user_defined_normalized=False)
+    return backend
+
+
 def _build_sentencepiece_backend(tokens: list[str], token_types: list[int], scores: list[float],
                                  add_space_prefix: bool) -> tokenizers.Tokenizer:
     """SentencePiece BPE with byte fallback, as llama.cpp runs it, with merges derived from the scores."""
@@ -374,7 +398,7 @@ def _cache_key(model: str, tokens: list[str], token_types: list[int], scores: li
 
 
 def _tokenizer_cache_dir() -> Path:
-    from .catalog import outrider_home  # $OUTRIDER_HOME, default ~/.cache/outrider
+    from .paths import outrider_home
     return outrider_home() / "tokenizers"
 
 

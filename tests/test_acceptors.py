@@ -27,16 +27,6 @@ from outrider.testing.toy import ToyModel
 P_THRESHOLD = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # the tensors here are tiny: OpenMP hand-offs (torch.softmax goes parallel even on [3, 6]) cost more than
-    # they save and stall for milliseconds per call when the machine is busy
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 class Measurement(UserWarning):
     """A number the test measured and reports (shown in pytest's warnings summary)."""
 

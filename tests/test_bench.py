@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 from outrider import bench
+from outrider.errors import ConfigError
 from outrider.cli import main
 from outrider.testing.tiny_models import write_tiny_llama
 
@@ -23,7 +25,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture
 def short_prompts(monkeypatch):
     # the tiny model's context is 256 byte-level tokens: the real prompts do not fit
-    monkeypatch.setattr(bench, "PROMPTS", SHORT_PROMPTS)
+    monkeypatch.setattr(bench.prompts, "PROMPTS", SHORT_PROMPTS)
 
 
 def test_median_of_hand_values():
@@ -51,10 +53,10 @@ def test_run_result_definitions_are_the_same_for_every_engine():
     assert m["acceptance_rate"] is None
 
 
-def _cell(prompt, temperature, config, decode, prefill=None):
+def _cell(prompt, temperature, config, decode, prefill=None, top_p=1.0):
     runs = [{"decode_tokens_per_s": d, "prefill_tokens_per_s": p}
             for d, p in zip(decode, prefill or [100.0] * len(decode))]
-    return {"prompt": prompt, "temperature": temperature, "config": config, "engine": config.split("+")[0],
+    return {"prompt": prompt, "temperature": temperature, "top_p": top_p, "config": config, "engine": config.split("+")[0],
             "median": {"decode_tokens_per_s": bench.median(decode)}, "runs": runs}
 
 
@@ -63,16 +65,29 @@ def test_ratios_pair_prompt_temperature_and_round():
              _cell("code", 0.0, "outrider", [25.0, 30.0, 40.0], [100.0, 300.0, 100.0]),
              _cell("code", 0.0, "outrider+lookup", [50.0, 90.0, 60.0]),
              _cell("code", 0.0, "transformers", [5.0, 10.0, 10.0]),
-             _cell("code", 0.7, "outrider", [25.0])]
-    bench._add_ratios(cells)
+             _cell("code", 0.7, "outrider", [25.0]),
+             _cell("code", 0.7, "llama.cpp", [50.0], top_p=0.95),
+             _cell("code", 0.7, "outrider", [20.0], top_p=0.95)]
+    bench.results.add_ratios(cells)
     # per round 0.5, 0.75, 0.4: median 0.5 (the ratio of the medians, 30 / 50, would be 0.6)
-    assert [c["median"]["ratio_to_llama_cpp"] for c in cells] == [1.0, 0.5, 1.0, 0.1, None]  # lookup: 1, 2.25, 0.6
+    assert [c["median"]["ratio_to_llama_cpp"] for c in cells[:5]] == [1.0, 0.5, 1.0, 0.1, None]  # lookup: 1, 2.25, 0.6
     plain, lookup = cells[1]["paired"], cells[2]["paired"]
     assert plain["vs_outrider_plain"] is None and lookup["vs_outrider_plain"] == 2.0  # 2, 3, 1.5
     assert plain["vs_transformers"] == 4.0  # 5, 3, 4
     assert lookup["vs_transformers"] is None and lookup["vs_llama_cpp_lookup"] is None  # not in the run
     assert plain["prefill_vs_llama_cpp"] == 0.5  # 0.5, 3, 0.25
     assert "paired" not in cells[0] and cells[4]["paired"]["vs_llama_cpp"] is None
+    assert cells[6]["median"]["ratio_to_llama_cpp"] == 0.4  # paired with the top-p cell, not plain T=0.7
+
+
+def test_sampling_specs_read_temperature_and_top_p():
+    assert bench.Sampling.parse("0.7@0.95") == bench.Sampling(0.7, 0.95)
+    assert bench.Sampling.parse(" 0 ") == bench.Sampling(0.0, 1.0)
+    assert [str(s) for s in bench.DEFAULT_SAMPLINGS] == ["0", "0.7", "0.7@0.95"]
+    for spec, message in [("hot", "T or T@top_p"), ("0.7@", "T or T@top_p"), ("-1", ">= 0"),
+                          ("0.7@1.5", "(0, 1]"), ("0.7@0", "(0, 1]"), ("0@0.9", "temperature above 0")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            bench.Sampling.parse(spec).check()
 
 
 def test_tensor_bytes_counts_each_storage_once_and_skips_embeddings():
@@ -96,7 +111,8 @@ def test_tensor_bytes_counts_each_storage_once_and_skips_embeddings():
 
 def test_bench_on_a_tiny_model(tiny, short_prompts, tmp_path):
     settings = bench.BenchSettings(models=[str(tiny)], tokens=4, runs=2, prompts=["code", "story"],
-                                   temperatures=[0.0, 0.7], engines=["outrider"], drafters=["none", "lookup"],
+                                   samplings=[bench.Sampling(0.0), bench.Sampling(0.7, 0.95)],
+                                   engines=["outrider"], drafters=["none", "lookup"],
                                    bandwidth=False)
     report = bench.run_bench(settings, echo=lambda line: None)
     entry = report["models"][str(tiny)]
@@ -122,6 +138,8 @@ def test_bench_on_a_tiny_model(tiny, short_prompts, tmp_path):
     # the main table, then the paired ratios of every Outrider cell (all 8 here)
     assert len(rows) == 16 and all(line.count("|") == 9 for line in rows)
     assert "| prompt | T | engine | vs Outrider plain |" in table
+    assert "| story | 0.7@0.95 | outrider+lookup |" in table and "what chat front-ends send" in table
+    assert {(c["temperature"], c["top_p"]) for c in entry["cells"]} == {(0.0, 1.0), (0.7, 0.95)}
     path = tmp_path / "bench.json"
     bench.write_json(report, path)
     assert json.loads(path.read_text())["models"][str(tiny)]["cells"][0]["runs"]
@@ -156,6 +174,10 @@ def test_cli_bench_rejects_unknown_names_in_one_line(tiny):
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == ["error: unknown engine 'vllm'; choose from outrider, llama.cpp, "
                                                   "transformers"]
+    result = CliRunner().invoke(main, ["bench", "--models", str(tiny), "--temperatures", "0,0@0.9", "--chart", ""])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == ["error: top-p needs a temperature above 0 (greedy ignores it), "
+                                                  "got 0@0.9"]
 
 
 def test_llama_cpp_adapter_counts_rounds_with_a_fake_library(monkeypatch):
@@ -203,9 +225,9 @@ def test_llama_cpp_adapter_counts_rounds_with_a_fake_library(monkeypatch):
     engine = bench.LlamaCppEngine("model.gguf", threads=2, lookup=True)
     engine.load()
     assert calls["init"]["logits_all"] is True and calls["init"]["n_threads_batch"] == 2
-    result = engine.run([5, 6, 7], 7, 0.7, seed=3)
+    result = engine.run([5, 6, 7], 7, 0.7, 0.95, seed=3)
     assert calls["reset"] == 1 and calls["seed"] == 3
-    assert calls["generate"]["temp"] == 0.7 and calls["generate"]["top_k"] == 0 and calls["generate"]["min_p"] == 0
+    assert calls["generate"]["temp"] == 0.7 and calls["generate"]["top_k"] == 0 and calls["generate"]["top_p"] == 0.95 and calls["generate"]["min_p"] == 0
     assert result.n_generated == 7 and result.n_prompt == 3
     assert (result.rounds, result.drafted, result.accepted) == (2, 6, 4)
     assert result.mean_acceptance_length == 3.0 and result.acceptance_approximate

@@ -19,7 +19,7 @@ from outrider.drafting import Draft, DrafterBase
 from outrider.hookspecs import hookimpl
 from outrider.plugins.acceptors.pmin import PMinAcceptor
 from outrider.registry import build_registry
-from outrider.sampling import AcceptResult, sample_at, warp
+from outrider.sampling import AcceptResult, PositionRandom, sample_at, warp
 from outrider.testing.checks import Subject
 from outrider.testing.report import run_contract
 
@@ -50,6 +50,42 @@ class BrokenDrafter(DrafterBase):
 
     def draft_kind(self, tokens):
         return None if self.flaw == "kind-says-none" else super().draft_kind(tokens)
+
+
+class BigramDrafter(DrafterBase):
+    """The plugin author's first drafter: q_i = the frequencies of what followed the last token in the context,
+    add-one smoothed over the context's tokens (warped like the target's). `flaw` "soft-q" proposes the most frequent successor but returns that soft q
+    (the bug: a q for a token not drawn from it); "ignores-rollback" keeps its own drafts as context; None
+    draws each draft from q with the drafter stream of PositionRandom (correct)."""
+
+    gives_draft_probs = True
+
+    def __init__(self, flaw: str | None = None):
+        self.flaw, self.extra = flaw, []
+
+    def begin(self, prompt, params, controls):
+        super().begin(prompt, params, controls)
+        self.rng, self.extra = PositionRandom(params.seed), []
+
+    def _q(self, context):
+        counts = torch.full((self.target.model.config.vocab_size,), 1e-3)
+        counts[context] = 1.0  # add-one smoothing over the tokens of the context
+        for a, b in zip(context, context[1:]):
+            if a == context[-1]:
+                counts[b] += 1.0
+        return warp(counts.log(), self.params)
+
+    def propose(self, tokens, k):
+        context, ids, rows = list(tokens) + self.extra, [], []
+        for i in range(k):
+            q = self._q(context)
+            x = int(q.argmax()) if self.flaw == "soft-q" else sample_at(q, self.rng.uniform_draft(len(context)))
+            ids.append(x)
+            rows.append(q)
+            context.append(x)
+        if self.flaw == "ignores-rollback":
+            self.extra += ids
+        return Draft(ids, torch.stack(rows) if rows else None)
 
 
 class WrongResidualAcceptor:
@@ -91,6 +127,30 @@ def test_broken_drafter_is_caught_with_a_readable_message(outrider_contract_fixt
     assert fragment in results[check].message, results[check].message
     # the runner's guard keeps even a broken drafter from changing greedy output
     assert results["greedy_output_equals_plain_decoding"].status == "PASS"
+
+
+def test_a_soft_q_for_argmax_drafts_is_caught(outrider_contract_fixtures):
+    results = _results("drafter", lambda: BigramDrafter("soft-q"), outrider_contract_fixtures)
+    check = results["lossless_with_its_draft_probabilities"]
+    assert check.status == "FAIL", check
+    assert "are not distributed as plain sampling from the target: chi2=" in check.message, check.message
+    assert "a q for tokens picked another way (argmax, lookup) breaks losslessness" in check.message
+    # the checks that passed it before still pass it: only the new one sees the fault
+    assert results["probability_rows_sum_to_one"].status == "PASS"
+
+
+def test_a_q_drafter_that_ignores_rollback_is_caught(outrider_contract_fixtures):
+    results = _results("drafter", lambda: BigramDrafter("ignores-rollback"), outrider_contract_fixtures)
+    check = results["consistent_after_rollback"]
+    assert check.status == "FAIL", check
+    assert "its state still holds the rejected drafts" in check.message, check.message
+
+
+def test_a_bigram_drafter_that_samples_from_its_q_passes(outrider_contract_fixtures):
+    results = _results("drafter", BigramDrafter, outrider_contract_fixtures)
+    assert {name: r.status for name, r in results.items() if r.status == "FAIL"} == {}, results
+    assert results["lossless_with_its_draft_probabilities"].status == "PASS"
+    assert results["consistent_after_rollback"].status == "PASS"
 
 
 @pytest.mark.parametrize("make", [WrongResidualAcceptor, LosslessClaimingPMin])

@@ -297,6 +297,7 @@ def test_non_contiguous_residual_matches_dense_linear(kernels, weights):
     torch.testing.assert_close(packed(x, residual=residual), dense(x, residual=residual), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.torch_threads(2)  # the column blocks must be split across threads
 def test_wide_output_steps_split_across_threads_match_dense_linear_and_one_row_calls(kernels):
     """A row wider than the kernel's block of post-step columns (Gemma 3's 262k-wide softcapped head) has
     its residual and softcap done in column blocks on all threads: against torch's ops on the same

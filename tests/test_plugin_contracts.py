@@ -12,7 +12,8 @@ import pytest
 from outrider.testing.contracts import registry_params
 
 # Extra option sets for plugins whose options switch behaviour the default does not exercise.
-VARIANTS = {("drafter", "draft-model"): [{"sample": True}]}
+VARIANTS = {("drafter", "draft-model"): [{"sample": True}], ("drafter", "gemma-assistant"): [{"sample": False}],
+            ("drafter", "mtp"): [{"sample": False}]}
 
 
 @pytest.mark.parametrize("case", registry_params(variants=VARIANTS))

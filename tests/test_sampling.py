@@ -15,16 +15,6 @@ from outrider.errors import ConfigError
 from outrider.sampling import PositionRandom, SamplingParams, sample_at, sample_rows, warp
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # the tensors here are tiny: OpenMP hand-offs (torch.softmax goes parallel even on [3, 6]) cost more than
-    # they save and stall for milliseconds per call when the machine is busy
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _close(got: torch.Tensor, want: list[float], tol: float = 1e-6) -> None:
     assert got.dtype == torch.float32
     assert got.tolist() == pytest.approx(want, abs=tol)

@@ -1,8 +1,8 @@
 """The speculative loop: every drafter with a lossless acceptor reproduces plain decoding.
 
-Oracles: plain greedy decoding written here as the obvious loop (a fresh full forward per token, no
-cache reuse, no drafter), which the engine tests tie to transformers; for sampling, plain sampling
-with the same per-position uniforms, written here from the acceptance spec.
+Oracles (from outrider.testing.fixtures, the one copy the contract checks use too): plain greedy decoding
+as the obvious loop (a fresh full forward per token, no cache reuse, no drafter), which the engine tests
+tie to transformers; for sampling, plain sampling with the same per-position uniforms.
 """
 
 from __future__ import annotations
@@ -10,44 +10,17 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
-from outrider.drafting import Draft, DrafterBase, DraftControls, Target
-from outrider.gguf_file import GGUFFile
-from outrider.models import load_model
+from outrider.drafting import Draft, DrafterBase, DraftControls
 from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.plugins.acceptors.sampled import SampledAcceptor
-from outrider.plugins.backends.cpu import CPUBackend
 from outrider.plugins.drafters.draft_model import DraftModelDrafter
 from outrider.plugins.drafters.lookup import LookupDrafter
 from outrider.plugins.drafters.none import NoDrafter
 from outrider.runner import Runner
-from outrider.sampling import PositionRandom, SamplingParams, sample_at, warp
+from outrider.sampling import SamplingParams
+from outrider.testing.fixtures import cpu_target, plain_greedy, plain_sampled
 from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama
-from outrider.tokenizer import Tokenizer
-
-
-def plain_greedy(model, prompt: list[int], n: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(n):
-        logits = model.forward(torch.tensor(tokens), 0, model.new_cache(len(tokens)))[-1]
-        tokens.append(int(logits.argmax()))
-    return tokens[len(prompt):]
-
-
-def plain_sampled(model, prompt: list[int], n: int, params: SamplingParams) -> list[int]:
-    rng = PositionRandom(params.seed)
-    tokens = list(prompt)
-    for _ in range(n):
-        logits = model.forward(torch.tensor(tokens), 0, model.new_cache(len(tokens)))[-1]
-        tokens.append(sample_at(warp(logits, params), rng.uniform(len(tokens))))
-    return tokens[len(prompt):]
-
-
-def make_target(path) -> Target:
-    g = GGUFFile(path)
-    backend = CPUBackend()
-    return Target(model=backend.load_model(g), tokenizer=Tokenizer.from_gguf(g), gguf=g, backend=backend)
 
 
 def run(target, drafter, acceptor, prompt, n, params=SamplingParams(), draft_max=4, controls=None):
@@ -73,9 +46,9 @@ class RandomDrafter(DrafterBase):
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("spec")
     return {
-        "llama": make_target(write_tiny_llama(folder / "llama.gguf", seed=0)),
+        "llama": cpu_target(write_tiny_llama(folder / "llama.gguf", seed=0)),
         "llama_draft_path": write_tiny_llama(folder / "llama_draft.gguf", seed=1, n_layers=1),
-        "gemma3": make_target(write_tiny_gemma3(folder / "gemma3.gguf", seed=0)),
+        "gemma3": cpu_target(write_tiny_gemma3(folder / "gemma3.gguf", seed=0)),
     }
 
 
@@ -165,7 +138,7 @@ OPEN_PROMPT = "The old lighthouse keeper looked at the sea and"
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma3"])
 def real_target(request):
-    return request.param, make_target(request.getfixturevalue(f"{request.param}_path"))
+    return request.param, cpu_target(request.getfixturevalue(f"{request.param}_path"))
 
 
 @pytest.mark.slow

@@ -11,11 +11,12 @@ from ..gguf_file import GGUFFile
 from ..native import NativeUnavailable
 from ..native import load as load_native
 from .gemma3 import Gemma3
+from .gemma4 import Gemma4
 from .layers import ATTENTION_DTYPE
 from .linear import check_weights_mode
 from .llama import Llama
 
-ARCHITECTURES = {cls.architecture: cls for cls in (Llama, Gemma3)}
+ARCHITECTURES = {cls.architecture: cls for cls in (Llama, Gemma3, Gemma4)}
 
 
 def load_model(g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

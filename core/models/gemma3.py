@@ -11,12 +11,23 @@ import torch
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache
-from .layers import ATTENTION_DTYPE, PREFILL_CHUNK, Attention, Rotary, load_ends, run_in_chunks
+from .layers import ATTENTION_DTYPE, PREFILL_CHUNK, Attention, Rotary, load_ends, run_in_chunks, trunk_layers
 from .linear import load_linear, rms_norm
 from .stack import LayerStack, LayerWeights
 
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp hard-codes the local layers' base; GGUF stores only the global one
 DEFAULT_SWA_PERIOD = 6  # five local layers, then one global
+
+
+def local_layers(g: GGUFFile, n: int) -> tuple[bool, ...]:
+    """Which of blocks 0..n-1 of `g` are sliding-window (local) ones."""
+    pattern = g.arch_key("attention.sliding_window_pattern")
+    if int(g.arch_key("attention.sliding_window", 0)) <= 0:
+        return (False,) * n
+    if isinstance(pattern, list):
+        return tuple(bool(p) for p in pattern[:n])
+    period = int(pattern or DEFAULT_SWA_PERIOD)
+    return tuple(i % period < period - 1 for i in range(n))
 
 
 @dataclass(frozen=True)
@@ -40,7 +51,7 @@ class Gemma3Config:
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "Gemma3Config":
         hidden, heads = int(g.require("embedding_length")), int(g.require("attention.head_count"))
-        n_layers = int(g.require("block_count"))
+        n_layers = trunk_layers(g)
         head_dim = int(g.arch_key("attention.key_length", 256))
         if int(g.arch_key("attention.value_length", head_dim)) != head_dim:
             raise ModelFileError(f"{g.path}: key_length != value_length is not supported for gemma3")
@@ -52,14 +63,7 @@ class Gemma3Config:
             raise ModelFileError(f"{g.path}: rope scaling '{scaling}' is not supported for gemma3 (only linear)")
         factor = float(g.arch_key("rope.scaling.factor", 1.0) or 1.0) if scaling == "linear" else 1.0
         window = int(g.arch_key("attention.sliding_window", 0))
-        pattern = g.arch_key("attention.sliding_window_pattern")
-        if window <= 0:
-            is_local = (False,) * n_layers
-        elif isinstance(pattern, list):
-            is_local = tuple(bool(p) for p in pattern)
-        else:
-            period = int(pattern or DEFAULT_SWA_PERIOD)
-            is_local = tuple(i % period < period - 1 for i in range(n_layers))
+        is_local = local_layers(g, n_layers)
         # llama.cpp: the 27B (62 layers) scales by hidden/heads (its query_pre_attn_scalar), others by head_dim.
         scale_dim = hidden // heads if n_layers == 62 else head_dim
         return cls(
@@ -98,6 +102,7 @@ class _Layer:
 
 class Gemma3:
     architecture = "gemma3"
+    activation = "gelu_tanh"
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  native: bool = False, attention_dtype: torch.dtype = ATTENTION_DTYPE, linear_form: str | None = None):
@@ -106,7 +111,8 @@ class Gemma3:
         self.config = cfg = Gemma3Config.from_gguf(g)
         self.dtype, self.device = dtype, torch.device(device)
         self.chunk = PREFILL_CHUNK if native else 0
-        form = linear_form or ("native" if native else "dense")
+        self.native = native
+        self.linear_form = form = linear_form or ("native" if native else "dense")
         self.output, self.embed, self.output_norm = load_ends(g, form, dtype, device)
         # rounded to the model dtype first, as the reference implementations do
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=dtype)
@@ -117,10 +123,16 @@ class Gemma3:
         self.global_rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.context_length, cfg.rope_freq_scale,
                                     None, dtype, device)
         self.stack = LayerStack([self._weights(i, l) for i, l in enumerate(self.layers)], self.attention, cfg.eps,
-                                "gelu_tanh")
+                                self.activation)
 
-    def _weights(self, i: int, l: _Layer) -> LayerWeights:
-        local = self.config.is_local[i]
+    def block(self, g: GGUFFile, i: int) -> LayerWeights:
+        """Decoder block `blk.{i}` of `g` held and run as this model's own layers are: an MTP (nextn) block,
+        read from this model's file or from a sidecar in its layout (local or global by its index)."""
+        local = local_layers(g, i + 1)[i]
+        return self._weights(i, _Layer(g, i, self.linear_form, self.dtype, self.device), local)
+
+    def _weights(self, i: int, l: _Layer, local: bool | None = None) -> LayerWeights:
+        local = self.config.is_local[i] if local is None else local
         rotary = self.local_rotary if local else self.global_rotary
         window = (self.config.sliding_window or None) if local else None
         return LayerWeights(l.wqkv, l.wo, l.w_gate_up, l.w_down, l.attn_norm, l.ffn_norm, rotary, window, l.q_norm,

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..errors import ModelFileError
 from ..kv_cache import KVCache
 from .linear import load_linear, rms_norm
 
@@ -135,6 +136,14 @@ def run_in_chunks(hidden_fn, tokens: torch.Tensor, start: int, cache, chunk: int
         h = hidden_fn(tokens[i:i + chunk], start + i, cache, last_only)
         parts.append(h)
     return h[-1:] if keep_last else torch.cat(parts)
+
+
+def trunk_layers(g) -> int:
+    """Layers the trunk runs: `block_count` counts the MTP (nextn) blocks too, which come last (llama.cpp)."""
+    n_blocks, n_mtp = int(g.require("block_count")), int(g.arch_key("nextn_predict_layers", 0) or 0)
+    if not 0 <= n_mtp < n_blocks:
+        raise ModelFileError(f"{g.path}: nextn_predict_layers = {n_mtp} must be below block_count = {n_blocks}")
+    return n_blocks - n_mtp
 
 
 def default_scale(head_dim: int) -> float:

@@ -9,7 +9,8 @@ import torch
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
 from ..kv_cache import KVCache
-from .layers import ATTENTION_DTYPE, PREFILL_CHUNK, Attention, Rotary, default_scale, load_ends, run_in_chunks
+from .layers import (ATTENTION_DTYPE, PREFILL_CHUNK, Attention, Rotary, default_scale, load_ends, run_in_chunks,
+                     trunk_layers)
 from .linear import load_linear, rms_norm
 from .stack import LayerStack, LayerWeights
 
@@ -42,7 +43,7 @@ class LlamaConfig:
         return cls(
             vocab_size=g.tensors["token_embd.weight"].shape[0],
             hidden_size=hidden,
-            n_layers=int(g.require("block_count")),
+            n_layers=trunk_layers(g),
             n_heads=heads,
             n_kv_heads=int(g.arch_key("attention.head_count_kv", heads)),
             head_dim=head_dim,
@@ -82,6 +83,7 @@ class _Layer:
 
 class Llama:
     architecture = "llama"
+    activation = "silu"
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  native: bool = False, attention_dtype: torch.dtype = ATTENTION_DTYPE, linear_form: str | None = None):
@@ -90,9 +92,10 @@ class Llama:
         self.config = cfg = LlamaConfig.from_gguf(g)
         self.dtype, self.device = dtype, torch.device(device)
         self.chunk = PREFILL_CHUNK if native else 0
+        self.native = native
         if any(name.endswith(".bias") for name in g.tensors) or any("_exps" in name for name in g.tensors):
             raise ModelFileError(f"{g.path}: llama variants with biases or experts are not supported")
-        form = linear_form or ("native" if native else "dense")
+        self.linear_form = form = linear_form or ("native" if native else "dense")
         self.output, self.embed, self.output_norm = load_ends(g, form, dtype, device)
         self.layers = [_Layer(g, i, cfg, form, dtype, device) for i in range(cfg.n_layers)]
         freq_factors = g.load("rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None
@@ -100,8 +103,15 @@ class Llama:
                              freq_factors, dtype, device)
         self.attention = Attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, default_scale(cfg.head_dim), cfg.eps,
                                    native, attention_dtype)
-        self.stack = LayerStack([LayerWeights(l.wqkv, l.wo, l.w_gate_up, l.w_down, l.attn_norm, l.ffn_norm, self.rotary)
-                                 for l in self.layers], self.attention, cfg.eps, "silu")
+        self.stack = LayerStack([self._weights(l) for l in self.layers], self.attention, cfg.eps, self.activation)
+
+    def _weights(self, l: _Layer) -> LayerWeights:
+        return LayerWeights(l.wqkv, l.wo, l.w_gate_up, l.w_down, l.attn_norm, l.ffn_norm, self.rotary)
+
+    def block(self, g: GGUFFile, i: int) -> LayerWeights:
+        """Decoder block `blk.{i}` of `g` held and run as this model's own layers are: an MTP (nextn) block,
+        read from this model's file or from a sidecar in its layout."""
+        return self._weights(_Layer(g, i, self.config, self.linear_form, self.dtype, self.device))
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return self.attention.new_cache(self.config.n_layers, max_len or self.config.context_length, self.device)

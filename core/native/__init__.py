@@ -54,17 +54,24 @@ def load():
         raise NativeUnavailable("disabled by OUTRIDER_NATIVE=0")
     from torch.utils import cpp_extension
 
-    from ..catalog import outrider_home
+    from ..paths import outrider_home
 
     key = build_key()
     folder = outrider_home() / "native" / key
     folder.mkdir(parents=True, exist_ok=True)
     if not any(folder.glob("*.so")):
         print("outrider: building the CPU kernels for this machine (once, about a minute)", file=sys.stderr)
+    # Built from a copy inside the keyed folder: ninja rebuilds when the source *path* changes, so checkouts
+    # in different places sharing one $OUTRIDER_HOME would otherwise rebuild the same kernels in turn.
+    source = folder / SOURCE.name
+    if not source.is_file() or source.read_bytes() != SOURCE.read_bytes():
+        partial = folder / f"{SOURCE.name}.{os.getpid()}.tmp"
+        partial.write_bytes(SOURCE.read_bytes())
+        os.replace(partial, source)
     log = io.StringIO()
     try:
         with redirect_stdout(log), redirect_stderr(log):
-            return cpp_extension.load(name=f"outrider_kernels_{key}", sources=[str(SOURCE)], extra_cflags=cflags(),
+            return cpp_extension.load(name=f"outrider_kernels_{key}", sources=[str(source)], extra_cflags=cflags(),
                                       extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except Exception as e:  # a missing compiler or ninja, or a compile error: say which, in one line
         lines = [line for line in (str(e) + "\n" + log.getvalue()).splitlines() if line.strip()]

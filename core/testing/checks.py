@@ -10,8 +10,6 @@ the obvious loop, analytic distributions of toy tables), never from the code und
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,16 +17,16 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from outrider.drafting import Draft, DraftControls
+from outrider.drafting import Draft, DraftControls, reads_the_target
 from outrider.errors import OutriderError
 from outrider.gguf_file import GGUFFile
+from outrider.hookspecs import PLUGIN_KINDS
 from outrider.runner import Runner
 from outrider.sampling import PositionRandom, SamplingParams, warp
 from outrider.testing.fixtures import ARCHITECTURES, ContractFixtures
 from outrider.testing.stats import chi2_test, tv_distance
-from outrider.testing.toy import ToyModel
+from outrider.testing.toy import CopyingToyModel, ToyModel
 
-KINDS = ("backend", "drafter", "acceptor")
 # A prompt with repeats, so drafters that look things up have something to find.
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 GREEDY = SamplingParams(temperature=0.0)
@@ -78,7 +76,7 @@ class Check:
     gpu: bool = False
 
 
-CHECKS: dict[str, list[Check]] = {kind: [] for kind in KINDS}
+CHECKS: dict[str, list[Check]] = {kind: [] for kind in PLUGIN_KINDS}
 
 
 def _check(kind: str, gpu: bool = False):
@@ -89,38 +87,49 @@ def _check(kind: str, gpu: bool = False):
     return register
 
 
-@contextlib.contextmanager
-def one_torch_thread():
-    # the toy tensors are tiny: OpenMP hand-offs cost more than they save and stall on a busy machine
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _on_one_thread(fn: Callable[[Subject], None]) -> Callable[[Subject], None]:
-    @functools.wraps(fn)
-    def wrapper(subject: Subject) -> None:
-        with one_torch_thread():
-            fn(subject)
-
-    return wrapper
-
-
 # ------------------------------------------------------------------------------------------------ drafters
 
 
-def _ready_drafter(subject: Subject, params: SamplingParams = GREEDY, prompt: list[int] = PROMPT):
+def _arch(subject: Subject) -> str:
+    """The tiny target a drafter is checked against: llama, unless it declares the one it drafts for."""
+    return subject.capabilities.get("target_architecture", "llama")
+
+
+class _TargetFeed:
+    """For a drafter that reads the target (`observe`): the target's forwards over the certain rows, as the
+    runner does them, so the drafter is shown the hidden states and cache it would be shown in a run."""
+
+    def __init__(self, subject: Subject, drafter: Any):
+        self.drafter, self.model = drafter, subject.fixtures.target(_arch(subject)).model
+        self.cache = self.model.new_cache(256)
+        self.on = reads_the_target(drafter)
+
+    def certain(self, rows: list[int], start: int) -> None:
+        """`rows` (at positions start..) are now certain: the runner's forward, truncation and observe."""
+        if not self.on or not rows:
+            return
+        self.cache.truncate(min(self.cache.length, start))
+        device = getattr(self.model, "device", torch.device("cpu"))
+        _, hidden = self.model.forward(torch.tensor(rows, device=device), start, self.cache, hidden=True)
+        self.drafter.observe(hidden, start, self.cache)
+
+
+def _fed_drafter(subject: Subject, params: SamplingParams = GREEDY, prompt: list[int] = PROMPT):
+    """A drafter set up and begun on `prompt` (and shown it, if it reads the target), with its feed."""
     drafter = subject.new()
-    drafter.setup(subject.fixtures.target("llama"))
+    drafter.setup(subject.fixtures.target(_arch(subject)))
     drafter.begin(list(prompt), params, DraftControls())
-    return drafter
+    feed = _TargetFeed(subject, drafter)
+    feed.certain(list(prompt), 0)
+    return drafter, feed
+
+
+def _ready_drafter(subject: Subject, params: SamplingParams = GREEDY, prompt: list[int] = PROMPT):
+    return _fed_drafter(subject, params, prompt)[0]
 
 
 def _vocab(subject: Subject) -> int:
-    return subject.fixtures.target("llama").model.config.vocab_size
+    return subject.fixtures.target(_arch(subject)).model.config.vocab_size
 
 
 def _valid_ids(draft: Draft, vocab: int) -> list[int]:
@@ -153,7 +162,7 @@ def _session(subject: Subject, params: SamplingParams = GREEDY, ask_kind: bool =
     """Drive a drafter the way the runner does: (with `ask_kind`, ask draft_kind first,) propose, accept a
     prefix, roll back, append the target's token."""
     vocab = _vocab(subject)
-    drafter = _ready_drafter(subject, params)
+    drafter, feed = _fed_drafter(subject, params)
     tokens = PROMPT + [7]
     rounds = []
     for i, k in enumerate(ROUND_KS):
@@ -164,6 +173,7 @@ def _session(subject: Subject, params: SamplingParams = GREEDY, ask_kind: bool =
         rounds.append(Round(list(tokens), k, draft, kind))
         accepted = _valid_ids(draft, vocab)[: min(k, i % 3)]  # accept 0, 1 or 2 of the drafts
         drafter.rollback(len(tokens) + len(accepted))
+        feed.certain(tokens[-1:] + accepted, len(tokens) - 1)
         tokens += accepted + [CONTINUATION[i % len(CONTINUATION)]]
     return rounds
 
@@ -223,7 +233,7 @@ def same_proposal_for_the_same_state(subject: Subject) -> None:
     probe = subject.new()
     if subject.capability("gives_draft_probs", probe, False):
         return  # a sampling drafter's repeat draws from the next part of its random stream
-    drafter = _ready_drafter(subject)
+    drafter, feed = _fed_drafter(subject)
     tokens = PROMPT + [7]
     for k in (4, 1, 8):
         first = list(drafter.propose(list(tokens), k).tokens)
@@ -232,6 +242,7 @@ def same_proposal_for_the_same_state(subject: Subject) -> None:
         assert first == again, f"propose(..., k={k}), rollback({len(tokens) - 1}), the same propose again " \
                                f"gave {first} then {again}"
         drafter.rollback(len(tokens))
+        feed.certain(tokens[-1:], len(tokens) - 1)
         tokens.append(CONTINUATION[k % len(CONTINUATION)])
 
 
@@ -255,13 +266,13 @@ def sane_on_an_empty_or_one_token_context(subject: Subject) -> None:
 
 @_check("drafter")
 def consistent_after_rollback(subject: Subject) -> None:
-    """After rejected drafts are rolled back, it proposes what a fresh instance shown only the kept tokens would."""
-    probe = subject.new()
-    if subject.capability("gives_draft_probs", probe, False):
-        raise CheckSkipped("gives_draft_probs is True: a sampling drafter's proposals depend on its random stream")
+    """After rejected drafts are rolled back, it proposes what a fresh instance shown only the kept tokens would
+    (a drafter that gives q: the same q for the first drafted position, and the same q rows while the drafts agree)."""
+    gives_q = subject.capability("gives_draft_probs", subject.new(), False)
+    params = SAMPLED if gives_q else GREEDY  # seeded: a sampling drafter's draws are reproducible
     vocab = _vocab(subject)
     for keep in (0, 1, 3):
-        a = _ready_drafter(subject)
+        a, feed = _fed_drafter(subject, params)
         tokens = PROMPT + [7]
         draft = _valid_ids(a.propose(list(tokens), 4), vocab)
         kept = draft[:keep]
@@ -269,12 +280,29 @@ def consistent_after_rollback(subject: Subject) -> None:
         rejected = draft[len(kept)] if len(draft) > len(kept) else None
         replacement = next(t for t in (9, 8, 5, 6, 7) if t != rejected)
         a.rollback(len(tokens) + len(kept))
+        feed.certain(tokens[-1:] + kept, len(tokens) - 1)
         after = tokens + kept + [replacement]
-        got = list(a.propose(list(after), 4).tokens)
-        b = _ready_drafter(subject)
-        want = list(b.propose(list(after), 4).tokens)
-        assert got == want, f"after proposing {draft}, keeping {kept} and rolling back to {len(tokens) + len(kept)}, " \
-                            f"it proposed {got}; a fresh instance shown only the kept tokens proposes {want}"
+        got = a.propose(list(after), 4)
+        b, fresh_feed = _fed_drafter(subject, params)
+        fresh_feed.certain(tokens[-1:] + kept, len(tokens) - 1)
+        want = b.propose(list(after), 4)
+        where = f"after proposing {draft}, keeping {kept} and rolling back to {len(tokens) + len(kept)}, it proposed"
+        if not gives_q:
+            assert list(got.tokens) == list(want.tokens), \
+                f"{where} {list(got.tokens)}; a fresh instance shown only the kept tokens proposes {list(want.tokens)}"
+            continue
+        # a sampling drafter's draws may come from a stream that the rolled-back drafts advanced, so its
+        # tokens may differ; the distributions may not: row 0 always, later rows while the drafts agree
+        if got.probs is None or want.probs is None or not len(got.tokens) or not len(want.tokens):
+            continue  # nothing drafted, or no q at this state: probability_rows_sum_to_one judges that
+        same = 1 + next((i for i, (x, y) in enumerate(zip(got.tokens, want.tokens)) if x != y),
+                        min(len(got.tokens), len(want.tokens)))
+        rows = min(same, got.probs.shape[0], want.probs.shape[0])
+        qa, qb = got.probs[:rows].double().cpu(), want.probs[:rows].double().cpu()
+        diff = float((qa - qb).abs().max()) if qa.shape == qb.shape else float("inf")
+        assert diff <= 1e-4, f"{where} {list(got.tokens)} with q rows that differ from a fresh instance's " \
+                             f"(shown only the kept tokens, same seed {params.seed}: {list(want.tokens)}) by up to " \
+                             f"{diff:.3g} in the first {rows} row(s): its state still holds the rejected drafts"
 
 
 @_check("drafter")
@@ -323,9 +351,9 @@ def _run(target, drafter, acceptor, params: SamplingParams, n: int = E2E_TOKENS,
 def greedy_output_equals_plain_decoding(subject: Subject) -> None:
     """End to end with greedy acceptance, the output is identical to plain greedy decoding."""
     fx = subject.fixtures
-    want = fx.plain_greedy("llama", PROMPT, E2E_TOKENS)
+    want = fx.plain_greedy(_arch(subject), PROMPT, E2E_TOKENS)
     for draft_max in (4, 8):
-        got, stats = _run(fx.target("llama"), subject.new(), _Greedy(), GREEDY, draft_max=draft_max)
+        got, stats = _run(fx.target(_arch(subject)), subject.new(), _Greedy(), GREEDY, draft_max=draft_max)
         assert got == want, f"draft_max {draft_max}: speculative output {got} differs from plain greedy {want} " \
                             f"(first difference at token {_first_difference(got, want)})"
 
@@ -337,14 +365,71 @@ def seeded_sampling_equals_plain_sampling(subject: Subject) -> None:
 
     fx = subject.fixtures
     drafter = subject.new()
-    got, _ = _run(fx.target("llama"), drafter, SampledAcceptor(), SAMPLED)
+    got, _ = _run(fx.target(_arch(subject)), drafter, SampledAcceptor(), SAMPLED)
     vocab = _vocab(subject)
     assert len(got) == E2E_TOKENS and all(0 <= t < vocab for t in got), f"bad output {got}"
     if subject.capability("gives_draft_probs", drafter, False):
         raise CheckSkipped("gives_draft_probs is True: a sampling drafter preserves the distribution, not the tokens")
-    want = fx.plain_sampled("llama", PROMPT, E2E_TOKENS, SAMPLED)
+    want = fx.plain_sampled(_arch(subject), PROMPT, E2E_TOKENS, SAMPLED)
     assert got == want, f"seed {SAMPLED.seed}: speculative output {got} differs from plain sampling {want} " \
                         f"(first difference at token {_first_difference(got, want)})"
+
+
+# The losslessness check of drafters that give q: seeded generations on a toy target that copies its context
+# (so context-reading drafters are often right and a wrong q moves a lot of mass), with top-k 3 so the exact
+# law of the first three tokens has at most 27 cells.
+Q_LAW_PARAMS = SamplingParams(1.0, top_k=3)
+Q_LAW_GENERATIONS = 400
+Q_LAW_TOKENS = 3  # token 1 comes from the prefill; with max_tokens 4, tokens 2 and 3 are drafted in one round
+
+
+@_check("drafter")
+@_on_one_thread
+def lossless_with_its_draft_probabilities(subject: Subject) -> None:
+    """Statistical, for a drafter that gives q: with the sampled acceptor the output is distributed as plain
+    sampling from the target (chi-square against the exact law of a seeded toy target)."""
+    from dataclasses import replace
+
+    from outrider.drafting import Target
+    from outrider.plugins.acceptors.sampled import SampledAcceptor
+
+    drafter = subject.new()
+    if not subject.capability("gives_draft_probs", drafter, False):
+        raise CheckSkipped("gives_draft_probs is False: without q the output is plain sampling's token for token, "
+                           "which seeded_sampling_equals_plain_sampling checks")
+    base = subject.fixtures.target("llama")
+    toy = CopyingToyModel(base.model.config.vocab_size, seed=11)
+    target = Target(model=toy, tokenizer=base.tokenizer, gguf=base.gguf, backend=base.backend)
+    drafter.setup(target)
+    runner = Runner(target, drafter, SampledAcceptor(), draft_max=3, context=64)
+    law = toy.law(PROMPT, Q_LAW_TOKENS, Q_LAW_PARAMS)
+    counts: dict[tuple[int, ...], int] = {}
+    drafted = accepted = 0
+    for s in range(Q_LAW_GENERATIONS):
+        out = tuple(runner.generate(list(PROMPT), Q_LAW_TOKENS + 1, replace(Q_LAW_PARAMS, seed=1000 + s)))
+        counts[out[:Q_LAW_TOKENS]] = counts.get(out[:Q_LAW_TOKENS], 0) + 1
+        drafted, accepted = drafted + runner.stats.drafted, accepted + runner.stats.accepted
+    rate = f"{accepted / drafted:.2f}" if drafted else "n/a (nothing drafted)"
+    for n in (Q_LAW_TOKENS - 1, Q_LAW_TOKENS):
+        want: dict[tuple[int, ...], float] = {}
+        for seq, mass in law.items():
+            want[seq[:n]] = want.get(seq[:n], 0.0) + mass
+        got: dict[tuple[int, ...], int] = {}
+        for seq, c in counts.items():
+            got[seq[:n]] = got.get(seq[:n], 0) + c
+        cells = sorted(set(want) | set(got))
+        observed = np.array([got.get(c, 0) for c in cells])
+        expected = np.array([want.get(c, 0.0) for c in cells])
+        stat, df, pval, forbidden = chi2_test(observed, expected)
+        detail = (f"with the sampled acceptor, over {Q_LAW_GENERATIONS} seeded generations on a toy target "
+                  f"(temperature {Q_LAW_PARAMS.temperature}, top_k {Q_LAW_PARAMS.top_k}, draft_max 3) the first "
+                  f"{n} tokens are not distributed as plain sampling from the target: chi2={stat:.1f} df={df} "
+                  f"p={pval:.2g} (threshold {P_THRESHOLD}), TV distance {tv_distance(observed, expected):.3f}, "
+                  f"acceptance rate {rate}. A drafter that gives q must draw each draft x from the q row it "
+                  "returns (x ~ q, q warped with the run's params); a q for tokens picked another way (argmax, "
+                  "lookup) breaks losslessness: give probs=None for those")
+        assert forbidden == 0, f"{detail}; {forbidden} outputs the target cannot produce were emitted"
+        assert pval > P_THRESHOLD, detail
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -415,7 +500,6 @@ def _random_rounds(seed: int, n: int, vocab: int, params: SamplingParams, with_q
 
 
 @_check("acceptor")
-@_on_one_thread
 def greedy_is_the_argmax_chain(subject: Subject) -> None:
     """At temperature 0: drafts kept while they equal the target's argmax, then the argmax (bonus if all kept)."""
     acceptor = subject.new()
@@ -442,7 +526,6 @@ def greedy_is_the_argmax_chain(subject: Subject) -> None:
 
 
 @_check("acceptor")
-@_on_one_thread
 def emitted_is_accepted_plus_one(subject: Subject) -> None:
     """1 <= emitted = accepted + 1 <= k + 1, kept tokens are the drafts, ids in range; lossless: p(token) > 0."""
     acceptor = subject.new()
@@ -463,7 +546,6 @@ def emitted_is_accepted_plus_one(subject: Subject) -> None:
 
 
 @_check("acceptor")
-@_on_one_thread
 def lossless_in_distribution(subject: Subject) -> None:
     """Statistical: the emitted tokens are distributed as plain sampling from the target (chi-square, toy tables)."""
     acceptor = subject.new()
@@ -490,7 +572,6 @@ def lossless_in_distribution(subject: Subject) -> None:
 
 
 @_check("acceptor")
-@_on_one_thread
 def seeded_determinism(subject: Subject) -> None:
     """The same seed gives the same result, on a fresh instance as on a reused one."""
     reused = subject.new()

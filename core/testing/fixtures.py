@@ -12,7 +12,7 @@ import torch
 from outrider.drafting import Target
 from outrider.gguf_file import GGUFFile
 from outrider.sampling import PositionRandom, SamplingParams, sample_at, warp
-from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama
+from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama, write_tiny_mtp_sidecar
 from outrider.tokenizer import Tokenizer
 
 ARCHITECTURES = ("llama", "gemma3")
@@ -39,6 +39,15 @@ def plain_sampled(model: Any, prompt: list[int], n: int, params: SamplingParams)
     return tokens[len(prompt):]
 
 
+def cpu_target(path: str | Path) -> Target:
+    """The model file at `path` loaded on the CPU backend (float32), with its tokenizer."""
+    from outrider.plugins.backends.cpu import CPUBackend
+
+    gguf = GGUFFile(path)
+    backend = CPUBackend()
+    return Target(model=backend.load_model(gguf), tokenizer=Tokenizer.from_gguf(gguf), gguf=gguf, backend=backend)
+
+
 class ContractFixtures:
     """Tiny models in `folder`, written on first use and loaded once on the CPU backend (float32)."""
 
@@ -58,22 +67,48 @@ class ContractFixtures:
         return write_tiny_llama(self.folder / "tiny-llama-draft.gguf", seed=1, n_layers=1)
 
     @functools.cached_property
+    def tiny_mtp_sidecar_path(self) -> Path:
+        """An MTP head (one nextn block) for the tiny llama: for drafters that need one."""
+        return write_tiny_mtp_sidecar(self.folder / "tiny-llama.mtp.gguf", "llama", self.tiny_llama_path, seed=2)
+
+    @functools.cached_property
     def tiny_gemma3_path(self) -> Path:
         return write_tiny_gemma3(self.folder / "tiny-gemma3.gguf", seed=0)
 
+    @functools.cached_property
+    def tiny_gemma4_path(self) -> Path:
+        """The tiny dense Gemma 4, made by transformers and llama.cpp's converter (cached per machine): the
+        target of drafters that draft only for Gemma 4. Needs the test extra; CheckSkipped without it."""
+        return self._test_only(lambda: __import__("outrider.testing.gemma4_fixtures", fromlist=["x"])
+                               .cached_fixture("dense")[1])
+
+    @functools.cached_property
+    def tiny_gemma4_assistant_path(self) -> Path:
+        """A tiny Gemma 4 assistant (dense head) matched to `tiny_gemma4_path`."""
+        return self._test_only(lambda: __import__("outrider.testing.gemma4_assistant", fromlist=["x"])
+                               .cached_assistant(self.tiny_gemma4_path, "dense")[1])
+
+    @staticmethod
+    def _test_only(build):
+        from outrider.testing.checks import CheckSkipped
+        from outrider.testing.llama_cpp import ReferenceUnavailable
+
+        try:
+            return build()
+        except (ImportError, ReferenceUnavailable) as exc:
+            raise CheckSkipped(f"the tiny Gemma 4 fixtures need transformers and llama.cpp's converter "
+                               f"(setup --test): {exc}") from None
+
     def model_path(self, arch: str) -> Path:
+        if arch == "gemma4":
+            return self.tiny_gemma4_path
         if arch not in ARCHITECTURES:
-            raise ValueError(f"no tiny model for architecture {arch!r}; have {ARCHITECTURES}")
+            raise ValueError(f"no tiny model for architecture {arch!r}; have {ARCHITECTURES} and gemma4")
         return self.tiny_llama_path if arch == "llama" else self.tiny_gemma3_path
 
     def target(self, arch: str = "llama") -> Target:
         if arch not in self._targets:
-            from outrider.plugins.backends.cpu import CPUBackend
-
-            gguf = GGUFFile(self.model_path(arch))
-            backend = CPUBackend()
-            self._targets[arch] = Target(model=backend.load_model(gguf), tokenizer=Tokenizer.from_gguf(gguf),
-                                         gguf=gguf, backend=backend)
+            self._targets[arch] = cpu_target(self.model_path(arch))
         return self._targets[arch]
 
     def plain_greedy(self, arch: str, prompt: list[int], n: int) -> list[int]:

@@ -17,7 +17,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from outrider.catalog import outrider_home
+from outrider.paths import outrider_home
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # vendors llama.cpp as of 2026-10-01
 _VENDORED = "vendor/llama.cpp/"

@@ -12,6 +12,7 @@ from outrider import registry as registry_module
 from outrider.registry import PluginSpec, Registry
 from outrider.testing.checks import CHECKS, Check, CheckSkipped, Subject
 from outrider.testing.fixtures import ContractFixtures
+from outrider.testing.threads import torch_threads
 
 
 @dataclass
@@ -23,12 +24,22 @@ class CheckResult:
 
 
 def subject_for(spec: PluginSpec, fixtures: ContractFixtures, options: dict[str, Any] | None = None) -> Subject:
-    """A subject that creates `spec`'s plugin with `options`; a drafter that needs a draft model gets the tiny one."""
+    """A subject that creates `spec`'s plugin with `options`; a drafter that needs a draft model (an MTP head)
+    gets the tiny one."""
     settings = dict(options or {})
-    if spec.kind == "drafter" and "draft_model" in spec.capabilities.get("needs", ()) and "model" in spec.options:
+    needs = spec.capabilities.get("needs", ())
+    if spec.kind == "drafter" and "draft_model" in needs and "model" in spec.options:
         settings.setdefault("model", str(fixtures.tiny_draft_llama_path))
+    if spec.kind == "drafter" and "mtp_head" in needs and "model" in spec.options:
+        settings.setdefault("model", str(fixtures.tiny_mtp_sidecar_path))
     spec.resolve_options(settings)  # an unknown or ill-typed option is the user's error, reported up front
-    return Subject(spec.kind, spec.name, lambda: spec.create(settings), dict(spec.capabilities), fixtures)
+    if spec.kind == "drafter" and spec.capabilities.get("target_architecture") == "gemma4" \
+            and "model" in spec.options and "model" not in settings:
+        # a Gemma 4 assistant: built on first use (tens of seconds, then cached), by the checks that make one
+        make = lambda: spec.create({**settings, "model": str(fixtures.tiny_gemma4_assistant_path)})
+    else:
+        make = lambda: spec.create(settings)
+    return Subject(spec.kind, spec.name, make, dict(spec.capabilities), fixtures)
 
 
 def run_check(check: Check, subject: Subject) -> CheckResult:
@@ -47,7 +58,8 @@ def run_check(check: Check, subject: Subject) -> CheckResult:
 
 
 def run_contract(subject: Subject) -> list[CheckResult]:
-    return [run_check(check, subject) for check in CHECKS[subject.kind]]
+    with torch_threads(1):  # the checks run tiny models: one thread beats OpenMP hand-offs
+        return [run_check(check, subject) for check in CHECKS[subject.kind]]
 
 
 def find_specs(name: str, kind: str | None = None, registry: Registry | None = None) -> list[PluginSpec]:
@@ -63,9 +75,12 @@ def find_specs(name: str, kind: str | None = None, registry: Registry | None = N
     if not specs:
         from outrider.errors import ConfigError
 
+        if name in registry.broken:  # `outrider check` of a package that failed to import: its import error
+            raise ConfigError(registry.broken[name])
         installed = "; ".join(f"{k}s: {', '.join(sorted(registry.plugins[k]))}" for k in kinds)
         what = f"{kind} " if kind else "plugin "
-        raise ConfigError(f"unknown {what}'{name}'; installed {installed}")
+        note = "".join(f"; {problem}" for problem in registry.broken.values())
+        raise ConfigError(f"unknown {what}'{name}'; installed {installed}{note}")
     return specs
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+DRAFT_VOCAB = 40  # rows of a reduced tiny MTP head
+
 # GPT-2's printable stand-ins for the 256 byte values, so a byte-level vocab can spell every byte.
 def _bytes_to_unicode() -> list[str]:
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -144,6 +146,60 @@ def write_tiny_gemma3(path: str | Path, seed: int = 0, n_layers: int = 6, hidden
         _add(w, p + "ffn_gate.weight", _matrix(rng, ffn, hidden), quantize)
         _add(w, p + "ffn_up.weight", _matrix(rng, ffn, hidden), quantize)
         _add(w, p + "ffn_down.weight", _matrix(rng, hidden, ffn), quantize)
+    _finish(w)
+    return Path(path)
+
+
+def write_tiny_mtp_sidecar(path: str | Path, arch: str, target_path: str | Path, seed: int = 0, reduced: bool = False,
+                           ids: list[int] | None = None) -> Path:
+    """An MTP-only sidecar GGUF for the tiny model at `target_path`, in llama.cpp's nextn layout: the trunk's
+    metadata with block_count + 1 and nextn_predict_layers 1, and only the blk.{n_trunk}.* tensors (a decoder
+    block of the trunk's kind and the nextn tensors), float32. With `reduced`, a shared head over `ids` (or
+    DRAFT_VOCAB random ones) and Outrider's `draft_vocab` mapping its rows to target ids."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(target_path))
+    meta = {f.name: f.contents() for f in reader.fields.values()}
+    vocab = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[1])
+    hidden, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
+    kv, ffn = int(meta[f"{arch}.attention.head_count_kv"]), int(meta[f"{arch}.feed_forward_length"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    n_trunk = int(meta[f"{arch}.block_count"])
+    rng = np.random.default_rng(seed)
+    mat = lambda r, c, s=0.15: (rng.standard_normal((r, c)) * s).astype(np.float32)
+    norm = lambda n: (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in meta.items():  # the trunk's own keys, as a converter writing mtp_only files keeps them
+        if key.startswith(f"{arch}.") and key not in (f"{arch}.block_count",):
+            if isinstance(value, float):
+                w.add_float32(key, value)
+            elif isinstance(value, int):
+                w.add_uint32(key, value)
+    w.add_block_count(n_trunk + 1)
+    w.add_uint32(f"{arch}.nextn_predict_layers", 1)
+    p = f"blk.{n_trunk}."
+    w.add_tensor(p + "attn_norm.weight", norm(hidden))
+    w.add_tensor(p + "ffn_norm.weight", norm(hidden))
+    w.add_tensor(p + "attn_q.weight", mat(heads * head_dim, hidden))
+    w.add_tensor(p + "attn_k.weight", mat(kv * head_dim, hidden))
+    w.add_tensor(p + "attn_v.weight", mat(kv * head_dim, hidden))
+    w.add_tensor(p + "attn_output.weight", mat(hidden, heads * head_dim))
+    w.add_tensor(p + "ffn_gate.weight", mat(ffn, hidden))
+    w.add_tensor(p + "ffn_up.weight", mat(ffn, hidden))
+    w.add_tensor(p + "ffn_down.weight", mat(hidden, ffn))
+    if arch == "gemma3":
+        for name in ("post_attention_norm", "post_ffw_norm"):
+            w.add_tensor(p + name + ".weight", norm(hidden))
+        w.add_tensor(p + "attn_q_norm.weight", norm(head_dim))
+        w.add_tensor(p + "attn_k_norm.weight", norm(head_dim))
+    w.add_tensor(p + "nextn.eh_proj.weight", mat(hidden, 2 * hidden))
+    w.add_tensor(p + "nextn.enorm.weight", norm(hidden))
+    w.add_tensor(p + "nextn.hnorm.weight", norm(hidden))
+    if reduced:
+        w.add_tensor(p + "nextn.shared_head_norm.weight", norm(hidden))
+        ids = np.sort(rng.permutation(vocab)[:DRAFT_VOCAB]) if ids is None else np.array(ids)
+        w.add_tensor(p + "nextn.shared_head_head.weight", mat(len(ids), hidden, 0.5))
+        w.add_tensor(p + "nextn.draft_vocab", ids.astype(np.int32))
     _finish(w)
     return Path(path)
 

@@ -79,3 +79,75 @@ class ToyModel:
             first[out[0]] += 1
             joint[out[0], out[1]] += 1
         return first, joint, accepted / drafted
+
+
+class CopyingToyCache:
+    """The toy target's "KV cache": the tokens it has seen, truncated like a real one."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len, self.tokens = max_len, []
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+
+
+class CopyingToyConfig:
+    def __init__(self, vocab_size: int, hidden_size: int = 8, context_length: int = 256) -> None:
+        self.vocab_size, self.hidden_size, self.n_layers, self.context_length = vocab_size, hidden_size, 1, context_length
+
+
+class CopyingToyModel:
+    """A target model whose next-token logits are a seeded table indexed by the last token, plus `boost` on
+    the token that followed the last token's previous occurrence (a copying head). Drafters that look at
+    the context (lookup, bigram, suffix) are then often right, so a wrong q moves a lot of mass, and the law
+    of any continuation is exact and cheap: `next_logits(context)`, computed without the runner.
+    It offers the model API the runner uses (forward, new_cache, config, device) on the CPU."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, vocab_size: int, seed: int = 0, boost: float = 3.0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab_size, vocab_size, generator=g) * 0.5
+        self.boost = boost
+        self.config = CopyingToyConfig(vocab_size)
+
+    def next_logits(self, context: list[int]) -> torch.Tensor:
+        last = context[-1]
+        logits = self.table[last].clone()
+        for j in range(len(context) - 2, -1, -1):
+            if context[j] == last:
+                logits[context[j + 1]] += self.boost
+                break
+        return logits
+
+    def new_cache(self, max_len: int) -> CopyingToyCache:
+        return CopyingToyCache(max_len)
+
+    def forward(self, tokens: torch.Tensor, start: int, cache: CopyingToyCache, hidden: bool = False,
+                last_only: bool = False):
+        if start != cache.length:
+            raise ValueError(f"forward at {start} but the cache holds {cache.length} tokens")
+        cache.tokens.extend(int(t) for t in tokens)
+        rows = range(start, cache.length)
+        if last_only:
+            rows = rows[-1:]
+        logits = torch.stack([self.next_logits(cache.tokens[: i + 1]) for i in rows])
+        if hidden:
+            return logits, torch.zeros(len(rows), self.config.hidden_size)
+        return logits
+
+    def law(self, prompt: list[int], n: int, params: SamplingParams) -> dict[tuple[int, ...], float]:
+        """The exact probability of every n-token continuation of `prompt` under plain sampling with `params`."""
+        law = {(): 1.0}
+        for _ in range(n):
+            grown = {}
+            for seq, mass in law.items():
+                p = warp(self.next_logits(list(prompt) + list(seq)), params).double()
+                for t in torch.nonzero(p > 0).flatten().tolist():
+                    grown[seq + (t,)] = mass * float(p[t])
+            law = grown
+        return law

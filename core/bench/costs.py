@@ -1,0 +1,92 @@
+"""What a decoded token costs: the memory-bandwidth bound on decode speed, the bytes a token reads, and the
+cost of a k-token forward relative to a 1-token one (what the adaptive draft length trades against acceptance)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Iterable
+
+import torch
+
+def read_bandwidth_gbs(size_mb: int = 1024, runs: int = 5) -> float:
+    """Sustained read bandwidth: a reduction over a buffer far larger than the cache."""
+    buffer = torch.ones(size_mb * (1 << 20) // 4)
+    buffer.sum()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - t)
+    return buffer.numel() * 4 / statistics.median(times) / 1e9
+
+
+def stored_weight_bytes(gguf) -> int:
+    """Bytes of weights read per decoded token as stored in the GGUF. The input embedding is a row gather,
+    so it counts only when it doubles as the output head."""
+    stored = sum(info.nbytes for name, info in gguf.tensors.items() if name != "token_embd.weight")
+    if "output.weight" not in gguf.tensors and "token_embd.weight" in gguf.tensors:
+        stored += gguf.tensors["token_embd.weight"].nbytes
+    return stored
+
+
+_EMBEDDING_NAMES = ("embd", "embed", "tok_emb", "wte")
+
+
+def tensor_bytes(root: Any) -> int:
+    """Bytes of every torch tensor reachable from `root` through attributes, containers and nn.Module
+    parameters, each storage counted once: a walk instead of a list of names, so it survives rewrites of
+    the model classes. A tensor reached only under an embedding-like name is a row gather, not a per-token
+    read, and is left out (a tied output head reaches it under another name too)."""
+    counted: dict[int, int] = {}
+    embedding_only: dict[int, int] = {}
+    seen: set[int] = set()
+    stack: list[tuple[Any, str]] = [(root, "")]
+    while stack:
+        obj, name = stack.pop()
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "meta":
+                continue
+            storage = obj.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+            if any(word in name.lower() for word in _EMBEDDING_NAMES):
+                embedding_only.setdefault(key, size)
+            else:
+                counted[key] = size
+            continue
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            stack += [(v, str(k)) for k, v in obj.items()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack += [(v, name) for v in obj]
+        elif isinstance(obj, torch.nn.Module):
+            stack += [(t, n) for n, t in obj.named_parameters(recurse=False)]
+            stack += [(t, n) for n, t in obj.named_buffers(recurse=False)]
+            stack += [(m, n) for n, m in obj.named_children()]
+            stack += [(v, k) for k, v in vars(obj).items() if not k.startswith("_")]
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("outrider", "__main__", "tests")):
+            stack += [(v, k) for k, v in vars(obj).items()]
+        elif hasattr(obj, "__slots__") and type(obj).__module__.startswith("outrider"):
+            stack += [(getattr(obj, s), s) for s in obj.__slots__ if hasattr(obj, s)]
+    return sum(counted.values())
+
+
+def forward_cost_curve(model, ks: Iterable[int], prompt_len: int = 128, reps: int = 5) -> dict[int, float]:
+    """Median time of one forward over k new tokens, relative to k = 1, after a prompt_len-token prefix."""
+    ks = list(ks)
+    high = min(1000, model.config.vocab_size)
+    cache = model.new_cache(prompt_len + max(ks) + 1)
+    model.forward(torch.randint(0, high, (prompt_len,)), 0, cache)
+    seconds = {}
+    for k in ks:
+        block = torch.randint(0, high, (k,))
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            model.forward(block, prompt_len, cache)
+            times.append(time.perf_counter() - t)
+            cache.truncate(prompt_len)
+        seconds[k] = statistics.median(times)
+    return {k: seconds[k] / seconds[ks[0]] for k in ks}

@@ -1,0 +1,262 @@
+"""The HTTP side: Starlette routes, OpenAI's response and stream formats, errors as OpenAI's JSON.
+
+Starlette + uvicorn, not FastAPI: the routes are five and the request bodies are validated by
+`requests.py` into Outrider's own types, so FastAPI's pydantic layer would only add a second schema to
+keep in step. uvicorn is the ASGI server Starlette is developed against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..assembly import Assembly
+from ..config import Config
+from ..errors import OutriderError
+from ..runner import GenerationStats
+from .engine import GenerationEngine, Job, Outcome, QueueFull, acceptors_by_greediness
+from .metrics import ServerMetrics
+from .requests import APIError, ServerDefaults, chat_request, completion_request
+
+DEFAULT_QUEUE_SIZE = 16
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+
+
+def llama_timings(stats: GenerationStats) -> dict[str, Any]:
+    """llama-server's `timings` object (draft_n and draft_n_accepted always present, 0 without drafts),
+    plus Outrider's per-position acceptance."""
+    prompt_ms, predicted_ms = stats.prefill_s * 1e3, stats.decode_s * 1e3
+    return {
+        "prompt_n": stats.prompt_tokens,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / stats.prompt_tokens if stats.prompt_tokens else 0.0,
+        "prompt_per_second": stats.prompt_tokens / prompt_ms * 1e3 if prompt_ms else 0.0,
+        "predicted_n": stats.generated_tokens,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / stats.generated_tokens if stats.generated_tokens else 0.0,
+        "predicted_per_second": stats.generated_tokens / predicted_ms * 1e3 if predicted_ms else 0.0,
+        "draft_n": stats.drafted,
+        "draft_n_accepted": stats.accepted,
+        "draft_rounds": stats.rounds,  # verify rounds, with or without drafts
+        "draft_n_accepted_per_pos": list(stats.accepted_at),
+    }
+
+
+def usage(stats: GenerationStats) -> dict[str, int]:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _Formatter:
+    """OpenAI's shapes for one request: completion (`text_completion`) or chat (`chat.completion`)."""
+
+    def __init__(self, chat: bool, model_id: str):
+        self.chat, self.model_id = chat, model_id
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, choices: list, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id,
+                "system_fingerprint": None, "choices": choices}
+
+    def whole(self, text: str, outcome: Outcome) -> dict[str, Any]:
+        choice = {"index": 0, "finish_reason": outcome.finish_reason, "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+        body = self._envelope([choice], chunk=False)
+        body.update(usage=usage(outcome.stats), timings=llama_timings(outcome.stats))
+        return body
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        return self._envelope([choice], chunk=True)
+
+    def usage_chunk(self, stats: GenerationStats) -> dict:
+        body = self._envelope([], chunk=True)
+        body["usage"] = usage(stats)
+        return body
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _as_api_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, OutriderError):
+        return APIError(400, str(exc))
+    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
+
+
+def served_model_id(config: Config) -> str:
+    return str(config["model"])
+
+
+def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUEUE_SIZE) -> Starlette:
+    """An ASGI app over an assembled runner; `config` gives the defaults for what requests leave out."""
+    model_id = served_model_id(config)
+    defaults = ServerDefaults(model_id=model_id, context=assembly.runner.context, max_tokens=config["max_tokens"],
+                              temperature=config["temperature"], top_k=config["top_k"], top_p=config["top_p"],
+                              seed=config["seed"])
+    metrics = ServerMetrics(model_id)
+    engine = GenerationEngine(assembly, acceptors_by_greediness(assembly, config["acceptor"]), metrics, queue_size)
+    started = int(time.time())
+
+    async def read_json(request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the request body is not valid JSON ({exc}); send a JSON object with "
+                                "Content-Type: application/json") from None
+
+    def enqueue(generation) -> Job:
+        job = Job(generation, asyncio.get_running_loop())
+        try:
+            engine.submit(job)
+        except QueueFull:
+            wait = engine.retry_after_s()
+            raise APIError(503, f"the server is busy ({engine.waiting} requests waiting, the queue holds "
+                                f"{queue_size}); retry in {wait} s", type="server_error", code="queue_full",
+                           headers={"Retry-After": str(wait)}) from None
+        return job
+
+    async def stream(job: Job, fmt: _Formatter, include_usage: bool):
+        try:
+            if fmt.chat:
+                yield _sse(fmt.chunk("", role=True))
+            while True:
+                kind, value = await job.events.get()
+                if kind == "text":
+                    yield _sse(fmt.chunk(value))
+                elif kind == "done":
+                    final = fmt.chunk(None if fmt.chat else "", finish_reason=value.finish_reason)
+                    final["timings"] = llama_timings(value.stats)
+                    yield _sse(final)
+                    if include_usage:
+                        yield _sse(fmt.usage_chunk(value.stats))
+                    yield _sse("[DONE]")
+                    return
+                else:  # the response has started: the error goes in the stream, as OpenAI does
+                    yield _sse(_as_api_error(value).body())
+                    return
+        finally:
+            job.cancelled.set()  # a disconnect cancels this generator; the worker stops after this round
+
+    async def collect(job: Job, request: Request) -> tuple[str, Outcome]:
+        parts = []
+        try:
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        raise _ClientGone from None
+                    continue
+                if kind == "text":
+                    parts.append(value)
+                elif kind == "done":
+                    return "".join(parts), value
+                else:
+                    raise _as_api_error(value)
+        finally:
+            job.cancelled.set()
+
+    async def generate(request: Request, chat: bool) -> Response:
+        body = await read_json(request)
+        if chat:
+            generation = chat_request(body, defaults, assembly.tokenizer, assembly.gguf)
+        else:
+            generation = completion_request(body, defaults, assembly.tokenizer)
+        job = enqueue(generation)
+        fmt = _Formatter(chat, model_id)
+        if generation.stream:
+            return StreamingResponse(stream(job, fmt, generation.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"},
+                                     background=BackgroundTask(job.cancelled.set))
+        try:
+            text, outcome = await collect(job, request)
+        except _ClientGone:
+            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+        return JSONResponse(fmt.whole(text, outcome))
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_id, "object": "model", "created": started, "owned_by": "outrider",
+             "meta": {"context": defaults.context, "plugins": {k: s.name for k, s in assembly.plugins.items()}}}]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "waiting": engine.waiting})
+
+    async def metrics_page(request: Request) -> Response:
+        return Response(metrics.exposition(), headers={"Content-Type": metrics.content_type})
+
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return _error_response(exc)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                        type=kind, headers=dict(exc.headers or {})))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return _error_response(_as_api_error(exc))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_page, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
+    app.state.engine, app.state.metrics, app.state.model_id = engine, metrics, model_id
+    return app
+
+
+def run_server(app: Starlette, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") -> None:
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

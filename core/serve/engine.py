@@ -1,0 +1,185 @@
+"""One generation at a time against the assembled runner, in a worker thread; a bounded queue in front.
+
+Requests come from the event loop as `Job`s; the worker runs them in arrival order and sends each one's
+text back, one event per verify round (the tokens a round emits become certain together), then a `done`
+event with the stats. A job whose client has gone is skipped if it is still waiting, and stopped after
+the round in progress if it is running. Per-request sampling settings go straight to `Runner.generate`;
+with `--acceptor auto` the acceptor (greedy at temperature 0, sampled above) is chosen per request from
+two built at start-up, so nothing is re-assembled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..assembly import Assembly, check_pair
+from ..errors import OutriderError
+from ..registry import Registry, default_registry
+from ..runner import GenerationStats
+from ..sampling import SamplingParams
+from .metrics import ServerMetrics
+from .requests import GenerationRequest
+from .stop_text import StopText
+
+log = logging.getLogger("outrider.serve")
+
+
+class QueueFull(Exception):
+    """Every place in the queue is taken."""
+
+
+@dataclass
+class Outcome:
+    finish_reason: str  # stop (end of generation or a stop string), length, abort (the client went away)
+    stats: GenerationStats
+
+
+@dataclass
+class Job:
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.perf_counter)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def send(self, kind: str, value: Any) -> None:
+        """From the worker thread: ("text", str), ("done", Outcome) or ("error", Exception)."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+
+def acceptors_by_greediness(assembly: Assembly, acceptor_setting: str,
+                            registry: Registry | None = None) -> dict[bool, Any]:
+    """{temperature is 0: acceptor}. A named acceptor serves every request; `auto` gets greedy and sampled."""
+    chosen = assembly.runner.acceptor
+    if acceptor_setting != "auto":
+        return {True: chosen, False: chosen}
+    chosen_name = assembly.plugins["acceptor"].name
+    other_name = "sampled" if chosen_name == "greedy" else "greedy"
+    spec = (registry or default_registry()).get("acceptor", other_name)
+    other = spec.factory(**spec.resolve_options({}))
+    check_pair(assembly.plugins["drafter"], spec, assembly.runner.drafter,
+               SamplingParams(temperature=0.0 if other_name == "greedy" else 1.0))
+    return {chosen_name == "greedy": chosen, other_name == "greedy": other}
+
+
+class GenerationEngine:
+    def __init__(self, assembly: Assembly, acceptors: dict[bool, Any], metrics: ServerMetrics, queue_size: int):
+        self.runner, self.tokenizer = assembly.runner, assembly.tokenizer
+        self.acceptors, self.metrics, self.queue_size = acceptors, metrics, queue_size
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self.waiting = 0  # submitted, not yet taken by the worker
+        self.busy = 0  # 1 while the worker holds a job; counted with `waiting` under the lock, so no gap
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._current: Job | None = None
+        self._mean_latency_s = 1.0
+        labels = metrics.model_name
+        metrics.waiting.labels(labels).set_function(lambda: self.waiting)
+        self._running = metrics.running.labels(labels)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._work, name="outrider-generation", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the generation in progress after its round, refuse what waits, end the thread."""
+        self._stopping = True
+        current = self._current
+        if current is not None:
+            current.cancelled.set()
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if self.waiting + self.busy > self.queue_size:
+                self.metrics.requests_rejected.labels(self.metrics.model_name).inc()
+                raise QueueFull
+            self.waiting += 1
+        self._jobs.put(job)
+
+    def retry_after_s(self) -> int:
+        """A guess at when a place frees up: the mean request time so far, at least a second."""
+        return max(1, round(self._mean_latency_s))
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            with self._lock:
+                self.waiting -= 1
+                self.busy = 1
+            event = self._take(job)
+            with self._lock:
+                self.busy = 0
+            if event is not None:  # after the place is free, so a client that goes on at once finds it free
+                job.send(*event)
+
+    def _take(self, job: Job) -> tuple[str, Any] | None:
+        if self._stopping:
+            return "error", OutriderError("the server is shutting down; retry on another server")
+        if job.cancelled.is_set():
+            self.metrics.request_success.labels(self.metrics.model_name, "abort").inc()
+            return None
+        self._current = job
+        self._running.set(1)
+        try:
+            return "done", self._generate(job)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the server
+            if not isinstance(exc, OutriderError):
+                log.exception("generation failed")
+            self.metrics.request_success.labels(self.metrics.model_name, "error").inc()
+            return "error", exc
+        finally:
+            self._current = None
+            self._running.set(0)
+            self._mean_latency_s += 0.2 * (time.perf_counter() - job.arrival - self._mean_latency_s)
+
+    def _generate(self, job: Job) -> Outcome:
+        request, runner, tokenizer, metrics = job.request, self.runner, self.tokenizer, self.metrics
+        labels = metrics.model_name
+        metrics.queue_time.labels(labels).observe(time.perf_counter() - job.arrival)
+        runner.acceptor = self.acceptors[request.params.greedy]  # one generation at a time: safe to swap
+        decoder, text = tokenizer.stream_decoder(), StopText(request.stop)
+        eog = tokenizer.eog_ids
+        finish = None
+        tokens = runner.generate(request.prompt_ids, request.max_tokens, request.params, eog)
+        try:
+            for token in tokens:
+                stats = runner.stats
+                if stats.generated_tokens == 1:
+                    metrics.ttft.labels(labels).observe(time.perf_counter() - job.arrival)
+                if token not in eog:
+                    text.feed(decoder.push(token))
+                # every round emits its accepted drafts plus one token, so a round's tokens are all out when
+                # generated == 1 (the prefill's token) + rounds + accepted; before that, more are coming
+                if stats.generated_tokens < 1 + stats.rounds + stats.accepted:
+                    continue
+                piece = text.take()
+                if piece:
+                    job.send("text", piece)
+                if text.stopped:
+                    finish = "stop"
+                    break
+                if job.cancelled.is_set():
+                    finish = "abort"
+                    break
+        finally:
+            tokens.close()
+        stats = runner.stats
+        if finish is None:
+            text.feed(decoder.flush())
+            piece = text.take(final=True)
+            if piece:
+                job.send("text", piece)
+            finish = "length" if stats.stop_reason == "length" and not text.stopped else "stop"
+        metrics.record_generation(stats, finish)
+        metrics.e2e_latency.labels(labels).observe(time.perf_counter() - job.arrival)
+        return Outcome(finish, stats)

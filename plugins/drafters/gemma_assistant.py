@@ -1,0 +1,147 @@
+"""The `gemma-assistant` drafter: Gemma 4's assistant-MTP model drafting from the target's own state.
+
+`--drafter gemma-assistant --draft-model mtp-gemma-4-XX.gguf` (llama.cpp: `--spec-type draft-mtp -md FILE`).
+The assistant has no KV cache and reads no prompt: after each verify the runner shows it (`observe`) the
+target's final-normed hidden states and KV cache. A round starts from the row (t0, the target hidden that
+predicted t0, position of t0) and chains k steps at that same position, each feeding the target's embedding of
+the token just drafted and the assistant's own projected hidden state, as llama.cpp's draft-mtp and
+transformers' SinglePositionMultiTokenCandidateGenerator do. Its layers attend over the target's cached K/V
+of the last sliding and the last global layer (through the target's KV-sharing map), positions before t0.
+
+At temperature > 0 it samples each draft from its own softmax warped like the target's and reports it as q, so
+the sampled acceptor's full-q rule keeps the output lossless; at temperature 0 (or with `sample = false`) it
+takes the argmax, as llama.cpp does. `--draft-p-min` stops a round at a draft below that probability.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from outrider.catalog import resolve_model
+from outrider.drafting import NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, Draft, DraftControls, DrafterBase, Target
+from outrider.errors import ConfigError, ModelFileError
+from outrider.gguf_file import GGUFFile
+from outrider.hookspecs import hookimpl
+from outrider.models.gemma4_assistant import DEFAULT_CENTROID_TOP_K, HEADS, Gemma4Assistant
+from outrider.sampling import SamplingParams, warp
+
+TARGET_ARCHITECTURE = "gemma4"
+
+
+def target_kv_layers(model) -> dict[str, int]:
+    """The cache layers the assistant reads: those of the target's last sliding and last global layer,
+    resolved through its KV-sharing map (transformers' shared_kv_states: the last layer of each type)."""
+    cfg = model.config
+    source = getattr(model, "kv_source_layer", tuple(range(cfg.n_layers)))
+    last = {}
+    for i, local in enumerate(cfg.is_local):
+        last["swa" if local else "full"] = source[i]
+    return last
+
+
+class GemmaAssistantDrafter(DrafterBase):
+    needs = frozenset({NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV})
+    gives_draft_probs = True  # when it samples (temperature > 0 and sample = true); the runner asks the instance
+
+    def __init__(self, model: str = "", head: str = "auto", centroid_top_k: int = DEFAULT_CENTROID_TOP_K,
+                 sample: bool = True):
+        if not model:
+            raise ConfigError("drafter 'gemma-assistant' needs the assistant GGUF: pass --draft-model "
+                              "FILE.gguf (e.g. mtp-gemma-4-31B-it.gguf)")
+        if head not in HEADS:
+            raise ConfigError(f"drafter 'gemma-assistant': unknown head '{head}'; choose one of: {', '.join(HEADS)}")
+        self.model_name, self.head, self.centroid_top_k, self.sample = model, head, centroid_top_k, sample
+        self.gives_draft_probs = sample
+
+    def setup(self, target: Target) -> None:
+        super().setup(target)
+        tpath, apath = target.gguf.path, self.model_name
+        pair = f"target {tpath} and assistant {apath}"
+        if target.gguf.architecture != TARGET_ARCHITECTURE:
+            raise ConfigError(f"{pair}: the target is '{target.gguf.architecture}', but a Gemma 4 assistant drafts "
+                              "only for a gemma4 target; pass the Gemma 4 model it was trained with as -m")
+        gguf = GGUFFile(resolve_model(apath))
+        try:
+            self.assistant = Gemma4Assistant(gguf, dtype=target.model.dtype, device=target.model.device,
+                                             head=self.head, centroid_top_k=self.centroid_top_k)
+        except ModelFileError as exc:
+            raise ConfigError(f"{pair}: {exc}") from None
+        a, t = self.assistant.config, target.model.config
+        if a.backbone_hidden_size != t.hidden_size:
+            raise ConfigError(f"{pair}: the assistant was trained for a {a.backbone_hidden_size}-wide target, this "
+                              f"target is {t.hidden_size} wide; pair each assistant with its own Gemma 4 size")
+        if a.vocab_size < t.vocab_size:
+            raise ConfigError(f"{pair}: the assistant has {a.vocab_size} tokens, fewer than the target's "
+                              f"{t.vocab_size}; pair each assistant with its own Gemma 4 model")
+        self.kv_layers = target_kv_layers(target.model)
+        for i, swa in enumerate(a.is_swa):
+            kind = "swa" if swa else "full"
+            src = self.kv_layers.get(kind)
+            want = (a.n_kv_heads[i], a.head_dim_swa if swa else a.head_dim)
+            have = None if src is None else (t.n_kv_heads[src], t.head_dim[src])
+            if have != want:
+                raise ConfigError(f"{pair}: assistant layer {i} ({kind}) reads {want[0]} kv heads of width {want[1]}, "
+                                  f"the target's last {kind} layer has "
+                                  f"{'none' if have is None else f'{have[0]} of width {have[1]}'}; "
+                                  "pair each assistant with its own Gemma 4 model")
+        self.vocab_size = t.vocab_size
+        self.device = target.model.device
+
+    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
+        super().begin(prompt, params, controls)
+        self.hidden, self.end, self.cache = None, 0, None
+        seed = params.seed if params.seed is not None else 0
+        self.generator = torch.Generator().manual_seed(seed ^ 0xA551)
+
+    def observe(self, hidden: torch.Tensor, start: int, cache) -> None:
+        # only the last certain row matters: it is the target hidden that predicted the next t0
+        self.hidden, self.end, self.cache = hidden[-1:].clone(), start + hidden.shape[0], cache
+
+    def rollback(self, length: int) -> None:
+        if length < self.end:  # the observed row is no longer the one before t0
+            self.hidden = None
+
+    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+        logits = logits[: self.vocab_size].float().cpu()
+        if self.sample and not self.params.greedy:
+            q = warp(logits, self.params)
+            token = int(torch.multinomial(q, 1, generator=self.generator))
+            return token, q, float(q[token])
+        token = int(logits.argmax())
+        confidence = float(torch.softmax(logits, -1)[token]) if self.controls.draft_p_min > 0 else 1.0
+        return token, None, confidence
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        pos = len(tokens) - 1  # t0's position: the target has cached exactly the positions before it
+        if k <= 0 or self.hidden is None or self.end != pos or self.cache is None or self.cache.length < pos:
+            return Draft()
+        kv = {kind: (self.cache.keys[layer][:, :pos], self.cache.values[layer][:, :pos])
+              for kind, layer in self.kv_layers.items()}
+        embed = self.target.model.embed
+        token, h = tokens[-1], self.hidden
+        drafted, rows = [], []
+        for _ in range(k):
+            inputs = self.assistant.input_rows(embed(torch.tensor([token], device=self.device)), h)
+            logits, h = self.assistant.forward(inputs, pos, kv)
+            token, q, confidence = self._choose(logits[0])
+            if confidence < self.controls.draft_p_min:
+                break
+            drafted.append(token)
+            if q is not None:
+                rows.append(q)
+        probs = torch.stack(rows) if rows and len(rows) == len(drafted) else None
+        return Draft(drafted, probs)
+
+
+@hookimpl
+def register_drafters(register):
+    register("gemma-assistant", GemmaAssistantDrafter, aliases=("gemma4-assistant",),
+             capabilities={"target_architecture": TARGET_ARCHITECTURE}, options={
+        "model": (str, "", "the assistant GGUF (gemma4-assistant), e.g. mtp-gemma-4-31B-it.gguf (also --draft-model)"),
+        "head": (str, "auto", "output head: auto (the file's centroid head if it has one), dense (llama.cpp's "
+                              "choice: the tied head over the whole vocabulary), centroids"),
+        "centroid_top_k": (int, DEFAULT_CENTROID_TOP_K, "centroids kept by the centroid head (transformers' "
+                                                        "centroid_intermediate_top_k; GGUF files do not record it)"),
+        "sample": (bool, True, "at temperature > 0, sample drafts from the assistant's warped softmax and report it "
+                               "as q; false: argmax drafts as llama.cpp (the acceptor then uses the one-hot rule)"),
+    })

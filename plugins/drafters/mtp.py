@@ -1,0 +1,242 @@
+"""The `mtp` drafter: multi-token-prediction (NextN) heads in llama.cpp's layout, run beside the target.
+
+Where the head comes from, first found wins: `--draft-model` (a sidecar GGUF holding only the MTP blocks,
+named as in the target), the target's own file (`{arch}.nextn_predict_layers` > 0), or the sidecar that
+`outrider distill` wrote into the cache for this target (`mtp_sidecar_path`).
+
+One MTP block k (`blk.{n_trunk + k}`) is a decoder block of the trunk's own kind plus the nextn tensors;
+the row at position p takes the token x_p and the target's final-normed hidden state h_{p-1}:
+
+    x = eh_proj([rms(E[x_p], enorm), rms(h_{p-1}, hnorm)]);  x = block(x, p);  h' = rms(x, shared_head_norm)
+    logits = shared_head_head(h')   (fallbacks: output_norm, the target's output head, token_embd)
+
+h' is fed back as the next row's hidden (post-norm chaining, as qwen35/deepseek2). The target hidden comes
+through `observe`; the block's own KV cache is filled for every certain row (catch-up, done at the start of
+the next `propose`, in the same forward that computes the first draft) and cut back after each round to the
+rows made from the target's hidden states. One head is reused with positions incrementing; several heads are
+chained DeepSeek-style, draft i from head min(i, n_heads - 1) fed the hidden of draft i - 1.
+
+Outrider's own extension: `blk.{b}.nextn.draft_vocab` (I32, [V_draft]) maps the rows of a reduced
+`shared_head_head` to target ids (FR-Spec), so a 262k-token vocabulary costs the head only V_draft rows;
+tokens outside it get draft probability 0, which the acceptors handle losslessly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from outrider.catalog import outrider_home, resolve_model
+from outrider.drafting import NEEDS_MTP_HEAD, NEEDS_TARGET_HIDDEN, Draft, DrafterBase, DraftControls, DraftKind, Target
+from outrider.errors import ConfigError, ModelFileError
+from outrider.gguf_file import GGUFFile
+from outrider.hookspecs import hookimpl
+from outrider.models.layers import PREFILL_CHUNK, trunk_layers
+from outrider.models.linear import load_linear, rms_norm
+from outrider.models.stack import LayerStack
+from outrider.sampling import SamplingParams, warp
+
+MTP_KIND = DraftKind("mtp", 0.6)
+
+
+def mtp_sidecar_path(target_path: str | Path) -> Path:
+    """Where `outrider distill` writes, and the drafter looks for, the trained head of the target file."""
+    return outrider_home() / "mtp" / (Path(target_path).stem + ".mtp.gguf")
+
+
+def head_count(g: GGUFFile) -> int:
+    return int(g.arch_key("nextn_predict_layers", 0) or 0)
+
+
+class MTPHead:
+    """One MTP block: the trunk-kind decoder block and the nextn projections around it, on the target's
+    backend, with its own one-layer KV cache."""
+
+    def __init__(self, g: GGUFFile, b: int, target: Target, max_len: int):
+        model = target.model
+        self.model, self.eps = model, model.config.eps
+        dtype, device, packed = model.dtype, model.device, model.native
+        p = f"blk.{b}.nextn."
+        has = lambda name: p + name + ".weight" in g.tensors
+        norm = lambda name: g.load(p + name + ".weight").to(dtype).to(device)
+        for name in ("eh_proj", "enorm", "hnorm"):
+            if not has(name):
+                raise ModelFileError(f"{g.path}: MTP block {b} lacks {p}{name}.weight; the file is not an MTP head")
+        self.eh_proj = load_linear(g, [p + "eh_proj.weight"], packed, dtype, device)
+        self.enorm, self.hnorm = norm("enorm"), norm("hnorm")
+        self.head_norm = norm("shared_head_norm") if has("shared_head_norm") else model.output_norm
+        self.embed_table = norm("embed_tokens") if has("embed_tokens") else None
+        self.softcap = getattr(model.config, "final_logit_softcap", 0.0)
+        self.ids = None  # reduced draft vocabulary: row r of the head is target token ids[r]
+        if has("shared_head_head"):
+            self.head = load_linear(g, [p + "shared_head_head.weight"], packed, dtype, device)
+            rows = g.tensors[p + "shared_head_head.weight"].shape[0]
+            if p + "draft_vocab" in g.tensors:
+                ids = np.frombuffer(g.raw(p + "draft_vocab"), dtype=np.int32)
+                self.ids = torch.from_numpy(ids.astype(np.int64))
+                if len(ids) != rows or int(ids.max()) >= model.config.vocab_size or int(ids.min()) < 0:
+                    raise ModelFileError(f"{g.path}: {p}draft_vocab must hold {rows} target ids below "
+                                         f"{model.config.vocab_size}; rewrite it with `outrider distill`")
+            elif rows != model.config.vocab_size:
+                raise ModelFileError(f"{g.path}: {p}shared_head_head has {rows} rows, the target's vocabulary "
+                                     f"{model.config.vocab_size}, and no {p}draft_vocab maps them")
+        else:
+            self.head = model.output
+        self.stack = LayerStack([model.block(g, b)], model.attention, self.eps, model.activation)
+        self.cache = model.attention.new_cache(1, max_len, device)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_table[tokens] if self.embed_table is not None else self.model.embed(tokens)
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits of the last row over the head's rows, post-norm hidden [T, H]) for rows at start..start+T-1."""
+        x = torch.cat([rms_norm(self.embed(tokens), self.enorm, self.eps),
+                       rms_norm(hidden.to(self.enorm.dtype), self.hnorm, self.eps)], dim=-1)
+        x = self.stack.run(self.eh_proj(x), start, self.cache, False)
+        self.cache.length = start + tokens.shape[0]
+        h = rms_norm(x, self.head_norm, self.eps)
+        return self.head(h[-1:], softcap=self.softcap)[0].float(), h
+
+    def full_logits(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
+        if self.ids is None:
+            return logits[:vocab].cpu()
+        full = torch.full((vocab,), float("-inf"))
+        return full.scatter_(0, self.ids, logits.cpu())
+
+
+def find_head_file(target: Target, model: str) -> GGUFFile:
+    if model:
+        g = GGUFFile(resolve_model(model))
+    elif head_count(target.gguf):
+        return target.gguf
+    else:
+        path = mtp_sidecar_path(target.gguf.path)
+        if not path.is_file():
+            raise ConfigError(f"{target.gguf.path.name} has no MTP (nextn) blocks and no trained head is cached at "
+                              f"{path}; train one with `outrider distill {target.gguf.path}` or pass "
+                              "--draft-model SIDECAR.gguf")
+        g = GGUFFile(path)
+    if g.architecture != target.gguf.architecture or not head_count(g):
+        raise ConfigError(f"{g.path} is not an MTP head for a {target.gguf.architecture} target (architecture "
+                          f"'{g.architecture}', nextn_predict_layers {head_count(g)}); pass a sidecar written "
+                          "for this model (`outrider distill`)")
+    for key in ("embedding_length", "attention.head_count", "attention.head_count_kv"):
+        if g.arch_key(key) != target.gguf.arch_key(key):
+            raise ConfigError(f"{g.path}: {key} is {g.arch_key(key)}, the target's {target.gguf.arch_key(key)}; "
+                              "the sidecar was written for another model: run `outrider distill` for this one")
+    return g
+
+
+class MTPDrafter(DrafterBase):
+    needs = frozenset({NEEDS_TARGET_HIDDEN, NEEDS_MTP_HEAD})
+    gives_draft_probs = True  # at temperature > 0 with sample = true: drafts are sampled from q
+
+    def __init__(self, model: str = "", sample: bool = True, context: int = 4096):
+        self.model_name, self.sample, self.context = model, sample, context
+        self.gives_draft_probs = sample
+
+    def setup(self, target: Target) -> None:
+        super().setup(target)
+        g = find_head_file(target, self.model_name)
+        self.max_len = min(self.context, target.model.config.context_length)
+        first = trunk_layers(g)
+        self.heads = [MTPHead(g, first + k, target, self.max_len) for k in range(head_count(g))]
+        self.vocab = target.model.config.vocab_size
+        self.hidden = torch.zeros(self.max_len, target.model.config.hidden_size, dtype=target.model.dtype,
+                                  device=target.model.device)
+        self.device = target.model.device
+
+    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
+        super().begin(prompt, params, controls)
+        self.observed = 0  # target hidden rows held for positions [0, observed)
+        for head in self.heads:
+            head.cache.truncate(0)
+        seed = params.seed if params.seed is not None else 0
+        self.generator = torch.Generator().manual_seed(seed ^ 0x3717)
+
+    def observe(self, hidden: torch.Tensor, start: int, cache) -> None:
+        if start > self.observed:  # rows before these were never shown: keep only the contiguous ones
+            return
+        end = min(start + hidden.shape[0], self.max_len)
+        self.hidden[start:end] = hidden[: end - start]
+        self.observed = end
+
+    def rollback(self, length: int) -> None:
+        self.observed = min(self.observed, length)
+        for head in self.heads:
+            head.cache.truncate(min(head.cache.length, length))
+
+    def _ready(self, tokens: list[int]) -> bool:
+        # every row before the last token's has its target hidden state: the last token is the draft's seed
+        return 0 < len(tokens) < self.max_len and self.observed >= len(tokens) - 1
+
+    def draft_kind(self, tokens: list[int]) -> DraftKind | None:
+        return MTP_KIND if self._ready(tokens) else None
+
+    def _rows(self, head: MTPHead, tokens: list[int], end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, target hidden h_{p-1}) of the catch-up rows p = head.cache.length .. end-1."""
+        start = head.cache.length
+        ids = torch.tensor(tokens[start:end], device=self.device)
+        h = self.hidden[max(start - 1, 0):end - 1]
+        if start == 0:  # position 0 has no row before it: a zero hidden (what distill trains with too)
+            h = torch.cat([torch.zeros_like(self.hidden[:1]), h])
+        return ids, h
+
+    def _catch_up(self, head: MTPHead, tokens: list[int], end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill `head`'s cache with the target-made rows up to position end-1; the last row's logits and
+        post-norm hidden [1, H]."""
+        while head.cache.length < end:
+            stop = min(end, head.cache.length + PREFILL_CHUNK)
+            ids, h = self._rows(head, tokens, stop)
+            logits, hidden = head.forward(ids, h, head.cache.length)
+        return logits, hidden[-1:]
+
+    def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+        logits = logits.float()
+        if self.sample and not self.params.greedy:
+            q = warp(logits, self.params)
+            token = int(torch.multinomial(q, 1, generator=self.generator))
+            return token, q, float(q[token])
+        token = int(logits.argmax())
+        confidence = float(torch.softmax(logits, -1)[token]) if self.controls.draft_p_min > 0 else 1.0
+        return token, None, confidence
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        k = min(k, self.max_len - len(tokens))
+        if k <= 0 or not self._ready(tokens):
+            return Draft()
+        n = len(tokens) - 1  # t0's position: its row (t0, h_{n-1}) is made from the target and seeds the draft
+        for head in self.heads:
+            head.cache.truncate(min(head.cache.length, n))
+        seeds = [self._catch_up(head, tokens, n + 1) for head in self.heads]
+        logits, hidden = seeds[0]
+        drafted, rows, chain = [], [], [hidden]  # chain[m]: the hidden that made draft m + 1
+        for i in range(k):
+            head = self.heads[min(i, len(self.heads) - 1)]
+            if i > 0:  # rows n+1..n+i of this head: draft m at n+m with chain[m-1], those it lacks
+                first = head.cache.length
+                ids = torch.tensor(drafted[first - n - 1:i], device=self.device)
+                logits, h = head.forward(ids, torch.cat(chain[first - n - 1:i]), first)
+                chain.append(h[-1:])
+            token, q, confidence = self._pick(head.full_logits(logits, self.vocab))
+            if confidence < self.controls.draft_p_min:
+                break
+            drafted.append(token)
+            if q is not None:
+                rows.append(q)
+        for head in self.heads:  # drafted rows are not the target's: only rows up to t0's stay
+            head.cache.truncate(n + 1)
+        return Draft(drafted, torch.stack(rows) if rows else None)
+
+
+@hookimpl
+def register_drafters(register):
+    register("mtp", MTPDrafter, aliases=("nextn",), options={
+        "model": (str, "", "an MTP sidecar GGUF (also --draft-model); default: the target's own nextn blocks, "
+                           "else the head `outrider distill` cached for it"),
+        "sample": (bool, True, "at temperature > 0, sample drafts from the head's q (the acceptor uses the full-q "
+                               "rule); false: argmax drafts"),
+        "context": (int, 4096, "the MTP blocks' KV cache length"),
+    })

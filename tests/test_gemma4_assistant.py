@@ -1,0 +1,116 @@
+"""The Gemma 4 assistant read from a GGUF written by llama.cpp's converter computes what transformers'
+`Gemma4AssistantForCausalLM` computes, driven the same way (same target hidden, same shared KV, same
+constant position): logits and the k chained argmax drafts, k = 1..4, for the dense tied head and the
+E2B/E4B centroid-masked head. Oracle: transformers, on the checkpoint the GGUF was converted from.
+
+Sliding layers: llama.cpp masks keys with pos - key_pos >= sliding_window; transformers' bidirectional window
+(|distance| <= window, flipped) would see two more. The oracle is given exactly the keys llama.cpp lets
+through, and a separate test pins the window edge.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from outrider.errors import ModelFileError
+from outrider.gguf_file import GGUFFile
+from outrider.models.gemma4_assistant import Gemma4Assistant
+
+pytest.importorskip("transformers")
+
+from outrider.testing.gemma4_assistant import TransformersAssistant, assistant_gguf, write_assistant_checkpoint  # noqa: E402
+from outrider.testing.llama_cpp import ReferenceUnavailable  # noqa: E402
+
+VOCAB, BACKBONE, WINDOW = 320, 48, 8
+TOP_K = 2  # centroids kept by the fixture's masked head (GGUF files do not record it: an option)
+
+
+@pytest.fixture(scope="module", params=["dense", "centroids"])
+def pair(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"assistant-{request.param}")
+    centroids = request.param == "centroids"
+    hf = write_assistant_checkpoint(folder / "hf", seed=3, vocab_size=VOCAB, backbone=BACKBONE,
+                                    sliding_window=WINDOW, centroids=centroids,
+                                    centroid_top_k=TOP_K)
+    try:
+        path = assistant_gguf(folder / "hf", folder / "assistant.gguf", keep_centroids=centroids)
+    except ReferenceUnavailable as exc:
+        pytest.skip(str(exc))
+    return request.param, hf, path
+
+
+def _target_state(seed: int, length: int):
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randn(VOCAB, BACKBONE, generator=gen)
+    kv = {"swa": (torch.randn(2, length, 16, generator=gen), torch.randn(2, length, 16, generator=gen)),
+          "full": (torch.randn(1, length, 32, generator=gen), torch.randn(1, length, 32, generator=gen))}
+    hidden = torch.randn(BACKBONE, generator=gen) * 3
+    return table, kv, hidden
+
+
+def _ours(model: Gemma4Assistant, table, kv, hidden, token: int, pos: int, k: int):
+    rows, ids, h = [], [], hidden[None]
+    for _ in range(k):
+        logits, h = model.forward(model.input_rows(table[[token]], h), pos, kv)
+        token = int(logits[0].argmax())
+        rows.append(logits[0])
+        ids.append(token)
+    return torch.stack(rows), ids
+
+
+@pytest.mark.parametrize("pos", [3, 21])  # inside the sliding window, and past it
+def test_logits_and_k_drafts_equal_transformers(pair, pos):
+    head, hf, path = pair
+    model = Gemma4Assistant(GGUFFile(path), centroid_top_k=TOP_K)
+    assert model.centroids_on == (head == "centroids")
+    table, kv, hidden = _target_state(pos, pos)
+    first = max(0, pos - WINDOW + 1)  # the keys llama.cpp lets a sliding layer see from position pos
+    shared = {"sliding_attention": (kv["swa"][0][:, first:], kv["swa"][1][:, first:]), "full_attention": kv["full"]}
+    embed = lambda ids: table[ids] * BACKBONE ** 0.5
+    oracle = TransformersAssistant(hf)
+    for k in (1, 2, 3, 4):
+        want_rows, want_ids = oracle.draft(embed, 17, hidden, pos, shared, k)
+        got_rows, got_ids = _ours(model, table, kv, hidden, 17, pos, k)
+        assert got_ids == want_ids, f"k={k}: drafted {got_ids}, transformers {want_ids}"
+        torch.testing.assert_close(got_rows, want_rows, atol=2e-4, rtol=2e-4)
+    assert len(set(want_ids)) > 1 or head == "centroids"  # the chain is not stuck on one token
+
+
+def test_dense_head_option_ignores_the_centroids(pair):
+    head, hf, path = pair
+    if head != "centroids":
+        pytest.skip("the file has no centroid head")
+    model = Gemma4Assistant(GGUFFile(path), head="dense")
+    table, kv, hidden = _target_state(5, 12)
+    logits, _ = model.forward(model.input_rows(table[[9]], hidden[None]), 12, kv)
+    last = hf.model(inputs_embeds=hf.pre_projection(model.input_rows(table[[9]], hidden[None])[None]),
+                    position_ids=torch.tensor([[12]]), use_cache=False,
+                    shared_kv_states={"sliding_attention": (kv["swa"][0][None, :, 5:], kv["swa"][1][None, :, 5:]),
+                                      "full_attention": (kv["full"][0][None], kv["full"][1][None])}).last_hidden_state
+    torch.testing.assert_close(logits, hf.lm_head(last)[0], atol=2e-4, rtol=2e-4)
+
+
+def test_sliding_layers_see_exactly_the_window(pair):
+    _, _, path = pair
+    model = Gemma4Assistant(GGUFFile(path))
+    pos = 20
+    table, kv, hidden = _target_state(7, pos)
+    run = lambda kv: model.forward(model.input_rows(table[[4]], hidden[None]), pos, kv)[0]
+    base = run(kv)
+
+    def poked(at: int):
+        keys = kv["swa"][0].clone()
+        keys[:, at] += 5.0
+        return run({"swa": (keys, kv["swa"][1]), "full": kv["full"]})
+
+    torch.testing.assert_close(poked(pos - WINDOW), base, atol=0, rtol=0)  # just outside: unseen
+    assert not torch.allclose(poked(pos - WINDOW + 1), base)  # oldest key inside the window
+
+
+def test_a_file_that_is_not_an_assistant_is_refused(tmp_path):
+    from outrider.testing.tiny_models import write_tiny_gemma3
+
+    path = write_tiny_gemma3(tmp_path / "g3.gguf")
+    with pytest.raises(ModelFileError, match="not a Gemma 4 assistant"):
+        Gemma4Assistant(GGUFFile(path))

@@ -1,0 +1,271 @@
+"""The `mtp` drafter on sidecars this test writes itself in llama.cpp's nextn layout, with known random weights.
+
+Oracles: the MTP equations of shared/specs/mtp-drafters.md (b.3, c.1, c.2) written out below in plain torch over
+weights read back with the `gguf` package's own reader (not Outrider's), attention recomputed over every row
+each step (no cache); plain decoding written as the obvious loop; exact target distributions for chi-square.
+"""
+
+from __future__ import annotations
+
+import math
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from outrider.drafting import DraftControls
+from outrider.plugins.acceptors.greedy import GreedyAcceptor
+from outrider.plugins.acceptors.sampled import SampledAcceptor
+from outrider.plugins.drafters.mtp import MTPDrafter
+from outrider.runner import Runner
+from outrider.sampling import SamplingParams, warp
+from outrider.testing.checks import one_torch_thread
+from outrider.testing.fixtures import ContractFixtures, plain_greedy
+from outrider.testing.stats import chi2_test
+from outrider.testing.tiny_models import DRAFT_VOCAB, write_tiny_mtp_sidecar as write_sidecar
+
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
+
+
+def _t(reader_tensor) -> torch.Tensor:
+    t = reader_tensor
+    data = gguf.quants.dequantize(t.data, t.tensor_type) if t.tensor_type not in (0, 1) else np.asarray(t.data)
+    return torch.from_numpy(np.array(data, dtype=np.float32)).reshape([int(x) for x in reversed(t.shape)])
+
+
+def read_all(path) -> tuple[dict, dict]:
+    r = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in r.tensors}
+    meta = {f.name: f.contents() for f in r.fields.values()}
+    return tensors, meta
+
+
+# ------------------------------------------------------------------------------------------------ the oracle
+
+
+def rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope_norm(x, pos, base):  # llama as stored in GGUF: adjacent pairs (2i, 2i+1)
+    d = x.shape[-1]
+    theta = pos[:, None].double() * base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = theta.cos().float()[:, None], theta.sin().float()[:, None]
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2)
+
+
+def rope_neox(x, pos, base):  # gemma: pairs (i, i + d/2)
+    d = x.shape[-1]
+    theta = pos[:, None].double() * base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = theta.cos().float()[:, None], theta.sin().float()[:, None]
+    a, b = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
+
+
+class Oracle:
+    def __init__(self, arch, target_path, sidecar_path):
+        tt, meta = read_all(target_path)
+        st, _ = read_all(sidecar_path)
+        self.arch, self.meta = arch, meta
+        get = lambda name: _t(st[name]) if name in st else _t(tt[name])
+        self.n_trunk = int(meta[f"{arch}.block_count"])
+        p = f"blk.{self.n_trunk}."
+        self.w = {name[len(p):]: _t(t) for name, t in st.items() if name.startswith(p) and "draft_vocab" not in name}
+        self.E = _t(tt["token_embd.weight"])
+        self.head = get(p + "nextn.shared_head_head.weight") if p + "nextn.shared_head_head.weight" in st else \
+            (_t(tt["output.weight"]) if "output.weight" in tt else self.E)
+        self.head_norm = self.w.get("nextn.shared_head_norm.weight", _t(tt["output_norm.weight"]))
+        self.ids = torch.from_numpy(np.asarray(st[p + "nextn.draft_vocab"].data).astype(np.int64)) \
+            if p + "nextn.draft_vocab" in st else None
+        self.eps = float(meta[f"{arch}.attention.layer_norm_rms_epsilon"])
+        self.heads = int(meta[f"{arch}.attention.head_count"])
+        self.kv = int(meta[f"{arch}.attention.head_count_kv"])
+        self.hd = int(meta.get(f"{arch}.attention.key_length", self.E.shape[1] // self.heads))
+        self.vocab = self.E.shape[0]
+
+    def rows(self, toks, hs):
+        """(full-vocab logits [T, V], post-norm hidden [T, H]) of MTP rows at positions 0..T-1."""
+        w, eps, T = self.w, self.eps, len(toks)
+        pos = torch.arange(T)
+        e = rms(self.E[torch.tensor(toks)], w["nextn.enorm.weight"], eps)
+        x = torch.cat([e, rms(hs, w["nextn.hnorm.weight"], eps)], -1) @ w["nextn.eh_proj.weight"].T
+        a = rms(x, w["attn_norm.weight"], eps)
+        q = (a @ w["attn_q.weight"].T).view(T, self.heads, self.hd)
+        k = (a @ w["attn_k.weight"].T).view(T, self.kv, self.hd)
+        v = (a @ w["attn_v.weight"].T).view(T, self.kv, self.hd)
+        mask = pos[None, :] <= pos[:, None]
+        if self.arch == "llama":
+            q, k = rope_norm(q, pos, 10000.0), rope_norm(k, pos, 10000.0)
+        else:  # block n_trunk = 6 of a period-6 pattern: local (window, base 1e4)
+            q, k = rms(q, w["attn_q_norm.weight"], eps), rms(k, w["attn_k_norm.weight"], eps)
+            q, k = rope_neox(q, pos, 10000.0), rope_neox(k, pos, 10000.0)
+            mask = mask & (pos[:, None] - pos[None, :] < int(self.meta["gemma3.attention.sliding_window"]))
+        rep = self.heads // self.kv
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = torch.einsum("thd,shd->hts", q, k) / math.sqrt(self.hd)
+        o = torch.einsum("hts,shd->thd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v).reshape(T, -1)
+        o = o @ w["attn_output.weight"].T
+        if self.arch == "gemma3":
+            x = x + rms(o, w["post_attention_norm.weight"], eps)
+            f = rms(x, w["ffn_norm.weight"], eps)
+            f = (F.gelu(f @ w["ffn_gate.weight"].T, approximate="tanh") * (f @ w["ffn_up.weight"].T)) @ w["ffn_down.weight"].T
+            x = x + rms(f, w["post_ffw_norm.weight"], eps)
+        else:
+            x = x + o
+            f = rms(x, w["ffn_norm.weight"], eps)
+            x = x + (F.silu(f @ w["ffn_gate.weight"].T) * (f @ w["ffn_up.weight"].T)) @ w["ffn_down.weight"].T
+        h = rms(x, self.head_norm, eps)
+        logits = h @ self.head.T
+        if self.ids is not None:
+            logits = torch.full((T, self.vocab), float("-inf")).scatter(1, self.ids.expand(T, -1), logits)
+        return logits, h
+
+    def draft_logits(self, tokens, target_hidden, drafted):
+        """Logits of drafts 1..len(drafted)+1: the rows (x_p, h_{p-1}) of `tokens`, then the drafts chained."""
+        hs = torch.cat([torch.zeros(1, target_hidden.shape[1]), target_hidden[: len(tokens) - 1]])
+        toks, out = list(tokens), []
+        for d in [None, *drafted]:
+            if d is not None:
+                toks.append(d)
+                hs = torch.cat([hs, h[-1:]])
+            logits, h = self.rows(toks, hs)
+            out.append(logits[-1])
+        return torch.stack(out)
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory):
+    return ContractFixtures(tmp_path_factory.mktemp("mtp"))
+
+
+@pytest.fixture(scope="module")
+def sidecars(fx, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mtp-sidecars")
+    paths = {"llama": folder / "llama.mtp.gguf", "gemma3": folder / "gemma3.mtp.gguf"}
+    write_sidecar(paths["llama"], "llama", fx.model_path("llama"), seed=11, reduced=False)
+    write_sidecar(paths["gemma3"], "gemma3", fx.model_path("gemma3"), seed=12, reduced=True)
+    return paths
+
+
+def _target_hidden(target, tokens):
+    _, h = target.model.forward(torch.tensor(tokens), 0, target.model.new_cache(len(tokens)), hidden=True)
+    return h
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_draft_distributions_match_the_spec_equations(fx, sidecars, arch):
+    target = fx.target(arch)
+    drafter = MTPDrafter(model=str(sidecars[arch]), sample=True)
+    drafter.setup(target)
+    params = SamplingParams(temperature=1.0, seed=3)
+    t0 = 9
+    tokens = PROMPT + [t0]
+    drafter.begin(list(PROMPT), params, DraftControls())
+    hidden = _target_hidden(target, tokens)
+    drafter.observe(hidden[: len(PROMPT)], 0, None)
+    draft = drafter.propose(list(tokens), 4)
+    assert len(draft.tokens) == 4 and draft.probs.shape == (4, target.model.config.vocab_size)
+    want = torch.softmax(Oracle(arch, fx.model_path(arch), sidecars[arch]).draft_logits(tokens, hidden,
+                                                                                       draft.tokens[:-1]), -1)
+    torch.testing.assert_close(draft.probs, want, atol=2e-5, rtol=1e-4)
+    if arch == "gemma3":  # the reduced head: only its ids can be drafted
+        assert (draft.probs > 0).sum(-1).max() <= DRAFT_VOCAB
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_reject_then_continue_equals_a_fresh_run(fx, sidecars, arch):
+    """After a round whose last drafts were rejected and rolled back, the MTP cache holds what a fresh drafter
+    shown only the certain tokens builds, and both draft the same."""
+    target = fx.target(arch)
+    greedy = SamplingParams()
+    a = MTPDrafter(model=str(sidecars[arch]))
+    a.setup(target)
+    a.begin(list(PROMPT), greedy, DraftControls())
+    tokens = PROMPT + [9]
+    full = _target_hidden(target, tokens + [1, 2, 3])
+    a.observe(full[: len(PROMPT)], 0, None)
+    first = a.propose(list(tokens), 4).tokens
+    n = len(tokens) - 1
+    kept = first[:1]
+    a.rollback(n + 1 + len(kept))
+    after = tokens + kept + [(first[1] + 1) % 200]  # the target's token: anything but the second draft
+    certain = _target_hidden(target, after)
+    a.observe(certain[n: n + 1 + len(kept)], n, None)
+    got = a.propose(list(after), 4).tokens
+
+    b = MTPDrafter(model=str(sidecars[arch]))
+    b.setup(target)
+    b.begin(list(after[:-1]), greedy, DraftControls())
+    b.observe(certain[: len(after) - 1], 0, None)
+    want = b.propose(list(after), 4).tokens
+    assert got == want
+    ca, cb = a.heads[0].cache, b.heads[0].cache
+    assert ca.length == cb.length == len(after)
+    torch.testing.assert_close(ca.values[0][:, : ca.length], cb.values[0][:, : cb.length], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("draft_max", [2, "auto"])
+def test_greedy_speculation_equals_plain_decoding(fx, sidecars, arch, draft_max):
+    target = fx.target(arch)
+    drafter = MTPDrafter(model=str(sidecars[arch]))
+    drafter.setup(target)
+    runner = Runner(target, drafter, GreedyAcceptor(), draft_max=draft_max, context=256)
+    out = list(runner.generate(list(PROMPT), 24, SamplingParams()))
+    assert out == plain_greedy(target.model, PROMPT, 24)
+    assert runner.stats.drafted > 0
+
+
+def test_draft_p_min_stops_unsure_drafts(fx, sidecars):
+    target = fx.target("llama")
+    drafter = MTPDrafter(model=str(sidecars["llama"]))
+    drafter.setup(target)
+    tokens = PROMPT + [9]
+    hidden = _target_hidden(target, tokens)
+    lengths = []
+    for p_min in (0.0, 0.999999):
+        drafter.begin(list(PROMPT), SamplingParams(), DraftControls(draft_p_min=p_min))
+        drafter.observe(hidden[: len(PROMPT)], 0, None)
+        lengths.append(len(drafter.propose(list(tokens), 4).tokens))
+    assert lengths == [4, 0]
+
+
+def test_sampling_with_q_keeps_the_target_distribution(fx, tmp_path):
+    """Chi-square over 500 seeded generations of 4 tokens: the joint law of the first three (the second and
+    third drafted with q in one round, and verified) is exactly plain sampling's, from the target's own
+    distributions. The head's reduced vocabulary is the tokens in play plus a few others, so drafts are
+    sometimes accepted, sometimes not, and tokens outside it have q = 0."""
+    target, model = fx.target("llama"), fx.target("llama").model
+    params = SamplingParams(temperature=1.5, top_k=3)
+    prompt = PROMPT[:6]
+    dist = lambda tokens: warp(model.forward(torch.tensor(tokens), 0, model.new_cache(16))[-1], params)
+    cells, want = [], []
+    p1 = dist(prompt)
+    for a in torch.nonzero(p1).flatten().tolist():
+        p2 = dist(prompt + [a])
+        for b in torch.nonzero(p2).flatten().tolist():
+            p3 = dist(prompt + [a, b])
+            for c in torch.nonzero(p3).flatten().tolist():
+                cells.append((a, b, c))
+                want.append(float(p1[a] * p2[b] * p3[c]))
+    ids = sorted({t for cell in cells for t in cell} | {0, 1, 2, 3})
+    write_sidecar(tmp_path / "head.gguf", "llama", fx.model_path("llama"), seed=5, reduced=True, ids=ids)
+    drafter = MTPDrafter(model=str(tmp_path / "head.gguf"), sample=True)
+    drafter.setup(target)
+    runner = Runner(target, drafter, SampledAcceptor(), draft_max=2, context=64)
+    counts = np.zeros(len(cells))
+    accepted = drafted = 0
+    with one_torch_thread():
+        for seed in range(500):
+            out = list(runner.generate(list(prompt), 4, SamplingParams(1.5, top_k=3, seed=seed)))
+            counts[cells.index(tuple(out[:3]))] += 1
+            accepted, drafted = accepted + runner.stats.accepted, drafted + runner.stats.drafted
+    stat, df, pval, forbidden = chi2_test(counts, np.array(want))
+    assert forbidden == 0 and pval > 1e-4, f"chi2={stat:.1f} df={df} p={pval:.2g}"
+    assert drafted > 0 and 0 < accepted < drafted, (accepted, drafted)

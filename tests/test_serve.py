@@ -1,0 +1,359 @@
+"""`outrider serve` on a loopback port, driven by the official `openai` client.
+
+Two servers, each assembled once for the module and run by uvicorn in a thread: a tiny random-weight llama
+(dense weights: no kernel build, fast) for the protocol (streaming, stop strings, concurrency, disconnects,
+the queue, errors, metrics), and the real SmolLM2 for the slow tests that check real text and acceptance.
+Oracles: the CLI's output for the same seed and settings (a separate assembly), each request's answer when
+it runs alone, the responses' `timings` for the /metrics counters (parsed with prometheus_client's parser).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from outrider.assembly import assemble  # noqa: E402
+from outrider.cli import main  # noqa: E402
+from outrider.config import resolve_config  # noqa: E402
+from outrider.serve import create_app  # noqa: E402
+from outrider.testing.tiny_models import write_tiny_llama  # noqa: E402
+
+QUEUE_SIZE = 2
+DENSE = ("-o", "backend.weights", "dense")
+TINY_CONTEXT = 4096
+REAL_CONTEXT = 512
+ECHO_PROMPT = ("Copy this text exactly: The meeting is on Monday at 10 am in room 204. Please bring your laptop.\n"
+               "Copy: The meeting is on Monday")
+# long enough that a generation cut short by a disconnect is plainly cut short (the tiny model's repetitive
+# output makes lookup accept most drafts: ~400 tokens/s here)
+LONG = dict(prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", max_tokens=4000, temperature=0)
+
+
+class Server:
+    def __init__(self, model_path, context: int, cli_args: tuple = ()):
+        self.model_path, self.cli_args = model_path, cli_args
+        options = [(cli_args[i + 1], cli_args[i + 2]) for i in range(0, len(cli_args), 3)]
+        config = resolve_config({"model": str(model_path), "context": context, "max_tokens": 8},
+                                option_flags=options)
+        self.app = create_app(assemble(config), config, queue_size=QUEUE_SIZE)
+        self.model_id = self.app.state.model_id
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.uvicorn.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def stop(self):
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout=30)
+
+    def cli_text(self, *args) -> str:
+        from click.testing import CliRunner
+
+        result = CliRunner().invoke(main, ["generate", "--model", str(self.model_path), "--json", *self.cli_args,
+                                           *map(str, args)])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output.strip().splitlines()[-1])["text"]
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        with urllib.request.urlopen(self.base + "/metrics") as response:
+            text = response.read().decode()
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def wait_idle(self, timeout=60):
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m[("outrider:num_requests_running", ())] == 0 and m[("outrider:num_requests_waiting", ())] == 0:
+                return m
+            assert time.monotonic() < deadline, "the server did not become idle"
+            time.sleep(0.05)
+
+    def post(self, path: str, body: bytes | None, method="POST") -> tuple[int, dict, dict]:
+        request = urllib.request.Request(self.base + path, data=body, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request) as response:
+                return response.status, dict(response.headers), json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, dict(error.headers), json.loads(error.read())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(write_tiny_llama(tmp_path_factory.mktemp("serve") / "tiny.gguf", context=TINY_CONTEXT),
+               TINY_CONTEXT, DENSE)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    s = Server(smollm2_path, REAL_CONTEXT)
+    yield s
+    s.stop()
+
+
+def complete(server, stream=False, min_chunks=0, **kwargs):
+    """(text, finish_reason, timings, usage) of one completion, streamed or not."""
+    kwargs.setdefault("model", server.model_id)
+    if not stream:
+        r = server.client.completions.create(**kwargs)
+        extra = r.model_extra
+        return r.choices[0].text, r.choices[0].finish_reason, extra["timings"], r.usage
+    pieces, finish, timings, usage, chunks = [], None, None, None, 0
+    for chunk in server.client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        if chunk.choices:
+            chunks += 1
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+            timings = (chunk.model_extra or {}).get("timings", timings)
+        if chunk.usage:
+            usage = chunk.usage
+    assert chunks >= min_chunks
+    return "".join(pieces), finish, timings, usage
+
+
+def chat(server, stream=False, **kwargs):
+    kwargs.setdefault("model", server.model_id)
+    if not stream:
+        r = server.client.chat.completions.create(**kwargs)
+        assert r.choices[0].message.role == "assistant"
+        return r.choices[0].message.content, r.choices[0].finish_reason, r.model_extra["timings"], r.usage
+    pieces, finish, timings = [], None, None
+    for chunk in server.client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        pieces.append(delta.content or "")
+        finish = chunk.choices[0].finish_reason or finish
+        timings = (chunk.model_extra or {}).get("timings", timings)
+    return "".join(pieces), finish, timings, None
+
+
+# -- answers (tiny model) -----------------------------------------------------------------------------
+
+TINY_ECHO = "the cat the cat the cat the"
+
+
+@pytest.fixture(scope="module")
+def greedy_tiny(server):
+    """The greedy completion of TINY_ECHO, non-streamed and streamed, and the CLI's."""
+    settings = dict(prompt=TINY_ECHO, max_tokens=24, temperature=0)
+    # really streamed: text in several chunks, one per verify round, before the final one
+    return complete(server, **settings), complete(server, stream=True, min_chunks=4, **settings), \
+        server.cli_text("-n", 24, "-t", 0, TINY_ECHO)
+
+
+def check_same_answer(whole, streamed, cli, max_tokens):
+    (text, finish, timings, usage), (s_text, s_finish, s_timings, s_usage) = whole, streamed
+    assert text and text == s_text == cli
+    assert finish == s_finish == "length"
+    assert usage.completion_tokens == s_usage.completion_tokens == timings["predicted_n"] == max_tokens
+    assert usage.prompt_tokens == timings["prompt_n"] and usage.total_tokens == usage.prompt_tokens + max_tokens
+    assert timings["draft_n"] > 0 and 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
+    # draft_n may differ: --draft-max auto chooses from verify times measured so far (same text either way)
+    assert (timings["prompt_n"], timings["predicted_n"]) == (s_timings["prompt_n"], s_timings["predicted_n"])
+
+
+def test_completion_streamed_equals_whole_equals_cli(greedy_tiny):
+    check_same_answer(*greedy_tiny, max_tokens=24)
+
+
+def test_sampled_completion_takes_the_request_settings(server):
+    # the server was started at temperature 0; 0.9 here must reach the sampled acceptor, the seed the sampler
+    settings = dict(prompt="In 1492, Columbus", max_tokens=12, temperature=0.9, top_p=0.95, seed=3,
+                    extra_body={"top_k": 50})
+    whole, streamed = complete(server, **settings), complete(server, stream=True, **settings)
+    assert whole[0] == streamed[0] == server.cli_text("-n", 12, "-t", 0.9, "--top-p", 0.95, "--top-k", 50,
+                                                      "--seed", 3, "In 1492, Columbus")
+    assert whole[0] != complete(server, prompt="In 1492, Columbus", max_tokens=12, temperature=0)[0]
+
+
+def test_stop_string_cuts_both_the_whole_and_the_streamed_text(server, greedy_tiny):
+    full = greedy_tiny[0][0]
+    stop = full[len(full) // 2:][:3]  # from the second half: generation must stop just before its first occurrence
+    expected = full[: full.index(stop)]
+    settings = dict(prompt=TINY_ECHO, max_tokens=24, temperature=0, stop=["never appears", stop])
+    text, finish, _, usage = complete(server, **settings)
+    s_text, s_finish, _, _ = complete(server, stream=True, **settings)
+    assert text == s_text == expected
+    assert finish == s_finish == "stop"
+    assert usage.completion_tokens < 24
+
+
+def test_concurrent_clients_get_their_own_answers(server):
+    prompts = ["The cat sat on", "My favourite food is", "In 1492, Columbus"]
+    requests = [dict(prompt=p, max_tokens=6, temperature=0.9, seed=i) for i, p in enumerate(prompts)]
+    alone = [complete(server, **r)[0] for r in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:  # queue size 2 + the one generating: nobody is refused
+        together = list(pool.map(lambda r: complete(server, **r)[0], requests))
+    assert together == alone
+    assert len(set(alone)) == len(alone)
+
+
+# -- the queue and disconnects ------------------------------------------------------------------------
+
+
+def test_a_disconnect_stops_the_generation_and_frees_the_server(server):
+    before = server.wait_idle()
+    stream = server.client.completions.create(model=server.model_id, stream=True, **LONG)
+    next(iter(stream))
+    stream.close()
+    after = server.wait_idle()
+    assert after[("outrider:request_success_total", (("finished_reason", "abort"),))] == \
+        before.get(("outrider:request_success_total", (("finished_reason", "abort"),)), 0) + 1
+    generated = after[("outrider:generation_tokens_total", ())] - before[("outrider:generation_tokens_total", ())]
+    assert 1 <= generated < LONG["max_tokens"] / 2
+    assert complete(server, prompt="Hello", max_tokens=2)[1] == "length"  # and the next request is served
+
+
+def test_a_full_queue_answers_503_with_retry_after(server):
+    server.wait_idle()
+    streams = [server.client.completions.create(model=server.model_id, stream=True, **LONG)
+               for _ in range(QUEUE_SIZE + 1)]  # one generating, QUEUE_SIZE waiting
+    try:
+        with pytest.raises(openai.APIStatusError) as refused:
+            server.client.completions.create(model=server.model_id, prompt="hi", max_tokens=2)
+        assert refused.value.status_code == 503
+        assert int(refused.value.response.headers["retry-after"]) >= 1
+        assert refused.value.body["code"] == "queue_full"
+    finally:
+        for stream in reversed(streams):
+            stream.close()
+    server.wait_idle()
+
+
+# -- bad requests -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body, status, param, code", [
+    ("/v1/completions", b"{not json", 400, None, None),
+    ("/v1/completions", b"[1, 2]", 400, None, None),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": "hot"}', 400, "temperature", None),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": "5"}', 400, "max_tokens", None),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens", None),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 100000}', 400, "max_tokens", None),
+    ("/v1/completions", b'{"prompt": "hi", "top_p": 0}', 400, "top_p", None),
+    ("/v1/completions", b'{"prompt": "hi", "seed": -1}', 400, "seed", None),
+    ("/v1/completions", b'{"prompt": "hi", "stop": 5}', 400, "stop", None),
+    ("/v1/completions", b'{"prompt": "hi", "stream": "yes"}', 400, "stream", None),
+    ("/v1/completions", b'{"prompt": "hi", "n": 2}', 400, "n", None),
+    ("/v1/completions", b'{"prompt": 7}', 400, "prompt", None),
+    ("/v1/completions", b'{"prompt": "hi", "model": "gpt-4"}', 404, "model", "model_not_found"),
+    ("/v1/completions", ('{"prompt": "%s"}' % ("hello " * 1000)).encode(), 400, "prompt", "context_length_exceeded"),
+    ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
+     "messages", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', 400,
+     "logprobs", None),
+    # the tiny model's file has no chat template
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}]}', 400, "messages", None),
+])
+def test_a_bad_request_gets_openai_error_json(server, path, body, status, param, code):
+    got, _, answer = server.post(path, body)
+    assert got == status, answer
+    error = answer["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param and error["code"] == code
+
+
+def test_wrong_method_and_path_get_error_json_and_the_client_raises(server):
+    assert server.post("/v1/completions", None, method="GET")[0] == 405
+    assert server.post("/v1/nothing", b"{}")[0] == 404
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="gpt-4", prompt="hi")
+    with pytest.raises(openai.BadRequestError):
+        server.client.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=-3)
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client.models.list()] == [server.model_id]
+    with urllib.request.urlopen(server.base + "/health") as response:
+        assert json.loads(response.read())["status"] == "ok"
+
+
+# -- metrics ------------------------------------------------------------------------------------------
+
+
+def check_counters_equal_timings(server, requests):
+    before = server.wait_idle()
+    results = [fn(server, **kwargs) for fn, kwargs in requests]
+    timings = [r[2] for r in results]
+    after = server.wait_idle()
+
+    def delta(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    accepted = sum(t["draft_n_accepted"] for t in timings)
+    assert accepted > 0  # the prompts repeat themselves, so lookup's drafts land
+    assert delta("outrider:spec_decode_num_accepted_tokens_total") == accepted
+    assert delta("outrider:spec_decode_num_draft_tokens_total") == sum(t["draft_n"] for t in timings)
+    assert delta("outrider:generation_tokens_total") == sum(t["predicted_n"] for t in timings)
+    assert delta("outrider:prompt_tokens_total") == sum(t["prompt_n"] for t in timings)
+    deepest = max(len(t["draft_n_accepted_per_pos"]) for t in timings)
+    for j in range(deepest):
+        count = sum(t["draft_n_accepted_per_pos"][j] for t in timings if j < len(t["draft_n_accepted_per_pos"]))
+        assert delta("outrider:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(j)),)) == count
+    assert delta("outrider:spec_decode_num_drafts_total") <= sum(t["draft_rounds"] for t in timings)
+    assert delta("outrider:e2e_request_latency_seconds_count") == len(requests)
+    assert delta("outrider:time_to_first_token_seconds_count") == len(requests)
+    for reason in ("stop", "length"):
+        assert delta("outrider:request_success_total", (("finished_reason", reason),)) == \
+            sum(r[1] == reason for r in results)
+
+
+def test_metrics_counters_equal_the_sum_of_the_responses_timings(server):
+    check_counters_equal_timings(server, [
+        (complete, dict(prompt=TINY_ECHO, max_tokens=10, temperature=0)),
+        (complete, dict(stream=True, prompt=TINY_ECHO + " cat", max_tokens=10, temperature=0)),
+        (complete, dict(prompt=LONG["prompt"], max_tokens=30, temperature=0.5, seed=1)),
+    ])
+
+
+# -- the real model (slow) ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_completion_and_chat_streamed_equal_whole_equal_cli(smollm2):
+    settings = dict(prompt=ECHO_PROMPT, max_tokens=16, temperature=0)
+    check_same_answer(complete(smollm2, **settings), complete(smollm2, stream=True, **settings),
+                      smollm2.cli_text("-n", 16, "-t", 0, ECHO_PROMPT), max_tokens=16)
+    message = "Name three colours."
+    settings = dict(messages=[{"role": "user", "content": message}], max_tokens=12, temperature=0.8, top_p=0.9,
+                    seed=7, extra_body={"top_k": 40})
+    text, _, timings, usage = chat(smollm2, **settings)
+    assert text == chat(smollm2, stream=True, **settings)[0] == smollm2.cli_text(
+        "--chat", "-n", 12, "-t", 0.8, "--top-p", 0.9, "--top-k", 40, "--seed", 7, message)
+    assert usage.completion_tokens == timings["predicted_n"] == 12
+    assert chat(smollm2, **{**settings, "seed": 8})[0] != text  # the seed is the request's
+    with pytest.raises(openai.BadRequestError) as too_long:
+        chat(smollm2, messages=[{"role": "user", "content": "hello " * 1000}])
+    assert too_long.value.body["code"] == "context_length_exceeded"
+
+
+@pytest.mark.slow
+def test_smollm2_metrics_counters_equal_the_sum_of_the_responses_timings(smollm2):
+    check_counters_equal_timings(smollm2, [
+        (complete, dict(prompt=ECHO_PROMPT, max_tokens=10, temperature=0)),
+        (complete, dict(stream=True, prompt=ECHO_PROMPT + " at 10", max_tokens=10, temperature=0)),
+        (chat, dict(messages=[{"role": "user", "content": ECHO_PROMPT}], max_tokens=10, temperature=0)),
+    ])
