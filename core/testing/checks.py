@@ -384,7 +384,6 @@ Q_LAW_TOKENS = 3  # token 1 comes from the prefill; with max_tokens 4, tokens 2 
 
 
 @_check("drafter")
-@_on_one_thread
 def lossless_with_its_draft_probabilities(subject: Subject) -> None:
     """Statistical, for a drafter that gives q: with the sampled acceptor the output is distributed as plain
     sampling from the target (chi-square against the exact law of a seeded toy target)."""
