@@ -62,6 +62,7 @@ VARIANTS = {  # label: (weights, graphs); the old path first, so the others prin
     "compact+graphs": ("compact", True),
 }
 CONTEXT = 1024
+SMOKE_KS = (1, 2, 16)  # --smoke times three verify shapes, enough to run every line
 
 
 def write_synthetic(path: Path, shape: Shape, qtype_name: str, seed: int = 0) -> Path:
@@ -167,14 +168,15 @@ def decode_tokens_per_s(model, device: torch.device, cache, n_tokens: int, promp
     return n_tokens / (time.perf_counter() - t)
 
 
-def verify_cost_curve(model, device: torch.device, prompt_len: int = 128, reps: int = 9) -> dict[int, float]:
+def verify_cost_curve(model, device: torch.device, prompt_len: int = 128, reps: int = 9,
+                      ks: range = range(1, 17)) -> dict[int, float]:
     """Median seconds of one forward over k tokens after a prompt, relative to k = 1."""
     vocab = model.config.vocab_size
     cache = model.new_cache(prompt_len + 17)
     gen = torch.Generator().manual_seed(1)
     model.forward(torch.randint(0, min(vocab, 1000), (prompt_len,), generator=gen).to(device), 0, cache, last_only=True)
     seconds = {}
-    for k in range(1, 17):
+    for k in ks:
         block = torch.randint(0, min(vocab, 1000), (k,), generator=gen).to(device)
         model.forward(block, prompt_len, cache)  # first use of a shape captures its graph
         times = []
@@ -186,13 +188,13 @@ def verify_cost_curve(model, device: torch.device, prompt_len: int = 128, reps: 
             sync(device)
             times.append(time.perf_counter() - t)
         seconds[k] = statistics.median(times)
-    return {k: seconds[k] / seconds[1] for k in seconds}
+    return {k: seconds[k] / seconds[ks[0]] for k in seconds}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["llama-1b", "llama-8b", "smollm2-135m", "gemma3-270m"],
-                        choices=list(SHAPES))
+    parser.add_argument("--models", nargs="+", default=None, choices=list(SHAPES),
+                        help="default: llama-1b llama-8b smollm2-135m gemma3-270m (--smoke: the tiny ones)")
     parser.add_argument("--quants", nargs="+", default=["Q4_0", "Q8_0"], choices=["Q4_0", "Q8_0"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--tokens", type=int, default=128)
@@ -201,12 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, few tokens: the script runs")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.models, args.tokens, args.runs, device = ["tiny-llama", "tiny-gemma3"], 8, 1, torch.device("cpu")
+        args.models = args.models or ["tiny-llama", "tiny-gemma3"]
+        args.tokens, args.runs, device = 8, 1, torch.device("cpu")
     elif torch.cuda.is_available():
         device = torch.device("cuda")
     else:
         print("no CUDA device: run with --smoke to check the script on the CPU", file=sys.stderr)
         return 2
+    args.models = args.models or ["llama-1b", "llama-8b", "smollm2-135m", "gemma3-270m"]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="outrider-gpu-bench-"))
     bandwidth = read_bandwidth_gbs(device, 1 / 16 if args.smoke else 4.0)
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -235,9 +239,11 @@ def main(argv: list[str] | None = None) -> int:
                 bound = bandwidth * 1e9 / held
                 old = speeds.get("dense bf16 eager (old)")
                 ratio = f"{speeds[variant] / old:.2f}x" if old and variant != "dense bf16 eager (old)" else ""
-                print(f"| {model_name} | {quant} | {variant} | {held / 1e6:.0f} | {bound:.0f} | {speeds[variant]:.1f} | "
-                      f"{speeds[variant] / bound:.0%} | {ratio} | <!-- load {loaded:.0f} s -->", flush=True)
-                curves[model_name, quant, variant] = verify_cost_curve(model, device, reps=1 if args.smoke else 9)
+                speed = speeds[variant]
+                print(f"| {model_name} | {quant} | {variant} | {held / 1e6:.0f} | {bound:.0f} | {speed:.1f} | "
+                      f"{speed / bound:.0%} | {ratio} | <!-- load {loaded:.0f} s -->", flush=True)
+                curves[model_name, quant, variant] = verify_cost_curve(model, device, reps=1 if args.smoke else 9,
+                                                                       ks=SMOKE_KS if args.smoke else range(1, 17))
                 del model
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -247,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = list(curves)
     print("| k | " + " | ".join(f"{m} {q} {v}" for m, q, v in keys) + " |")
     print("|---|" + "---|" * len(keys))
-    for k in range(1, 17):
+    for k in curves[keys[0]] if keys else ():
         print(f"| {k} | " + " | ".join(f"{curves[key][k]:.2f}" for key in keys) + " |")
     return 0
 

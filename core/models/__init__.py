@@ -17,6 +17,7 @@ from .linear import check_weights_mode
 from .llama import Llama
 
 ARCHITECTURES = {cls.architecture: cls for cls in (Llama, Gemma3, Gemma4)}
+QUANTIZED_ON_GPU = (Llama, Gemma3)  # take linear_form="quantized" (gemma4's experts do not yet)
 
 
 def load_model(g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -40,7 +41,9 @@ def load_model(g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | to
             warnings.warn(f"{e}; using dense float32 weights (slower)", stacklevel=2)
             native = False
     attention_dtype = ATTENTION_DTYPE if batch_invariant else dtype
-    # compact weights off the CPU: torch's int4/int8 weight-only kernels (outrider.models.torch_quant)
-    quantized = weights == "compact" and torch.device(device).type != "cpu"
-    return cls(g, dtype=dtype, device=device, native=native, attention_dtype=attention_dtype,
-               linear_form="quantized" if quantized else None)
+    # compact weights off the CPU: torch's int4/int8 weight-only kernels (outrider.models.torch_quant), for
+    # the architectures that take a linear form; the others run dense there
+    if weights == "compact" and torch.device(device).type != "cpu" and cls in QUANTIZED_ON_GPU:
+        return cls(g, dtype=dtype, device=device, native=native, attention_dtype=attention_dtype,
+                   linear_form="quantized")
+    return cls(g, dtype=dtype, device=device, native=native, attention_dtype=attention_dtype)
