@@ -19,8 +19,8 @@ from outrider.models.gemma4_assistant import Gemma4Assistant
 
 pytest.importorskip("transformers")
 
-from outrider.testing.gemma4_assistant import (TransformersAssistant, assistant_gguf,  # noqa: E402
-                                               write_assistant_checkpoint)
+from outrider.testing.gemma4_assistant import (TransformersAssistant, cached_assistant,  # noqa: E402
+                                               load_transformers_assistant)
 from outrider.testing.llama_cpp import ReferenceUnavailable  # noqa: E402
 
 VOCAB, BACKBONE, WINDOW = 320, 48, 8
@@ -28,17 +28,13 @@ TOP_K = 2  # centroids kept by the fixture's masked head (GGUF files do not reco
 
 
 @pytest.fixture(scope="module", params=["dense", "centroids"])
-def pair(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(f"assistant-{request.param}")
-    centroids = request.param == "centroids"
-    hf = write_assistant_checkpoint(folder / "hf", seed=3, vocab_size=VOCAB, backbone=BACKBONE,
-                                    sliding_window=WINDOW, centroids=centroids,
-                                    centroid_top_k=TOP_K)
+def pair(request):
     try:
-        path = assistant_gguf(folder / "hf", folder / "assistant.gguf", keep_centroids=centroids)
+        hf_dir, path = cached_assistant(None, request.param, seed=3, vocab_size=VOCAB, backbone=BACKBONE,
+                                        sliding_window=WINDOW, centroid_top_k=TOP_K)
     except ReferenceUnavailable as exc:
         pytest.skip(str(exc))
-    return request.param, hf, path
+    return request.param, load_transformers_assistant(hf_dir), path
 
 
 def _target_state(seed: int, length: int):

@@ -201,10 +201,10 @@ def matching_config(target_gguf: str | os.PathLike, centroids: bool = False) -> 
                 n_centroids=n_centroids, centroid_top_k=2)
 
 
-def cached_assistant(target_gguf: str | os.PathLike, head: str = "dense", seed: int = 0,
+def cached_assistant(target_gguf: str | os.PathLike | None, head: str = "dense", seed: int = 0,
                      **overrides) -> tuple[Path, Path]:
-    """(transformers checkpoint folder, converted GGUF) of an assistant matched to `target_gguf` (but for
-    `overrides` of `assistant_config` arguments: a mismatched one), built once per machine under
+    """(transformers checkpoint folder, converted GGUF) of an assistant matched to `target_gguf` (None: of
+    `assistant_config`'s defaults), but for `overrides` of `assistant_config` arguments, built once per machine under
     `$OUTRIDER_HOME/fixtures/` and keyed by this file, the target file, the converter's, transformers' and
     torch's versions (the converter takes tens of seconds)."""
     import hashlib
@@ -217,7 +217,8 @@ def cached_assistant(target_gguf: str | os.PathLike, head: str = "dense", seed: 
     from outrider.testing.llama_cpp import LLAMA_CPP_PYTHON
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
-    digest.update(hashlib.sha256(Path(target_gguf).read_bytes()).digest())
+    if target_gguf is not None:
+        digest.update(hashlib.sha256(Path(target_gguf).read_bytes()).digest())
     for part in (LLAMA_CPP_PYTHON, transformers.__version__, torch.__version__, head, str(seed),
                  repr(sorted(overrides.items()))):
         digest.update(part.encode())
@@ -228,7 +229,8 @@ def cached_assistant(target_gguf: str | os.PathLike, head: str = "dense", seed: 
         staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
         try:
             centroids = head == "centroids"
-            config = {**matching_config(target_gguf, centroids), **overrides}
+            matched = matching_config(target_gguf, centroids) if target_gguf is not None else {"centroids": centroids}
+            config = {**matched, **overrides}
             write_assistant_checkpoint(staging / "hf", seed=seed, **config)
             assistant_gguf(staging / "hf", staging / "assistant.gguf", keep_centroids=centroids)
             try:
