@@ -215,7 +215,7 @@ def main() -> None:
     note("target steps")
     step = _median_seconds(target_step, args.reps)
     layers = target_kv_layers(model)
-    kv = {kind: (cache.keys[i][:, :args.prompt], cache.values[i][:, :args.prompt]) for kind, i in layers.items()}
+    kv = {kind: cache.read(i, args.prompt) for kind, i in layers.items()}
     a_file = GGUFFile(assistant_path)
     ratios = {}
     for head in ("dense", "centroids"):

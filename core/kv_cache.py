@@ -31,6 +31,7 @@ class KVCache:
         else:  # [kv_heads, max_len, head_dim] per layer: a prefix view [:, :end] is what attention reads.
             self.keys = [torch.zeros(h, max_len, d, dtype=dtype, device=device) for h, d in zip(heads, dims)]
         self.values = [torch.zeros(h, max_len, d, dtype=dtype, device=device) for h, d in zip(heads, dims)]
+        self.keys_transposed = keys_transposed
         self.max_len = max_len
         self.length = 0  # positions [0, length) hold valid entries
 
@@ -40,6 +41,15 @@ class KVCache:
         self.keys[layer][:, start:end] = k
         self.values[layer][:, start:end] = v
         return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [kv_heads, end, head_dim] of positions [0, end), whatever the keys' layout: for a
+        reader outside the model (a drafter attending over the target's cache). A copy when keys are blocked."""
+        keys = self.keys[layer]
+        if self.keys_transposed:
+            h, blocks, d, _ = keys.shape
+            keys = keys[:, : -(-end // KEY_BLOCK)].transpose(2, 3).reshape(h, -1, d)
+        return keys[:, :end], self.values[layer][:, :end]
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:

@@ -68,7 +68,7 @@ def test_every_builtin_is_registered_with_its_capabilities(registry):
 
 
 def test_unknown_plugin_and_option_list_the_valid_ones(registry):
-    with pytest.raises(ConfigError, match=r"unknown drafter 'eagle'; installed drafters: draft-model, lookup, mtp, none"):
+    with pytest.raises(ConfigError, match=r"unknown drafter 'eagle'; installed drafters: draft-model, gemma-assistant, lookup, mtp, none"):
         registry.get("drafter", "eagle")
     with pytest.raises(ConfigError, match=r"unknown option 'n' for drafter 'lookup'; valid options: max_n, min_n"):
         registry.get("drafter", "lookup").create({"n": 3})

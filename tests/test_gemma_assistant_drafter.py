@@ -99,8 +99,9 @@ def test_each_rounds_drafts_equal_transformers_from_the_targets_own_state(target
         cache = model.new_cache(pos)
         _, hidden = model.forward(torch.tensor(tokens[:-1]), 0, cache, hidden=True)
         first = max(0, pos - window + 1)
-        kv = {"sliding_attention": (cache.keys[layers["swa"]][:, first:pos], cache.values[layers["swa"]][:, first:pos]),
-              "full_attention": (cache.keys[layers["full"]][:, :pos], cache.values[layers["full"]][:, :pos])}
+        swa_keys, swa_values = cache.read(layers["swa"], pos)
+        kv = {"sliding_attention": (swa_keys[:, first:], swa_values[:, first:]),
+              "full_attention": cache.read(layers["full"], pos)}
         _, want = oracle.draft(embed, tokens[-1], hidden[-1], pos, kv, k)
         assert drafted == want, f"round at position {pos}: drafted {drafted}, transformers {want}"
         checked += 1

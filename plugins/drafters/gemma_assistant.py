@@ -115,8 +115,7 @@ class GemmaAssistantDrafter(DrafterBase):
         pos = len(tokens) - 1  # t0's position: the target has cached exactly the positions before it
         if k <= 0 or self.hidden is None or self.end != pos or self.cache is None or self.cache.length < pos:
             return Draft()
-        kv = {kind: (self.cache.keys[layer][:, :pos], self.cache.values[layer][:, :pos])
-              for kind, layer in self.kv_layers.items()}
+        kv = {kind: self.cache.read(layer, pos) for kind, layer in self.kv_layers.items()}
         embed = self.target.model.embed
         token, h = tokens[-1], self.hidden
         drafted, rows = [], []
