@@ -20,7 +20,8 @@ import torch
 
 from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.plugins.acceptors.sampled import SampledAcceptor
-from outrider.sampling import AcceptResult, PositionRandom, SamplingParams, sample_at, warp
+from outrider.sampling import PositionRandom, SamplingParams, warp
+from outrider.verify import AcceptResult, VerifyRound
 
 # ------------------------------------------------------------------------------------------------------
 # The code before the change (outrider 0517fed: core/sampling.py warp / sample_rows, plugins/acceptors),
@@ -78,7 +79,9 @@ def reference_greedy(target_logits, draft_tokens):
     return AcceptResult(tokens=list(draft_tokens[:n]) + [int(top[n])], accepted=n)
 
 
-def reference_sampled(target_logits, draft_tokens, draft_probs, params, rng, position):
+def reference_sampled(verify: VerifyRound) -> AcceptResult:
+    target_logits, draft_tokens, draft_probs = verify.target_logits, verify.draft_tokens, verify.draft_probs
+    params, rng, position = verify.params, verify.rng, verify.position
     if params.greedy:
         return reference_greedy(target_logits, draft_tokens)
     k = len(draft_tokens)
@@ -128,7 +131,7 @@ def per_round_ms(accept, rounds, params, seed: int) -> tuple[float, list[tuple[l
     results = []
     start = time.perf_counter()
     for r, (logits, drafts, q) in enumerate(rounds):
-        res = accept(logits, drafts, q, params, rng, 100 + 8 * r)
+        res = accept(VerifyRound(logits, drafts, q, params, rng, 100 + 8 * r))
         results.append((list(res.tokens), res.accepted))
     return (time.perf_counter() - start) * 1e3 / len(rounds), results
 

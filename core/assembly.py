@@ -86,7 +86,7 @@ def check_pair(drafter: PluginSpec, acceptor: PluginSpec, drafter_obj: Any, para
     warnings = []
     if not acceptor.capabilities.get("lossless", True):
         warnings.append(f"{acceptor.label} is lossy: the output may differ from what the target alone would produce")
-    if acceptor.name == "greedy" and not params.greedy:
+    if acceptor.capabilities.get("greedy_only") and not params.greedy:
         warnings.append(f"{acceptor.label} ignores temperature {params.temperature}: the output is the target's greedy "
                         "decoding; use --acceptor sampled (or auto) to sample")
     return warnings

@@ -1,8 +1,10 @@
 """The pluggy hooks through which every plugin, built-in or third-party, registers itself.
 
 Each registration hook receives a `register(name, factory, *, aliases=(), options={}, capabilities=None)`
-callback. Hooks run once, when the registry is built; the decode loop only ever sees the plain
-objects the factories return.
+callback. Hooks run once per process, before anything is decoded: the `register_*` hooks when the
+registry is first built (the CLI's start, or the first `assemble`), `register_commands` when the CLI
+builds its command group. Assembly then creates the plugins from the registered factories, and the
+decode loop calls only those objects' methods, never a hook: no hook runs per token or per round.
 """
 
 from __future__ import annotations

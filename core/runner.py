@@ -19,11 +19,15 @@ from .draft_length import AdaptiveDraftLength, FixedDraftLength
 from .drafting import DEFAULT_KIND, Draft, DraftControls, Target, reads_the_target
 from .errors import OutriderError
 from .sampling import PositionRandom, SamplingParams
+from .verify import VerifyRound, as_acceptor
 
 
 @dataclass
 class GenerationStats:
-    """Counters for one generation; names and definitions follow shared/specs/acceptance.md."""
+    """Counters for one generation; names and definitions follow the team's acceptance spec
+    (../shared/specs/acceptance.md, outside this repository): a round is one verify forward, `drafted` and
+    `accepted` count draft tokens (the recovered or bonus token is in neither), acceptance_rate =
+    accepted / drafted, mean_acceptance_length = 1 + accepted / rounds (tokens emitted per round)."""
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -86,7 +90,7 @@ class Runner:
 
     def __init__(self, target: Target, drafter: Any, acceptor: Any, draft_max: int | str = "auto",
                  controls: DraftControls | None = None, context: int | None = None):
-        self.target, self.drafter, self.acceptor = target, drafter, acceptor
+        self.target, self.drafter, self.acceptor = target, drafter, as_acceptor(acceptor)
         self.draft_max = draft_max
         self.draft_length = AdaptiveDraftLength() if draft_max == "auto" else FixedDraftLength(int(draft_max))
         self.controls = controls or DraftControls()
@@ -120,7 +124,7 @@ class Runner:
         out = model.forward(torch.tensor(prompt, device=self.device), 0, cache, last_only=True,
                             hidden=observe is not None)
         logits, hidden = out if observe is not None else (out, None)
-        first = acceptor.accept(logits.float().cpu(), [], None, params, rng, len(prompt)).tokens[0]
+        first = acceptor.accept(VerifyRound(logits.float().cpu(), [], None, params, rng, len(prompt))).tokens[0]
         stats.prefill_s = time.perf_counter() - t
         self.drafter.begin(list(prompt), params, self.controls)
         if observe is not None:
@@ -147,7 +151,7 @@ class Runner:
             out = model.forward(batch, n, cache, hidden=observe is not None)
             logits, hidden = out if observe is not None else (out, None)
             logits = logits.float().cpu()
-            result = acceptor.accept(logits, draft.tokens, draft.probs, params, rng, n + 1)
+            result = acceptor.accept(VerifyRound(logits, draft.tokens, draft.probs, params, rng, n + 1))
             t_verified = time.perf_counter()
             stats.draft_s += t_drafted - t
             stats.verify_s += t_verified - t_drafted

@@ -1,14 +1,17 @@
-"""Sampling: warpers, position-coupled randomness, inverse-CDF sampling and the acceptor protocol.
+"""Sampling: warpers, position-coupled randomness and inverse-CDF sampling.
 
-The reference for the rules is the team's acceptance spec (specs/acceptance.md). In short:
+The rules follow the team's acceptance spec (../shared/specs/acceptance.md, outside this repository);
+what it fixes for this module:
 
 * :func:`warp` turns raw logits into the distribution that is actually sampled from (temperature, then
   top-k, then top-p). The same function is applied to the target (p) and to the drafter (q).
 * :class:`PositionRandom` gives one uniform draw per absolute sequence position, so that plain decoding
   (``sample_at(warp(logits_n), rng.uniform(n))``) and speculative decoding with a deterministic drafter
   produce the same tokens for the same seed.
-* :class:`AcceptResult` and :class:`Acceptor` are the protocol the acceptors in
-  ``outrider.plugins.acceptors`` implement.
+* :func:`sample_at` picks token i iff cum[i-1] <= u * total < cum[i] over the row in vocabulary order,
+  so the same draw gives the same token wherever it is made.
+
+The acceptor protocol (one verify round, the result) is in :mod:`outrider.verify`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -32,8 +34,6 @@ __all__ = [
     "sample_rows",
     "argmax",
     "argmax_token",
-    "AcceptResult",
-    "Acceptor",
 ]
 
 
@@ -295,32 +295,10 @@ def sample_at(probs: torch.Tensor, u: float) -> int:
     return sample_rows(probs.reshape(1, -1), [u])[0]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Acceptor protocol
-# ----------------------------------------------------------------------------------------------------------
+def __getattr__(name: str):
+    # AcceptResult and Acceptor live in outrider.verify (which imports this module); old imports still work
+    if name in ("AcceptResult", "Acceptor"):
+        from . import verify
 
-
-@dataclass
-class AcceptResult:
-    """What one verify round emits."""
-
-    tokens: list[int]  # accepted drafts, then one recovered or bonus token
-    accepted: int  # number of drafted tokens kept (0..k); len(tokens) == accepted + 1
-
-
-@runtime_checkable
-class Acceptor(Protocol):
-    """Decides which drafted tokens to keep, given ONE target forward over [t0, x1..xk]."""
-
-    lossless: bool
-    needs_draft_probs: bool  # True if it only works when the drafter gives q
-
-    def accept(
-        self,
-        target_logits: torch.Tensor,  # [k+1, V] raw logits p_1..p_{k+1}
-        draft_tokens: list[int],  # x1..xk (may be empty: then one token from p_1)
-        draft_probs: torch.Tensor | None,  # [k, V] warped q_i, or None = deterministic drafter
-        params: SamplingParams,
-        rng: PositionRandom,
-        position: int,  # absolute position of x1 (the token p_1 predicts)
-    ) -> AcceptResult: ...
+        return getattr(verify, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,7 +20,8 @@ from outrider.errors import ConfigError
 from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.plugins.acceptors.pmin import PMinAcceptor
 from outrider.plugins.acceptors.sampled import SampledAcceptor
-from outrider.sampling import AcceptResult, Acceptor, PositionRandom, SamplingParams, sample_at, warp
+from outrider.sampling import PositionRandom, SamplingParams, sample_at, warp
+from outrider.verify import AcceptResult, Acceptor, VerifyRound
 from outrider.testing.stats import chi2_sf, chi2_test
 from outrider.testing.toy import ToyModel
 
@@ -84,7 +85,7 @@ GREEDY_LIKE = [
 def test_greedy_rule_on_hand_made_logits(name, make, params, drafts, tokens, accepted, with_q):
     k = len(drafts)
     q = torch.full((k, 5), 0.2) if with_q else None
-    res = make().accept(ROWS[: k + 1], drafts, q, params, PositionRandom(0), 10)
+    res = make().accept(VerifyRound(ROWS[: k + 1], drafts, q, params, PositionRandom(0), 10))
     assert isinstance(res, AcceptResult)
     assert (res.tokens, res.accepted) == (tokens, accepted)
 
@@ -92,9 +93,9 @@ def test_greedy_rule_on_hand_made_logits(name, make, params, drafts, tokens, acc
 def test_round_shape_errors():
     for acc in (GreedyAcceptor(), SampledAcceptor(), PMinAcceptor()):
         with pytest.raises(ValueError):
-            acc.accept(ROWS, [1, 3], None, SamplingParams(0.7), PositionRandom(0), 1)  # 4 rows for k=2
+            acc.accept(VerifyRound(ROWS, [1, 3], None, SamplingParams(0.7), PositionRandom(0), 1))  # 4 rows for k=2
         with pytest.raises(ValueError):
-            acc.accept(ROWS[:3], [1, 3], torch.ones(3, 5) / 5, SamplingParams(0.7), PositionRandom(0), 1)
+            acc.accept(VerifyRound(ROWS[:3], [1, 3], torch.ones(3, 5) / 5, SamplingParams(0.7), PositionRandom(0), 1))
 
 
 def test_leviathan_uses_the_documented_draws():
@@ -109,12 +110,12 @@ def test_leviathan_uses_the_documented_draws():
         rng = PositionRandom(seed)
         # q == p: every draft accepted (u <= 1), bonus from p_3 at position 7 + 2
         q = torch.tensor(p, dtype=torch.float32)[:2]
-        res = acc.accept(logits, [2, 3], q, params, rng, 7)
+        res = acc.accept(VerifyRound(logits, [2, 3], q, params, rng, 7))
         cum = np.cumsum(p[2])
         assert res.accepted == 2 and res.tokens[2] == int(np.searchsorted(cum, rng.uniform(9) * cum[-1], side="right"))
         # q puts its mass where p is small: x = 3 at row 0 has p/q = p(3)/0.9, accept iff u_aux <= that
         qrow = np.array([0.025, 0.025, 0.025, 0.9, 0.025])
-        res = acc.accept(logits[:2], [3], torch.tensor(qrow[None], dtype=torch.float32), params, rng, 7)
+        res = acc.accept(VerifyRound(logits[:2], [3], torch.tensor(qrow[None], dtype=torch.float32), params, rng, 7))
         if rng.uniform_aux(7) <= p[0, 3] / 0.9:
             assert res.accepted == 1
         else:
@@ -149,7 +150,7 @@ def test_round_invariants_on_random_rounds(acc, params, with_q):
         logits = torch.randn(k + 1, vocab, generator=tg) * 2
         drafts = [int(v) for v in g.integers(-1, vocab + 1, size=k)]  # a few out of range
         q = warp(torch.randn(k, vocab, generator=tg), params) if with_q else None
-        res = acc.accept(logits, drafts, q, params, rng, 3 * r)
+        res = acc.accept(VerifyRound(logits, drafts, q, params, rng, 3 * r))
         assert 1 <= len(res.tokens) == res.accepted + 1 <= k + 1
         assert res.tokens[: res.accepted] == drafts[: res.accepted]
         assert all(0 <= t < vocab for t in res.tokens)
@@ -176,14 +177,13 @@ class WrongResidualAcceptor:
     lossless = True
     needs_draft_probs = True
 
-    def accept(self, target_logits, draft_tokens, draft_probs, params, rng, position):
-        p = warp(target_logits, params)
-        for i, x in enumerate(draft_tokens):
-            px, qx = float(p[i, x]), float(draft_probs[i, x])
+    def accept(self, verify):
+        p, rng, position = warp(verify.target_logits, verify.params), verify.rng, verify.position
+        for i, x in enumerate(verify.draft_tokens):
+            px, qx = float(p[i, x]), float(verify.draft_probs[i, x])
             if not (qx > 0 and rng.uniform_aux(position + i) <= min(1.0, px / qx)):
-                return AcceptResult(list(draft_tokens[:i]) + [sample_at(p[i], rng.uniform(position + i))], i)
-        k = len(draft_tokens)
-        return AcceptResult(list(draft_tokens) + [sample_at(p[k], rng.uniform(position + k))], k)
+                return verify.recovered(i, sample_at(p[i], rng.uniform(position + i)))
+        return verify.bonus(sample_at(p[verify.k], rng.uniform(position + verify.k)))
 
 
 def _check(first, joint, params, label):
@@ -276,7 +276,7 @@ def speculative_decode(acceptor, target, draft, params, seed, prompt_last, start
             drafts.append(x)
             ctx = x if x < VT else 0
         rows = torch.stack([target[last]] + [target[x if x < VT else 0] for x in drafts])
-        res = acceptor.accept(rows, drafts, None, params, rng, pos)
+        res = acceptor.accept(VerifyRound(rows, drafts, None, params, rng, pos))
         stats["accepted"] += res.accepted
         stats["rejected"] += int(res.accepted < k and drafts[res.accepted] < VT)  # a real disagreement
         out.extend(res.tokens)
@@ -320,10 +320,9 @@ def test_same_seed_differs_when_the_rule_is_wrong():
         lossless = False
         needs_draft_probs = False
 
-        def accept(self, target_logits, draft_tokens, draft_probs, params, rng, position):
-            k = len(draft_tokens)
-            tok = sample_at(warp(target_logits[k], params), rng.uniform(position + k))
-            return AcceptResult(list(draft_tokens) + [tok], k)
+        def accept(self, verify):
+            k = verify.k
+            return verify.bonus(sample_at(warp(verify.target_logits[k], verify.params), verify.rng.uniform(verify.position + k)))
 
     target, draft = _toy_model(9)
     params = SamplingParams(0.7, top_k=3, top_p=0.8)
@@ -347,10 +346,10 @@ def test_pmin_options_and_validation():
 def test_pmin_greedy_accepts_a_probable_non_argmax_token():
     logits = torch.tensor([[2.0, 1.8, -5.0, -5.0], [0.0, 0.0, 3.0, 0.0]])  # softmax(x=1) ~ 0.45
     params = SamplingParams(0.0)
-    assert GreedyAcceptor().accept(logits, [1], None, params, PositionRandom(0), 1).tokens == [0]
-    res = PMinAcceptor(0.1).accept(logits, [1], None, params, PositionRandom(0), 1)
+    assert GreedyAcceptor().accept(VerifyRound(logits, [1], None, params, PositionRandom(0), 1)).tokens == [0]
+    res = PMinAcceptor(0.1).accept(VerifyRound(logits, [1], None, params, PositionRandom(0), 1))
     assert (res.tokens, res.accepted) == ([1, 2], 1)
-    res = PMinAcceptor(0.5).accept(logits, [1], None, params, PositionRandom(0), 1)
+    res = PMinAcceptor(0.5).accept(VerifyRound(logits, [1], None, params, PositionRandom(0), 1))
     assert (res.tokens, res.accepted) == ([0], 0)
 
 
@@ -366,7 +365,7 @@ def test_pmin_deviation_from_target_is_measured():
     for name, acc in (("p-min", PMinAcceptor(0.1)), ("sampled", SampledAcceptor())):
         counts = np.zeros(6)
         for s in range(n):
-            counts[acc.accept(rows, [1], None, params, PositionRandom(s), 1).tokens[0]] += 1
+            counts[acc.accept(VerifyRound(rows, [1], None, params, PositionRandom(s), 1)).tokens[0]] += 1
         results[name] = 0.5 * np.abs(counts / n - probs).sum()
     analytic = 1 - probs[1]
     msg = (
@@ -408,3 +407,46 @@ def test_registered_with_capabilities_and_options():
     assert registry.get("acceptor", "p-min").capabilities["lossless"] is False
     assert set(registry.get("acceptor", "p-min").options) == {"p_min"}
     assert registry.get("acceptor", "p-min").options["p_min"].default == 0.1
+
+
+# ------------------------------------------------------------------------------------------------ the old signature
+
+
+class PositionalGreedy:
+    """An acceptor written for the positional accept(target_logits, draft_tokens, draft_probs, params, rng,
+    position) that outrider 0.1 called."""
+
+    lossless, needs_draft_probs = True, False
+
+    def accept(self, target_logits, draft_tokens, draft_probs, params, rng, position):
+        top = [int(t) for t in target_logits.argmax(-1)]
+        n = 0
+        while n < len(draft_tokens) and draft_tokens[n] == top[n]:
+            n += 1
+        return AcceptResult(list(draft_tokens[:n]) + [top[n]], n)
+
+
+def test_an_acceptor_with_the_positional_signature_keeps_working_with_a_deprecation_warning(outrider_contract_fixtures):
+    from outrider.plugins.drafters.lookup import LookupDrafter
+    from outrider.runner import Runner
+    from outrider.testing.checks import greedy_is_the_argmax_chain, Subject
+
+    fx = outrider_contract_fixtures
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]  # repeats: the lookup drafter drafts, so rounds have k > 0
+    with pytest.warns(DeprecationWarning, match=r"accept\(self, verify\)"):
+        runner = Runner(fx.target("llama"), LookupDrafter(), PositionalGreedy(), draft_max=4, context=256)
+    assert runner.acceptor.lossless is True  # capabilities read through the adapter
+    out = list(runner.generate(prompt, 24, SamplingParams(0.0)))
+    assert out == fx.plain_greedy("llama", prompt, 24)
+    assert runner.stats.drafted > 0
+    with pytest.warns(DeprecationWarning):
+        greedy_is_the_argmax_chain(Subject("acceptor", "positional", PositionalGreedy, {}, fx))
+
+
+def test_acceptors_taking_one_round_are_used_as_they_are():
+    from outrider.verify import as_acceptor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for acceptor in (GreedyAcceptor(), SampledAcceptor(), PMinAcceptor()):
+            assert as_acceptor(acceptor) is acceptor

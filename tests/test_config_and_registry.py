@@ -111,3 +111,15 @@ def test_impossible_pair_is_refused_and_lossy_acceptor_warns(registry):
     warnings = check_pair(lookup, registry.get("acceptor", "p-min"), lookup.create(), SamplingParams())
     assert any("lossy" in w for w in warnings)
     assert check_pair(lookup, registry.get("acceptor", "sampled"), lookup.create(), SamplingParams(0.7)) == []
+
+
+def test_an_acceptor_lossless_at_temperature_0_only_warns_above_it_whatever_its_name(registry):
+    lookup = registry.get("drafter", "lookup")
+    spec = registry.get("acceptor", "greedy")
+    argmax_only = type(spec)("acceptor", "argmax-only", spec.factory, capabilities={"greedy_only": True})
+    for acceptor in (spec, argmax_only):
+        warned = check_pair(lookup, acceptor, lookup.create(), SamplingParams(0.7))
+        assert any("ignores temperature 0.7" in w for w in warned), (acceptor.name, warned)
+        assert check_pair(lookup, acceptor, lookup.create(), SamplingParams(0.0)) == []
+    sampled = registry.get("acceptor", "sampled")
+    assert check_pair(lookup, sampled, lookup.create(), SamplingParams(0.7)) == []

@@ -14,12 +14,13 @@ from __future__ import annotations
 import types
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from outrider.drafting import Draft, DrafterBase
 from outrider.hookspecs import hookimpl
+from outrider.models.layers import PREFILL_CHUNK
 from outrider.plugins.acceptors.pmin import PMinAcceptor
+from outrider.plugins.backends.cpu import CPUBackend
 from outrider.registry import build_registry
 from outrider.sampling import AcceptResult, PositionRandom, sample_at, warp
 from outrider.testing.checks import CHECKS, Subject
@@ -96,16 +97,14 @@ class WrongResidualAcceptor:
     lossless = True
     needs_draft_probs = False
 
-    def accept(self, target_logits, draft_tokens, draft_probs, params, rng, position):
-        p = warp(target_logits, params)
-        k = len(draft_tokens)
-        q = draft_probs if draft_probs is not None else torch.zeros(k, p.shape[-1])
-        for i, x in enumerate(draft_tokens):
-            valid = 0 <= x < p.shape[-1]
-            qx = float(q[i, x]) if valid and draft_probs is not None else 1.0
+    def accept(self, verify):
+        p, rng, position = warp(verify.target_logits, verify.params), verify.rng, verify.position
+        for i, x in enumerate(verify.draft_tokens):
+            valid = verify.in_vocabulary(i)
+            qx = float(verify.draft_probs[i, x]) if valid and verify.draft_probs is not None else 1.0
             if not (valid and rng.uniform_aux(position + i) * qx <= float(p[i, x])):
-                return AcceptResult(list(draft_tokens[:i]) + [sample_at(p[i], rng.uniform(position + i))], i)
-        return AcceptResult(list(draft_tokens) + [sample_at(p[k], rng.uniform(position + k))], k)
+                return verify.recovered(i, sample_at(p[i], rng.uniform(position + i)))
+        return verify.bonus(sample_at(p[verify.k], rng.uniform(position + verify.k)))
 
 
 class LosslessClaimingPMin(PMinAcceptor):
@@ -240,3 +239,27 @@ def test_outrider_check_unknown_name_is_one_line():
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: unknown plugin 'no-such-plugin'; installed backends:")
     assert "drafters:" in lines[0] and "lookup" in lines[0]
+
+
+class LastOnlyKeepsTheFirstChunkBackend(CPUBackend):
+    """A CPU backend whose chunked prefill, asked for the last row only, returns the first chunk's last row."""
+
+    def load_model(self, g):
+        model = super().load_model(g)
+        forward = model.forward
+
+        def broken(tokens, start, cache, *args, last_only=False, **kwargs):
+            out = forward(tokens, start, cache, *args, last_only=False, **kwargs)
+            return out[PREFILL_CHUNK - 1:PREFILL_CHUNK] if last_only and len(tokens) > PREFILL_CHUNK else \
+                (out[-1:] if last_only else out)
+
+        model.forward = broken
+        return model
+
+
+def test_last_only_returning_a_row_of_the_first_chunk_is_caught(outrider_contract_fixtures):
+    from outrider.testing.checks import last_only_gives_the_last_row
+
+    with pytest.raises(AssertionError, match="last_only row vs the full forward's last row"):
+        last_only_gives_the_last_row(Subject("backend", "broken", LastOnlyKeepsTheFirstChunkBackend, {},
+                                             outrider_contract_fixtures))

@@ -82,7 +82,9 @@ def _place_source(folder: Path) -> Path:
 
 @functools.cache
 def load():
-    """The compiled kernels module (functions `linear`, `dequantize_rows`, `attend`)."""
+    """The compiled kernels module: functions `linear`, `dequantize_rows`, `attend` and the class `LayerStack`
+    (a model's layers in one call). Built on the first call in a process (or loaded from the cache), then
+    the same module for the process; raises `NativeUnavailable` with a one-line reason."""
     if os.environ.get("OUTRIDER_NATIVE", "1") == "0":
         raise NativeUnavailable("disabled by OUTRIDER_NATIVE=0")
     from torch.utils import cpp_extension

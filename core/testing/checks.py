@@ -21,8 +21,10 @@ from outrider.drafting import Draft, DraftControls, reads_the_target
 from outrider.errors import OutriderError
 from outrider.gguf_file import GGUFFile
 from outrider.hookspecs import PLUGIN_KINDS
+from outrider.models.layers import PREFILL_CHUNK
 from outrider.runner import Runner
 from outrider.sampling import PositionRandom, SamplingParams, warp
+from outrider.verify import AcceptResult, VerifyRound, as_acceptor
 from outrider.testing.fixtures import ARCHITECTURES, ContractFixtures
 from outrider.testing.stats import chi2_test, tv_distance
 from outrider.testing.toy import CopyingToyModel, ToyModel, exact_law, model_next_logits
@@ -333,14 +335,12 @@ class _Greedy:
 
     lossless, needs_draft_probs = True, False
 
-    def accept(self, target_logits, draft_tokens, draft_probs, params, rng, position):
-        from outrider.sampling import AcceptResult
-
-        top = [int(t) for t in target_logits.argmax(-1)]
+    def accept(self, verify: VerifyRound) -> AcceptResult:
+        top = [int(t) for t in verify.target_logits.argmax(-1)]
         n = 0
-        while n < len(draft_tokens) and draft_tokens[n] == top[n]:
+        while n < verify.k and verify.draft_tokens[n] == top[n]:
             n += 1
-        return AcceptResult(list(draft_tokens[:n]) + [top[n]], n)
+        return AcceptResult(list(verify.draft_tokens[:n]) + [top[n]], n)
 
 
 def _run(target, drafter, acceptor, params: SamplingParams, n: int = E2E_TOKENS, draft_max: int | str = 4,
@@ -513,7 +513,7 @@ def _random_rounds(seed: int, n: int, vocab: int, params: SamplingParams, with_q
 @_check("acceptor")
 def greedy_is_the_argmax_chain(subject: Subject) -> None:
     """At temperature 0: drafts kept while they equal the target's argmax, then the argmax (bonus if all kept)."""
-    acceptor = subject.new()
+    acceptor = as_acceptor(subject.new())
     lossless, needs_q, _ = _acceptor_caps(subject, acceptor)
     g = np.random.default_rng(1)
     tg = torch.Generator().manual_seed(1)
@@ -529,7 +529,7 @@ def greedy_is_the_argmax_chain(subject: Subject) -> None:
             drafts[mismatch] = (top[mismatch] + 1 + int(g.integers(0, vocab - 1))) % vocab
         with_q = needs_q or r % 2 == 1
         q = warp(torch.randn(k, vocab, generator=tg), SamplingParams(1.0)) if with_q else None
-        res = acceptor.accept(logits, drafts, q, GREEDY, PositionRandom(r), 10)
+        res = acceptor.accept(VerifyRound(logits, drafts, q, GREEDY, PositionRandom(r), 10))
         want = top[:mismatch] + [top[mismatch]]
         assert (list(res.tokens), res.accepted) == (want, mismatch), \
             f"temperature 0, target argmax chain {top}, drafts {drafts}{' with q' if with_q else ''}: emitted " \
@@ -539,14 +539,14 @@ def greedy_is_the_argmax_chain(subject: Subject) -> None:
 @_check("acceptor")
 def emitted_is_accepted_plus_one(subject: Subject) -> None:
     """1 <= emitted = accepted + 1 <= k + 1, kept tokens are the drafts, ids in range; lossless: p(token) > 0."""
-    acceptor = subject.new()
+    acceptor = as_acceptor(subject.new())
     lossless, needs_q, _ = _acceptor_caps(subject, acceptor)
     vocab = 7
     for params in (GREEDY, SamplingParams(0.8), SamplingParams(0.7, top_k=3, top_p=0.8)):
         for with_q in ((True,) if needs_q else (False, True)):
             rng = PositionRandom(11)
             for logits, drafts, q, pos in _random_rounds(5, 80, vocab, params, with_q):
-                res = acceptor.accept(logits, drafts, q, params, rng, pos)
+                res = acceptor.accept(VerifyRound(logits, drafts, q, params, rng, pos))
                 where = f"temperature {params.temperature}, drafts {drafts}{' with q' if with_q else ''}"
                 problem = _result_shape_problem(res, drafts, vocab)
                 assert problem is None, f"{where}: {problem}"
@@ -559,7 +559,7 @@ def emitted_is_accepted_plus_one(subject: Subject) -> None:
 @_check("acceptor")
 def lossless_in_distribution(subject: Subject) -> None:
     """Statistical: the emitted tokens are distributed as plain sampling from the target (chi-square, toy tables)."""
-    acceptor = subject.new()
+    acceptor = as_acceptor(subject.new())
     lossless, needs_q, greedy_only = _acceptor_caps(subject, acceptor)
     if not lossless:
         raise CheckSkipped("lossless is False: the acceptor does not claim to preserve the target's distribution")
@@ -585,16 +585,16 @@ def lossless_in_distribution(subject: Subject) -> None:
 @_check("acceptor")
 def seeded_determinism(subject: Subject) -> None:
     """The same seed gives the same result, on a fresh instance as on a reused one."""
-    reused = subject.new()
+    reused = as_acceptor(subject.new())
     _, needs_q, _ = _acceptor_caps(subject, reused)
     vocab = 7
     params = SamplingParams(0.9, top_k=5)
     for with_q in ((True,) if needs_q else (False, True)):
         rounds = list(_random_rounds(8, 60, vocab, params, with_q))
         runs = []
-        for acceptor in (reused, reused, subject.new()):
+        for acceptor in (reused, reused, as_acceptor(subject.new())):
             rng = PositionRandom(123)
-            runs.append([(list(r.tokens), r.accepted) for r in (acceptor.accept(*rd[:3], params, rng, rd[3])
+            runs.append([(list(r.tokens), r.accepted) for r in (acceptor.accept(VerifyRound(*rd[:3], params, rng, rd[3]))
                                                                 for rd in rounds)])
         for i, (a, b, c) in enumerate(zip(*runs)):
             assert a == b == c, f"round {i} (seed 123, drafts {rounds[i][1]}{' with q' if with_q else ''}) gave " \
@@ -605,7 +605,7 @@ def seeded_determinism(subject: Subject) -> None:
 def adversarial_drafter_cannot_change_the_output(subject: Subject) -> None:
     """A drafter proposing random, out-of-range and too many ids neither crashes the runner nor changes the output."""
     fx = subject.fixtures
-    acceptor = subject.new()
+    acceptor = as_acceptor(subject.new())
     lossless, needs_q, greedy_only = _acceptor_caps(subject, acceptor)
     target = fx.target("llama")
     vocab = target.model.config.vocab_size
@@ -711,9 +711,10 @@ def hidden_states_have_the_declared_shape(subject: Subject) -> None:
 def last_only_gives_the_last_row(subject: Subject) -> None:
     """forward(..., last_only=True) returns the last row of the full logits (what a prefill asks for)."""
     for arch, backend, model, device in _models(subject):
-        tokens = _ids(40, model.config.vocab_size, 11, device)  # longer than a 32-token prefill chunk
-        last = model.forward(tokens, 0, model.new_cache(64), last_only=True)
-        full = model.forward(tokens, 0, model.new_cache(64))
+        n = PREFILL_CHUNK + 16  # a prompt longer than a prefill chunk: the last row is in the second chunk
+        tokens = _ids(n, model.config.vocab_size, 11, device)
+        last = model.forward(tokens, 0, model.new_cache(n), last_only=True)
+        full = model.forward(tokens, 0, model.new_cache(n))
         assert tuple(last.shape) == (1, model.config.vocab_size), \
             f"{arch}: forward(last_only=True) has shape {tuple(last.shape)}, not (1, {model.config.vocab_size})"
         _close(last, full[-1:], _tolerance(backend, full), f"{arch}: last_only row vs the full forward's last row")

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from outrider.sampling import PositionRandom, SamplingParams, warp
+from outrider.verify import VerifyRound, as_acceptor
 
 V = 6  # toy vocabulary
 K = 2  # drafted tokens per round
@@ -41,6 +42,7 @@ class ToyModel:
         """
         if drafter not in DRAFTER_MODES:
             raise ValueError(f"drafter must be one of {DRAFTER_MODES}, got {drafter!r}")
+        acceptor = as_acceptor(acceptor)
         q_tab = warp(self.draft, params)
         cum = torch.cumsum(q_tab.double(), dim=-1).numpy()
         top = q_tab.argmax(dim=-1).numpy()
@@ -69,7 +71,7 @@ class ToyModel:
                 if drafter != "argmax":
                     ctxs = [prev] + drafts[:-1]
                     q = torch.stack([q_tab[pos - 1 + j, ctxs[j]] for j in range(k)])
-                res = acceptor.accept(torch.stack(rows), drafts, q, params, rng, pos)
+                res = acceptor.accept(VerifyRound(torch.stack(rows), drafts, q, params, rng, pos))
                 drafted += k
                 accepted += res.accepted
                 out.extend(res.tokens)

@@ -13,10 +13,7 @@ import torch
 
 from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
-from outrider.sampling import AcceptResult, PositionRandom, SamplingParams
-
-from .greedy import check_round
-from .sampled import WarpedRows, sampled_round
+from outrider.verify import AcceptResult, VerifyRound, sampled_round
 
 
 class PMinAcceptor:
@@ -34,28 +31,17 @@ class PMinAcceptor:
             raise ConfigError(f"p_min must be a number in [0, 1], got {p_min!r}")
         self.p_min = value
 
-    def accept(
-        self,
-        target_logits: torch.Tensor,
-        draft_tokens: list[int],
-        draft_probs: torch.Tensor | None,
-        params: SamplingParams,
-        rng: PositionRandom,
-        position: int,
-    ) -> AcceptResult:
-        target_logits = check_round(target_logits, draft_tokens, draft_probs)
-        probs = None if params.greedy else WarpedRows(target_logits, params)
-        vocab = target_logits.shape[-1]
-
+    def accept(self, verify: VerifyRound) -> AcceptResult:
         def force(i: int) -> bool:
-            x = draft_tokens[i]
-            if not 0 <= x < vocab:
+            if not verify.in_vocabulary(i):
                 return False
-            # at temperature 0 the threshold is on the softmax of the raw logits (T = 1)
-            row = torch.softmax(target_logits[i].to(torch.float32), dim=-1) if probs is None else probs[i]
-            return bool(row[x] >= self.p_min)
+            if verify.params.greedy:  # the threshold is then on the softmax of the raw logits (T = 1)
+                row = torch.softmax(verify.target_logits[i].to(torch.float32), dim=-1)
+            else:
+                row = verify.target_probs(i)
+            return bool(row[verify.draft_tokens[i]] >= self.p_min)
 
-        return sampled_round(target_logits, draft_tokens, draft_probs, params, rng, position, probs, force)
+        return sampled_round(verify, force)
 
     def __repr__(self) -> str:
         return f"PMinAcceptor(p_min={self.p_min})"

@@ -1,4 +1,4 @@
-"""The CPU backend. Weights stay compact, as the GGUF's own codes with float32 (or exact float16) scales,
+"""The CPU backend. Weights stay compact, as the GGUF's own codes with float32 scales and zeros,
 and run through Outrider's kernels (`outrider.native`, built on first use) with float32 activations;
 `weights = dense` dequantizes everything to `dtype` and runs torch's ops instead."""
 
@@ -26,8 +26,8 @@ def register_backends(register):
     register("cpu", CPUBackend, options={
         "dtype": (str, "float32", f"weights and activations: {', '.join(DTYPES)}"),
         "weights": (str, "compact", f"how weights are held: {', '.join(WEIGHT_MODES)} (see README, Numerics)"),
-        "batch_invariant": (bool, True, "with weights=dense: attention in float64, so verify passes give bit for "
-                            "bit the logits of single steps and greedy speculation equals plain decoding (the "
-                            "compact kernels are batch invariant by construction)"),
+        "batch_invariant": (bool, True, "with weights=dense: attention in float64, so a verify pass's logits stay "
+                            "within ~1e-4 of single steps (torch's matmuls still sum in another order; the "
+                            "compact kernels give the same bits by construction)"),
         "threads": (int, 0, "torch intra-op threads; 0 keeps torch's default (one per core)"),
     })
