@@ -14,6 +14,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from outrider.drafting import Draft, DrafterBase
@@ -22,7 +23,7 @@ from outrider.models.layers import PREFILL_CHUNK
 from outrider.plugins.acceptors.pmin import PMinAcceptor
 from outrider.plugins.backends.cpu import CPUBackend
 from outrider.registry import build_registry
-from outrider.sampling import AcceptResult, PositionRandom, sample_at, warp
+from outrider.sampling import PositionRandom, sample_at, warp
 from outrider.testing.checks import CHECKS, Subject
 from outrider.testing.report import run_check, run_contract
 

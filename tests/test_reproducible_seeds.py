@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from click.testing import CliRunner
 
 import outrider.runner as runner_module
