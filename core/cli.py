@@ -114,6 +114,7 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
     runner = assembly.runner
     decoder = tokenizer.stream_decoder()
     generated, pieces = [], []
+    interrupted = False
     try:
         for token in runner.generate(prompt_ids, config["max_tokens"], assembly.params, tokenizer.eog_ids):
             generated.append(token)
@@ -124,6 +125,9 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
             if not as_json and piece:
                 click.echo(piece, nl=False)
                 sys.stdout.flush()
+    except KeyboardInterrupt:  # what was generated is still the answer so far: print it, then exit 130
+        interrupted = True
+        runner.stats.stop_reason = "interrupted"
     finally:
         tail = decoder.flush()
         pieces.append(tail)
@@ -141,6 +145,8 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
                                "stats": stats}, ensure_ascii=False))
     if verbose:
         click.echo(_summary(stats), err=True)
+    if interrupted:
+        raise KeyboardInterrupt  # friendly_errors: "interrupted" on stderr, exit status 130
 
 
 # generate's settings that a server has no use for: the prompt comes with each request, and each endpoint

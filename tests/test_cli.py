@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -101,6 +105,49 @@ def test_bad_settings_are_one_line_errors(files, tmp_path):
     for count in ("-5", "0"):  # the runner always yields the prefill's token: fewer than one cannot be honoured
         assert_one_line_error(invoke("generate", "--model", files["llama"], "--max-tokens", count, "hi"),
                               f"max_tokens from flag must be at least 1 (most tokens to generate), got {count}")
+
+
+def test_sigint_keeps_the_streamed_text_and_exits_130(tmp_path):
+    # seed 1 on this prompt decodes greedily past 4000 tokens without an end-of-generation token, so the
+    # signal lands mid-generation however slow the machine is
+    model = write_tiny_llama(tmp_path / "long.gguf", seed=1, context=8192)
+    process = subprocess.Popen([sys.executable, "-m", "outrider", "generate", "--model", str(model), "--context",
+                                "8192", "-n", "4000", "--drafter", "none", "the the the"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "OUTRIDER_NATIVE": "0"})
+    streamed = b""
+    while len(streamed) < 64:
+        chunk = os.read(process.stdout.fileno(), 4096)
+        if not chunk:
+            break
+        streamed += chunk
+    process.send_signal(signal.SIGINT)
+    rest, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err.decode()
+    assert len(streamed) >= 64 and len(streamed + rest) < 4000  # printed as it came, and cut short
+    assert err.decode().strip().splitlines()[-1] == "interrupted" and b"Traceback" not in err
+
+
+def test_interrupted_json_holds_the_tokens_so_far(files, monkeypatch):
+    from outrider.runner import Runner
+
+    args = ["generate", "--model", files["llama"], "--drafter", "none", "-n", "12", "--json", "the the the"]
+    whole = json.loads(invoke(*args).output.strip().splitlines()[-1])
+    real_generate = Runner.generate
+
+    def interrupted_after_five(self, *a, **k):  # what a Ctrl-C after the fifth token does to the loop
+        for i, token in enumerate(real_generate(self, *a, **k)):
+            if i == 5:
+                raise KeyboardInterrupt
+            yield token
+
+    monkeypatch.setattr(Runner, "generate", interrupted_after_five)
+    result = invoke(*args)
+    assert result.exit_code == 130
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1] == "interrupted"
+    cut = json.loads(lines[-2])
+    assert cut["tokens"] == whole["tokens"][:5] and cut["stats"]["stop_reason"] == "interrupted"
 
 
 def test_lossy_acceptor_prints_a_warning(files):
