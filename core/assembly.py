@@ -9,6 +9,7 @@ from typing import Any
 
 from .catalog import resolve_model
 from .config import PLUGIN_KINDS, Config
+from .drafter_chain import chain_names, chain_spec, is_chain
 from .drafting import (NEEDS_DRAFT_MODEL, NEEDS_MTP_HEAD, NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, DraftControls, Target,
                        reads_the_target)
 from .errors import ConfigError
@@ -59,6 +60,16 @@ def _plugin_options(config: Config, specs: dict[str, PluginSpec]) -> dict[str, d
     return options
 
 
+def drafter_spec(registry: Registry, name: str) -> PluginSpec:
+    """The drafter `name`, or the combination `a,b` (also `a+b`) of drafters, the first with a draft drafting."""
+    if not is_chain(name):
+        return registry.get("drafter", name)
+    names = chain_names(name)
+    if len(names) < 2:
+        raise ConfigError(f"drafter '{name}': a combination needs two or more drafters, e.g. lookup,mtp")
+    return chain_spec([registry.get("drafter", n) for n in names])
+
+
 def check_pair(drafter: PluginSpec, acceptor: PluginSpec, drafter_obj: Any, params: SamplingParams) -> list[str]:
     """Refuse a drafter/acceptor pair that cannot work; return warnings for ones that work but lose something."""
     needs = set(drafter.capabilities.get("needs", ()))
@@ -86,7 +97,8 @@ def assemble(config: Config, registry: Registry | None = None) -> Assembly:
     params = sampling_params(config)
     names = {"backend": config["backend"], "drafter": config["drafter"],
              "acceptor": choose_acceptor(config["acceptor"], params.temperature)}
-    specs = {kind: registry.get(kind, name) for kind, name in names.items()}
+    specs = {kind: registry.get(kind, name) for kind, name in names.items() if kind != "drafter"}
+    specs["drafter"] = drafter_spec(registry, names["drafter"])
     options = _plugin_options(config, specs)
     resolved = {kind: specs[kind].resolve_options(options[kind]) for kind in PLUGIN_KINDS}
 

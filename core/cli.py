@@ -76,7 +76,8 @@ def _read_prompt(prompt: str) -> str:
 @click.option("--top-p", type=float, help="Nucleus sampling mass; 1 = off [1].")
 @click.option("--seed", type=int, help="Random seed [random].")
 @click.option("--chat/--no-chat", default=None, help="Apply the model's chat template to the prompt.")
-@click.option("--drafter", "-d", help="Drafter plugin [lookup]; `none` for plain decoding.")
+@click.option("--drafter", "-d", help="Drafter plugin [lookup]; `none` for plain decoding; `lookup,mtp` combines "
+              "drafters (the first with a draft drafts each round).")
 @click.option("--acceptor", "-a", help="Acceptor plugin [auto: greedy at T=0, sampled above].")
 @click.option("--backend", "-b", help="Backend plugin [cpu].")
 @click.option("--draft-model", help="Draft model for the draft-model drafter: catalog name or .gguf path.")
@@ -130,8 +131,11 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
             click.echo(tail)
     stats = runner.stats.as_dict()
     stats["load_s"] = round(load_s, 3)
-    stats["config"] = config.report()
+    stats["config"] = config.report(assembly.options)
     stats["plugins"] = {kind: spec.name for kind, spec in assembly.plugins.items()}
+    instances = {"backend": assembly.runner.target.backend, "drafter": runner.drafter, "acceptor": runner.acceptor}
+    stats["capabilities"] = {kind: _plain(instance_capabilities(spec, instances[kind]))
+                             for kind, spec in assembly.plugins.items()}
     if as_json:
         click.echo(json.dumps({"text": "".join(pieces), "tokens": generated, "prompt_tokens": prompt_ids,
                                "stats": stats}, ensure_ascii=False))
@@ -233,7 +237,8 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--temperatures", multiple=True,
               help="Comma-separated; T@p adds top-p p (0.7@0.95 is what chat front-ends send) [0,0.7,0.7@0.95].")
 @click.option("--engines", multiple=True, help="Any of outrider, llama.cpp, transformers [all installed].")
-@click.option("--drafters", multiple=True, help="Outrider drafters: none, lookup, draft-model [all].")
+@click.option("--drafters", multiple=True, help="Outrider drafters: none, lookup, draft-model, mtp, and "
+              "combinations joined with + (lookup+mtp) [all].")
 @click.option("--draft-max", default="auto", show_default=True, help="Outrider draft length: a number or auto.")
 @click.option("--seed", type=int, default=1, show_default=True, help="Seed of the first measured round.")
 @click.option("--chat/--no-chat", default=True, show_default=True,
@@ -291,31 +296,83 @@ def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafter
 
 
 @main.command()
+@click.argument("model")
+@click.option("--minutes", type=float, default=30.0, show_default=True, help="Wall-clock budget for the whole run.")
+@click.option("--steps", type=int, default=0, help="Train exactly this many steps instead of until the budget is spent.")
+@click.option("--draft-vocab", type=int, default=8192, show_default=True,
+              help="Rows of the head's output layer: the most frequent tokens of the training text.")
+@click.option("--tokens", "generate_tokens", type=int, default=160, show_default=True,
+              help="Tokens the target writes per built-in prompt.")
+@click.option("--stdlib-chunks", type=int, default=16, show_default=True,
+              help="Passages of the Python standard library's sources added to the training text.")
+@click.option("--fresh", is_flag=True, help="Start over instead of resuming from the checkpoint.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Sidecar path [the cache, where --drafter mtp looks].")
+@click.option("--seed", type=int, default=0, show_default=True)
+@friendly_errors
+def distill(model, minutes, steps, draft_vocab, generate_tokens, stdlib_chunks, fresh, out, seed):
+    """Train an MTP head for MODEL (catalog name or .gguf) on the CPU and cache it for `--drafter mtp`."""
+    from pathlib import Path
+
+    from .distill import DistillSettings
+    from .distill import distill as run_distill
+
+    settings = DistillSettings(minutes=minutes, steps=steps, draft_vocab=draft_vocab, generate_tokens=generate_tokens,
+                               stdlib_chunks=stdlib_chunks, fresh=fresh, seed=seed)
+    report = run_distill(model, settings, Path(out) if out else None, echo=lambda line: click.echo(line, err=True))
+    click.echo(f"{report.sidecar} ({report.head_bytes / 1e6:.1f} MB) in {report.seconds / 60:.1f} min, "
+               f"{report.steps} steps")
+
+
+@main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @friendly_errors
 def plugins(as_json):
     """List every installed plugin: kind, name, aliases, capabilities, options, providing package."""
+    from .config import SETTINGS
     from .registry import default_registry
 
     rows = []
     for spec in default_registry().all():
         rows.append({
             "kind": spec.kind, "name": spec.name, "aliases": list(spec.aliases), "package": spec.package,
-            "capabilities": {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in spec.capabilities.items()},
+            "default": SETTINGS[spec.kind].default == spec.name,
+            "capabilities": _plain(instance_capabilities(spec)),
             "options": {o.name: {"type": o.type.__name__, "default": o.default, "help": o.help}
                         for o in spec.options.values()},
         })
+        if spec.kind == "acceptor" and spec.name == "sampled":  # `auto` is a choice between two, not a plugin
+            rows.append({"kind": "acceptor", "name": "auto", "aliases": [], "package": spec.package,
+                         "default": SETTINGS["acceptor"].default == "auto",
+                         "chooses": "greedy at temperature 0, sampled above", "capabilities": {}, "options": {}})
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
     for row in rows:
         aliases = f" (aliases: {', '.join(row['aliases'])})" if row["aliases"] else ""
+        default = " (default)" if row["default"] else ""
+        chooses = f": {row['chooses']}" if "chooses" in row else ""
         caps = ", ".join(f"{k}={v}" for k, v in row["capabilities"].items())
-        click.echo(f"{row['kind']:9} {row['name']}{aliases}  [{row['package']}]")
+        click.echo(f"{row['kind']:9} {row['name']}{aliases}{default}{chooses}  [{row['package']}]")
         if caps:
             click.echo(f"          capabilities: {caps}")
         for name, opt in row["options"].items():
             click.echo(f"          -o {row['kind']}.{name} ({opt['type']}, default {opt['default']!r}): {opt['help']}")
+
+
+def _plain(capabilities: dict) -> dict:
+    return {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in capabilities.items()}
+
+
+def instance_capabilities(spec, instance=None) -> dict:
+    """Capabilities as an instance has them (an option may switch one; the runner asks the instance): `instance`,
+    or one made with the default options; the registered ones where no instance can be made (a missing GPU, a
+    required option), or for what the instance does not say."""
+    if instance is None:
+        try:
+            instance = spec.create()
+        except Exception:
+            instance = None
+    return {key: getattr(instance, key, value) for key, value in spec.capabilities.items()}
 
 
 @main.command()
@@ -333,6 +390,7 @@ def check(name, kind, options):
     from .testing.report import find_specs, format_report, run_contract, subject_for
 
     specs = find_specs(name, kind)
+    _build_kernels_first()
     failed = False
     with tempfile.TemporaryDirectory(prefix="outrider-check-") as folder:
         fixtures = ContractFixtures(folder)
@@ -342,6 +400,21 @@ def check(name, kind, options):
             failed = failed or any(r.status == "FAIL" for r in results)
     if failed:
         sys.exit(1)
+
+
+def _build_kernels_first() -> None:
+    """The fixtures run on the CPU backend, whose kernels are compiled on a machine's first use: build them
+    before the first check (the builder says so on stderr), so the build is not reported as a check's time."""
+    from .native import NativeUnavailable, load
+
+    start = time.perf_counter()
+    try:
+        load()
+    except NativeUnavailable:
+        return  # the CPU backend falls back to torch's ops; the checks say what they find
+    if time.perf_counter() - start > 1.0:
+        click.echo(f"outrider: CPU kernels ready after {time.perf_counter() - start:.0f}s; the checks' times below "
+                   "do not include the build", err=True)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ class Setting:
     default: Any
     help: str
     parse: Any = None  # optional converter from text, for settings that are not a plain type
+    minimum: int | None = None  # smallest value accepted, checked wherever the value comes from
 
 
 def parse_draft_max(value: Any) -> int | str:
@@ -61,7 +62,7 @@ SETTINGS: dict[str, Setting] = {
                          "measured verify cost and acceptance)", parse_draft_max),
     "draft_min": Setting(int, 0, "drop proposals shorter than this"),
     "draft_p_min": Setting(float, 0.0, "drafter-side stop: do not draft a token whose draft probability is below this"),
-    "max_tokens": Setting(int, 128, "most tokens to generate"),
+    "max_tokens": Setting(int, 128, "most tokens to generate", minimum=1),
     "temperature": Setting(float, 0.0, "0 = greedy"),
     "top_k": Setting(int, 0, "0 = off"),
     "top_p": Setting(float, 1.0, "1 = off"),
@@ -82,14 +83,25 @@ class Config:
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
 
-    def report(self) -> dict[str, Any]:
+    def report(self, resolved: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+        """Every setting and plugin option with its value and source; `resolved` (the chosen plugins' options
+        after defaults and conversion) adds the options left at their default, with source "default"."""
         settings = {key: {"value": self.values[key], "source": self.sources[key]} for key in SETTINGS}
-        options = {kind: {key: {"value": value, "source": self.option_sources[kind][key]}
-                          for key, value in self.options[kind].items()} for kind in PLUGIN_KINDS}
+        values = resolved or self.options
+        options = {kind: {key: {"value": value, "source": self.option_sources[kind].get(key, "default")}
+                          for key, value in values.get(kind, {}).items()} for kind in PLUGIN_KINDS}
         return {"settings": settings, "options": options}
 
 
 def _convert(key: str, value: Any, source: str) -> Any:
+    value = _parse(key, value, source)
+    minimum = SETTINGS[key].minimum
+    if minimum is not None and value is not None and value < minimum:
+        raise ConfigError(f"{key} from {source} must be at least {minimum} ({SETTINGS[key].help}), got {value!r}")
+    return value
+
+
+def _parse(key: str, value: Any, source: str) -> Any:
     setting = SETTINGS[key]
     if setting.parse is not None and value is not None:
         try:

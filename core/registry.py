@@ -11,6 +11,7 @@ would have provided fails with the import error.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 from dataclasses import dataclass, field
@@ -94,12 +95,37 @@ class PluginSpec:
         return self.factory(**self.resolve_options(settings or {}))
 
 
-def _as_option(name: str, value: Any) -> Option:
+_NO_DEFAULT = object()
+
+
+def signature_default(factory: Callable[..., Any], name: str) -> Any:
+    """The default the factory's own signature gives keyword `name` (what a direct call would use)."""
+    try:
+        parameter = inspect.signature(factory).parameters.get(name)
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return _NO_DEFAULT
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return _NO_DEFAULT
+    return parameter.default
+
+
+def _as_option(name: str, value: Any, factory: Callable[..., Any]) -> Option:
+    """`(type, help)` takes the default from the factory's signature (the default is declared once);
+    `(type, default, help)` and an `Option` must agree with the signature where it has one."""
+    own = signature_default(factory, name)
     if isinstance(value, Option):
-        return value
-    if isinstance(value, tuple) and len(value) in (2, 3):
-        return Option(name, *value)
-    raise TypeError(f"option {name!r}: give an Option or a (type, default, help) tuple, not {value!r}")
+        option = value
+    elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str) and own is not _NO_DEFAULT:
+        option = Option(name, value[0], own, value[1])
+    elif isinstance(value, tuple) and len(value) in (2, 3):
+        option = Option(name, *value)
+    else:
+        raise TypeError(f"option {name!r}: give an Option, a (type, help) tuple (the default is the factory's) or "
+                        f"a (type, default, help) tuple, not {value!r}")
+    if own is not _NO_DEFAULT and option.default != own:
+        raise TypeError(f"option {name!r}: default {option.default!r} in options= but {own!r} in the signature of "
+                        f"{getattr(factory, '__qualname__', factory)}; declare it once: (type, help)")
+    return option
 
 
 class Registry:
@@ -142,7 +168,8 @@ class Registry:
         caps = {key: getattr(factory, key, default) for key, default in CAPABILITY_DEFAULTS[kind].items()}
         caps.update(capabilities or {})
         spec = PluginSpec(kind, name, factory, tuple(aliases),
-                          {key: _as_option(key, value) for key, value in (options or {}).items()}, caps, package)
+                          {key: _as_option(key, value, factory) for key, value in (options or {}).items()}, caps,
+                          package)
         for claimed in (name, *spec.aliases):
             owner = self._owner(kind, claimed)
             if owner is not None:

@@ -231,3 +231,13 @@ def test_llama_cpp_adapter_counts_rounds_with_a_fake_library(monkeypatch):
     assert result.n_generated == 7 and result.n_prompt == 3
     assert (result.rounds, result.drafted, result.accepted) == (2, 6, 4)
     assert result.mean_acceptance_length == 3.0 and result.acceptance_approximate
+
+
+def test_bench_drafter_list_tells_a_combination_from_a_list():
+    from outrider.bench import BenchSettings
+    from outrider.errors import ConfigError
+
+    BenchSettings(drafters=["none", "lookup", "mtp", "lookup+mtp"]).check()
+    for bad in ("lookup+nope", "none+mtp", "lookup,mtp"):
+        with pytest.raises(ConfigError, match="join"):
+            BenchSettings(drafters=[bad]).check()

@@ -98,6 +98,9 @@ def test_bad_settings_are_one_line_errors(files, tmp_path):
                                  "--draft-model", files["gemma3"], "hi"), "same tokenizer")
     assert_one_line_error(invoke("generate", "--model", files["llama"], "--context", "8", "x " * 40),
                           "shorten the prompt")
+    for count in ("-5", "0"):  # the runner always yields the prefill's token: fewer than one cannot be honoured
+        assert_one_line_error(invoke("generate", "--model", files["llama"], "--max-tokens", count, "hi"),
+                              f"max_tokens from flag must be at least 1 (most tokens to generate), got {count}")
 
 
 def test_lossy_acceptor_prints_a_warning(files):

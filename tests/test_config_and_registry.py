@@ -45,6 +45,14 @@ def test_bad_values_name_the_setting_and_source(tmp_path):
         resolve_config({}, None, {"OUTRIDER_DRAFT_MAX": "many"})
     with pytest.raises(ConfigError, match="does not exist"):
         resolve_config({}, tmp_path / "absent.toml", {})
+    config_file = tmp_path / "zero.toml"
+    config_file.write_text("max_tokens = 0\n")
+    for flags, file, env, source in [({"max_tokens": -5}, None, {}, "flag"),
+                                     ({}, None, {"OUTRIDER_MAX_TOKENS": "-1"}, "env OUTRIDER_MAX_TOKENS"),
+                                     ({}, config_file, {}, "file zero.toml")]:
+        with pytest.raises(ConfigError, match=f"max_tokens from {source} must be at least 1"):
+            resolve_config(flags, file, env)
+    assert resolve_config({"max_tokens": 1}, None, {})["max_tokens"] == 1
 
 
 def test_every_builtin_is_registered_with_its_capabilities(registry):
@@ -60,7 +68,7 @@ def test_every_builtin_is_registered_with_its_capabilities(registry):
 
 
 def test_unknown_plugin_and_option_list_the_valid_ones(registry):
-    with pytest.raises(ConfigError, match=r"unknown drafter 'eagle'; installed drafters: draft-model, lookup, none"):
+    with pytest.raises(ConfigError, match=r"unknown drafter 'eagle'; installed drafters: draft-model, lookup, mtp, none"):
         registry.get("drafter", "eagle")
     with pytest.raises(ConfigError, match=r"unknown option 'n' for drafter 'lookup'; valid options: max_n, min_n"):
         registry.get("drafter", "lookup").create({"n": 3})

@@ -90,7 +90,7 @@ def test_unknown_architecture_is_refused(tmp_path):
     w = gguf.GGUFWriter(str(path), "mamba")
     w.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    with pytest.raises(ModelFileError, match="unknown architecture 'mamba'; supported: gemma3, llama"):
+    with pytest.raises(ModelFileError, match="unknown architecture 'mamba'; supported: gemma3, gemma4, llama"):
         load_model(GGUFFile(path))
 
 

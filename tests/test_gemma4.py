@@ -153,3 +153,48 @@ def test_unhonoured_metadata_is_refused_in_one_line(variant):
         with pytest.raises(ModelFileError) as e:
             load_model(g)
         assert "\n" not in str(e.value) and key in str(e.value) or "partial rotary" in str(e.value)
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_native_layer_stack_equals_the_python_loop(variant, k):
+    """Compact weights run every layer in one native call (the experts excepted); it makes the calls the
+    Python loop makes, so logits and cache agree bit for bit, across the window and the shared layers."""
+    name, _, path, _ = variant
+    model = load_model(GGUFFile(path), weights="compact")
+    assert model.kernels is not None
+    native = model.native_stack
+    assert (native is None) == (name == "moe")
+    prompt, block = _ids(13, 20 + k), _ids(k, 30 + k)
+    caches, logits = [], []
+    for stack in (native, None):
+        model.native_stack = stack
+        cache = model.new_cache(64)
+        first = model.forward(prompt, 0, cache, last_only=True)
+        logits.append(torch.cat([first, model.forward(block, len(prompt), cache)]))
+        caches.append(cache)
+    assert torch.equal(logits[0], logits[1])
+    for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+        assert torch.equal(a, b)
+
+
+def _layer_pattern(name: str) -> str:
+    return ".".join("#" if part.isdigit() else part for part in name.split("."))
+
+
+def test_handwritten_tiny_gemma4_uses_the_converters_keys_and_names(tmp_path):
+    """The contract suite's tiny gemma4 is written without the converter; every key and tensor name it
+    uses must be one the converter writes (the e2b and dense fixtures between them cover it)."""
+    from outrider.testing.tiny_models import write_tiny_gemma4
+
+    try:
+        converted = [GGUFFile(cached_fixture(v)[1]) for v in ("dense", "e2b")]
+    except ReferenceUnavailable as e:
+        pytest.skip(str(e))
+    tiny = GGUFFile(write_tiny_gemma4(tmp_path / "tiny.gguf"))
+    keys = {k for g in converted for k in g.metadata if not k.startswith("general.")}
+    names = {_layer_pattern(n) for g in converted for n in g.tensors}
+    assert {k for k in tiny.metadata if not k.startswith("general.")} <= keys
+    assert {_layer_pattern(n) for n in tiny.tensors} <= names
+    model = load_model(tiny, weights="compact")
+    assert model.kv_source_layer == (0, 1, 2, 3, 2, 3)
+    assert model.native_stack is not None

@@ -19,7 +19,8 @@ from outrider.models.gemma4_assistant import Gemma4Assistant
 
 pytest.importorskip("transformers")
 
-from outrider.testing.gemma4_assistant import TransformersAssistant, assistant_gguf, write_assistant_checkpoint  # noqa: E402
+from outrider.testing.gemma4_assistant import (TransformersAssistant, assistant_gguf,  # noqa: E402
+                                               write_assistant_checkpoint)
 from outrider.testing.llama_cpp import ReferenceUnavailable  # noqa: E402
 
 VOCAB, BACKBONE, WINDOW = 320, 48, 8

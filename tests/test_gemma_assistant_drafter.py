@@ -181,3 +181,13 @@ def test_mismatched_pairs_are_refused_naming_both_files(targets, tmp_path):
     with pytest.raises(ConfigError, match="not a Gemma 4 assistant") as err:
         GemmaAssistantDrafter(model=str(dense.gguf.path)).setup(dense)
     assert str(err.value).count(str(dense.gguf.path)) >= 2
+
+
+@pytest.mark.parametrize("overrides, message", [({"backbone": 48}, "48-wide target"),
+                                                ({"vocab_size": 320}, "fewer than the target's")])
+def test_an_assistant_for_another_size_is_refused_naming_both_files(targets, overrides, message):
+    dense = target(targets, "dense")
+    _, assistant = cached_assistant(dense.gguf.path, "dense", **overrides)
+    with pytest.raises(ConfigError, match=message) as err:
+        GemmaAssistantDrafter(model=str(assistant)).setup(dense)
+    assert str(dense.gguf.path) in str(err.value) and str(assistant) in str(err.value)

@@ -110,7 +110,8 @@ class Oracle:
         if self.arch == "gemma3":
             x = x + rms(o, w["post_attention_norm.weight"], eps)
             f = rms(x, w["ffn_norm.weight"], eps)
-            f = (F.gelu(f @ w["ffn_gate.weight"].T, approximate="tanh") * (f @ w["ffn_up.weight"].T)) @ w["ffn_down.weight"].T
+            f = F.gelu(f @ w["ffn_gate.weight"].T, approximate="tanh") * (f @ w["ffn_up.weight"].T)
+            f = f @ w["ffn_down.weight"].T
             x = x + rms(f, w["post_ffw_norm.weight"], eps)
         else:
             x = x + o
@@ -260,10 +261,44 @@ def test_sampling_with_q_keeps_the_target_distribution(fx, tmp_path):
     runner = Runner(target, drafter, SampledAcceptor(), draft_max=2, context=64)
     counts = np.zeros(len(cells))
     accepted = drafted = 0
-    for seed in range(500):  # on one torch thread, as every test here (the pytest plugin's thread fixture)
+    for seed in range(500):  # on one thread: the suite's autouse fixture
         out = list(runner.generate(list(prompt), 4, SamplingParams(1.5, top_k=3, seed=seed)))
         counts[cells.index(tuple(out[:3]))] += 1
         accepted, drafted = accepted + runner.stats.accepted, drafted + runner.stats.drafted
     stat, df, pval, forbidden = chi2_test(counts, np.array(want))
     assert forbidden == 0 and pval > 1e-4, f"chi2={stat:.1f} df={df} p={pval:.2g}"
     assert drafted > 0 and 0 < accepted < drafted, (accepted, drafted)
+
+
+# ------------------------------------------------------------------------------------------------ distill
+
+
+@pytest.fixture(scope="module")
+def distilled(fx, tmp_path_factory):
+    from outrider.distill import DistillSettings, distill
+
+    out = tmp_path_factory.mktemp("distill") / "tiny-llama.mtp.gguf"
+    settings = DistillSettings(steps=15, generate_tokens=16, stdlib_chunks=1, draft_vocab=64, eval_tokens=0,
+                               lr=3e-3, prompts=("Hello there", "def f(x):"), fresh=True)
+    return distill(str(fx.model_path("llama")), settings, out, echo=lambda line: None)
+
+
+def test_distill_reduces_the_held_out_kl(distilled):
+    assert distilled.steps == 15
+    assert distilled.heldout_kl_end < 0.8 * distilled.heldout_kl_start, distilled
+
+
+def test_a_distilled_head_drafts_what_the_spec_equations_give(fx, distilled):
+    """The written sidecar (q/k rows permuted back to llama.cpp's order, float16 matrices, the reduced head)
+    read by the drafter gives the oracle's distributions."""
+    target = fx.target("llama")
+    drafter = MTPDrafter(model=str(distilled.sidecar), sample=True)
+    drafter.setup(target)
+    tokens = PROMPT + [9]
+    drafter.begin(list(PROMPT), SamplingParams(temperature=1.0, seed=4), DraftControls())
+    hidden = _target_hidden(target, tokens)
+    drafter.observe(hidden[: len(PROMPT)], 0, None)
+    draft = drafter.propose(list(tokens), 3)
+    want = torch.softmax(Oracle("llama", fx.model_path("llama"), distilled.sidecar).draft_logits(
+        tokens, hidden, draft.tokens[:-1]), -1)
+    torch.testing.assert_close(draft.probs, want, atol=2e-5, rtol=1e-4)

@@ -474,7 +474,7 @@ def test_attention_with_three_heads_per_kv_group_matches_float64_and_single_quer
         return cache.keys[0], cache.values[0]
 
     call = lambda rows, start, cache: kernels.attend(rows.contiguous(), *cache, start, n_heads, n_kv, d, rotary.cos,
-                                                     rotary.sin, None, None, 1e-6, window, d ** -0.5)
+                                                     rotary.sin, None, None, 1e-6, window, d ** -0.5, 0, False)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)  # the grouping depends on the thread count; two threads split it differently
     try:

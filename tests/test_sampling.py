@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from outrider.errors import ConfigError
-from outrider.sampling import PositionRandom, SamplingParams, sample_at, sample_rows, warp
+from outrider.sampling import PositionRandom, SamplingParams, argmax, argmax_token, sample_at, sample_rows, warp
 
 
 def _close(got: torch.Tensor, want: list[float], tol: float = 1e-6) -> None:
@@ -151,6 +151,68 @@ def test_warp_batched_rows_equal_single_rows_and_sum_to_one(params):
         assert ((out > 0).sum(-1) <= params.top_k).all()
 
 
+def _top_p_by_full_stable_sort(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The definition read literally (and the code before the sort went): sort the whole row, stable,
+    softmax the sorted values, keep the prefix whose preceding mass is below top_p, renormalise, put back."""
+    x = x.to(torch.float32) / params.temperature
+    vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(vals, dim=-1)
+    cum = torch.cumsum(probs, dim=-1)
+    keep = (cum - probs) < params.top_p
+    keep[..., 0] = True
+    probs = torch.where(keep, probs, torch.zeros_like(probs))
+    return torch.zeros_like(x).scatter_(-1, idx, probs / probs.sum(dim=-1, keepdim=True))
+
+
+@pytest.mark.parametrize("vocab", [2048, 3001, 49152])
+def test_warp_top_p_is_the_full_stable_sort_bit_for_bit(vocab):
+    """warp sorts only values and orders only the kept tokens; the result is the full sort's, bit for bit,
+    with ties (logits on a coarse grid, as a quantized model gives them) cut by the top-p boundary too."""
+    g = torch.Generator().manual_seed(vocab)
+    peaked = torch.randn(4, vocab, generator=g) * 2
+    peaked[torch.arange(4), torch.randint(0, vocab, (4,), generator=g)] += 9.0
+    tied = torch.round(torch.randn(4, vocab, generator=g) * 3) / 2  # a few dozen distinct values
+    flat = torch.randn(2, vocab, generator=g) * 0.1
+    for x in (peaked, tied, flat):
+        for params in (SamplingParams(0.7, top_p=0.9), SamplingParams(1.0, top_p=0.95),
+                       SamplingParams(0.3, top_p=0.5), SamplingParams(1.5, top_p=0.999)):
+            want = _top_p_by_full_stable_sort(x, params)
+            assert torch.equal(warp(x, params), want), params
+            assert all(torch.equal(warp(x[i], params), want[i]) for i in range(x.shape[0])), params
+
+
+@pytest.mark.torch_threads(2)  # a lone row's sums may be split across threads; a batch's are not
+def test_warp_top_p_of_a_wide_row_alone_equals_it_in_a_batch_on_two_threads():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 70_000, generator=g) * 2
+    for params in (SamplingParams(0.7, top_p=0.9), SamplingParams(0.7), SamplingParams(0.7, top_k=40, top_p=0.9)):
+        batch = warp(x, params)
+        assert all(torch.equal(warp(x[i], params), batch[i]) for i in range(3)), params
+
+
+def test_argmax_matches_torch_on_ties_nan_and_half_precision():
+    rows = torch.tensor([[1.0, 3.0, 3.0, 0.0], [float("nan"), 1.0, float("nan"), 2.0], [-5.0, -5.0, -5.0, -5.0]])
+    for x in (rows, rows.to(torch.float16), rows.to(torch.bfloat16), rows.t().contiguous().t()):
+        assert argmax(x).tolist() == [1, 0, 0]  # first index on ties; a NaN counts as the maximum
+        assert [argmax_token(r) for r in x] == [1, 0, 0]
+    g = torch.Generator().manual_seed(2)
+    wide = torch.round(torch.randn(5, 50_000, generator=g) * 4)
+    assert torch.equal(argmax(wide), torch.argmax(wide, dim=-1))
+
+
+def test_sample_at_equals_the_whole_row_float64_cumsum():
+    """sample_at sums only the nonzero entries; the token is the one the whole-row float64 running sum picks."""
+    g = torch.Generator().manual_seed(4)
+    for _ in range(40):
+        row = torch.softmax(torch.randn(5000, generator=g) * 3, dim=-1)
+        row[torch.rand(5000, generator=g) < 0.9] = 0.0  # a top-p row: mostly zeros
+        cum = torch.cumsum(row.double(), dim=0)
+        for u in (*torch.rand(20, generator=g, dtype=torch.float64).tolist(), 0.0, float(np.nextafter(1.0, 0.0))):
+            i = int(torch.searchsorted(cum, u * cum[-1], right=True))
+            want = i if i < 5000 else int(torch.nonzero(row)[-1])
+            assert sample_at(row, u) == want
+
+
 def test_warp_accepts_half_precision():
     x = torch.tensor(LOGITS, dtype=torch.bfloat16)
     out = warp(x, SamplingParams(1.0))
@@ -221,9 +283,11 @@ def test_sample_at_vocabulary_order_and_edges():
 
 
 def test_sample_at_refuses_rows_it_cannot_sample():
-    for bad in ([0.0, 0.0, 0.0], [float("nan"), 0.5, 0.5], [float("inf"), 1.0, 0.0]):
+    for bad in ([0.0, 0.0, 0.0], [float("nan"), 0.5, 0.5], [float("inf"), 1.0, 0.0], [0.5, -0.25, 0.75]):
         with pytest.raises(ValueError):
             sample_at(torch.tensor(bad), 0.5)
+        with pytest.raises(ValueError):
+            sample_rows(torch.tensor([bad, [0.5, 0.25, 0.25]]), [0.5, 0.5])
 
 
 def test_sample_at_is_exact_inverse_cdf_on_a_grid():

@@ -35,6 +35,7 @@ TINY_CONTEXT = 4096
 REAL_CONTEXT = 512
 ECHO_PROMPT = ("Copy this text exactly: The meeting is on Monday at 10 am in room 204. Please bring your laptop.\n"
                "Copy: The meeting is on Monday")
+TINY_ECHO = "the cat the cat the cat the"  # the tiny model's greedy answer repeats, so lookup's drafts land
 # long enough that a generation cut short by a disconnect is plainly cut short (the tiny model's repetitive
 # output makes lookup accept most drafts: ~400 tokens/s here)
 LONG = dict(prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", max_tokens=4000, temperature=0)
@@ -147,10 +148,31 @@ def chat(server, stream=False, **kwargs):
     return "".join(pieces), finish, timings, None
 
 
+# -- stop strings on streamed text (no server) ----------------------------------------------------------
+
+
+def stream_through(stops, pieces):
+    """What a stream sends for `pieces` (one take per piece, then the final one) and whether it stopped."""
+    from outrider.serve.stop_text import StopText
+
+    text, sent = StopText(stops), []
+    for piece in pieces:
+        text.feed(piece)
+        sent.append(text.take())
+    sent.append(text.take(final=True))
+    return sent, text.stopped
+
+
+def test_stop_text_holds_back_what_may_start_a_stop_string():
+    assert stream_through(["END"], ["abc E", "N", "D more"]) == (["abc ", "", "", ""], True)
+    assert stream_through(["END"], ["abc E", "Nx", " y"]) == (["abc ", "ENx", " y", ""], False)
+    assert stream_through(["END"], ["abc EN"]) == (["abc ", "EN"], False)  # the end releases what was held
+    assert stream_through(["two", "o"], ["one two"]) == (["", ""], True)  # the earliest stop string wins
+    assert stream_through(["\n\n"], ["a\n", "b\n", "\nc"]) == (["a", "\nb", "", ""], True)
+    assert stream_through([], ["a", "b"]) == (["a", "b", ""], False)
+
+
 # -- answers (tiny model) -----------------------------------------------------------------------------
-
-TINY_ECHO = "the cat the cat the cat the"
-
 
 @pytest.fixture(scope="module")
 def greedy_tiny(server):
@@ -211,7 +233,7 @@ def test_concurrent_clients_get_their_own_answers(server):
 # -- the queue and disconnects ------------------------------------------------------------------------
 
 
-def test_a_disconnect_stops_the_generation_and_frees_the_server(server):
+def test_a_disconnect_stops_the_generation_and_frees_the_server(server, greedy_tiny):
     before = server.wait_idle()
     stream = server.client.completions.create(model=server.model_id, stream=True, **LONG)
     next(iter(stream))
@@ -221,7 +243,8 @@ def test_a_disconnect_stops_the_generation_and_frees_the_server(server):
         before.get(("outrider:request_success_total", (("finished_reason", "abort"),)), 0) + 1
     generated = after[("outrider:generation_tokens_total", ())] - before[("outrider:generation_tokens_total", ())]
     assert 1 <= generated < LONG["max_tokens"] / 2
-    assert complete(server, prompt="Hello", max_tokens=2)[1] == "length"  # and the next request is served
+    # the next request is served, and nothing of the cut generation leaks into it
+    assert complete(server, prompt=TINY_ECHO, max_tokens=24, temperature=0)[0] == greedy_tiny[0][0]
 
 
 def test_a_full_queue_answers_503_with_retry_after(server):

@@ -20,7 +20,7 @@ from outrider.plugins.drafters.none import NoDrafter
 from outrider.runner import Runner
 from outrider.sampling import SamplingParams
 from outrider.testing.fixtures import cpu_target, plain_greedy, plain_sampled
-from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama
+from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_gemma4, write_tiny_llama
 
 
 def run(target, drafter, acceptor, prompt, n, params=SamplingParams(), draft_max=4, controls=None):
@@ -49,6 +49,9 @@ def tiny(tmp_path_factory):
         "llama": cpu_target(write_tiny_llama(folder / "llama.gguf", seed=0)),
         "llama_draft_path": write_tiny_llama(folder / "llama_draft.gguf", seed=1, n_layers=1),
         "gemma3": cpu_target(write_tiny_gemma3(folder / "gemma3.gguf", seed=0)),
+        # a Gemma 4 target (per-layer inputs, KV-sharing layers) and a smaller gemma4 with its vocabulary
+        "gemma4": cpu_target(write_tiny_gemma4(folder / "gemma4.gguf", seed=0)),
+        "gemma4_draft_path": write_tiny_gemma4(folder / "gemma4_draft.gguf", seed=1, ffn=32, per_layer_input=32),
     }
 
 
@@ -56,17 +59,17 @@ def tiny(tmp_path_factory):
 TINY_PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma4"])
 @pytest.mark.parametrize("draft_max", [1, 4, 8, "auto"])
 @pytest.mark.parametrize("drafter_name", ["none", "lookup", "draft-model", "random"])
 def test_greedy_output_equals_plain_greedy(tiny, arch, draft_max, drafter_name):
     target = tiny[arch]
-    if drafter_name == "draft-model" and arch != "llama":
-        pytest.skip("the tiny draft model shares the tiny llama's vocabulary only")
+    if drafter_name == "draft-model" and arch == "gemma3":
+        pytest.skip("no tiny draft model shares the tiny gemma3's vocabulary")
     drafter = {
         "none": lambda: NoDrafter(),
         "lookup": lambda: LookupDrafter(),
-        "draft-model": lambda: DraftModelDrafter(model=str(tiny["llama_draft_path"])),
+        "draft-model": lambda: DraftModelDrafter(model=str(tiny[f"{arch}_draft_path"])),
         "random": lambda: RandomDrafter(target.model.config.vocab_size, seed=len(str(draft_max))),
     }[drafter_name]()
     expected = plain_greedy(target.model, TINY_PROMPT, 40)

@@ -8,7 +8,9 @@ Engines (each a small adapter with the same interface: `load()`, then `run(promp
 temperature, top_p, seed) -> RunResult`):
 
 * Outrider: plain (`none`), each drafter (`lookup`, `draft-model` with a bfloat16 copy of the target, since
-  no smaller model with the same vocabulary exists for either catalog model), draft length `auto`;
+  no smaller model with the same vocabulary exists for either catalog model; `mtp` with the head `outrider
+  distill` cached, skipped with a note where there is none) and the combination `lookup+mtp` (in the
+  comma-separated `--drafters` list, + joins the drafters of one configuration), draft length `auto`;
 * llama.cpp through llama-cpp-python: plain, and its prompt-lookup decoding (`LlamaPromptLookupDecoding`,
   10 tokens);
 * transformers (the GGUF dequantized to float32): plain, and `prompt_lookup_num_tokens=10`.

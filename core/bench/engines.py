@@ -17,7 +17,9 @@ from .costs import tensor_bytes
 from .results import RunResult, timed_stream
 
 ENGINES = ("outrider", "llama.cpp", "transformers")
-DRAFTERS = ("none", "lookup", "draft-model")
+# `a+b` is one configuration combining drafters a and b (`--drafter a,b`): the list itself is comma-separated
+DRAFTERS = ("none", "lookup", "draft-model", "mtp", "lookup+mtp")
+SINGLE_DRAFTERS = ("none", "lookup", "draft-model", "mtp")
 PEER_LOOKUP_TOKENS = 10
 
 

@@ -13,7 +13,7 @@ import torch
 from ..errors import ConfigError
 from . import prompts
 from .costs import forward_cost_curve, read_bandwidth_gbs, stored_weight_bytes
-from .engines import DRAFTERS, ENGINES, OutriderEngine, make_engines
+from .engines import DRAFTERS, ENGINES, SINGLE_DRAFTERS, OutriderEngine, make_engines
 from .results import add_ratios, medians
 
 DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
@@ -78,8 +78,10 @@ class BenchSettings:
             if e not in ENGINES:
                 raise ConfigError(f"unknown engine '{e}'; choose from {', '.join(ENGINES)}")
         for d in self.drafters:
-            if d not in DRAFTERS:
-                raise ConfigError(f"unknown drafter '{d}'; choose from {', '.join(DRAFTERS)}")
+            parts = d.split("+")
+            if any(p not in SINGLE_DRAFTERS for p in parts) or ("none" in parts and len(parts) > 1):
+                raise ConfigError(f"unknown drafter '{d}'; choose from {', '.join(SINGLE_DRAFTERS)}, or join "
+                                  "drafters with + to combine them (lookup+mtp)")
         for sampling in self.samplings:
             sampling.check()
 

@@ -26,7 +26,8 @@ from ..errors import ModelFileError
 from ..gguf_file import GGUFFile, dequantize
 from ..kv_cache import KVCache
 from .layers import ATTENTION_DTYPE, PREFILL_CHUNK, Rotary, attention, attention_mask, load_ends, run_in_chunks
-from .linear import ACTIVATIONS, load_linear, rms_norm
+from .linear import ACTIVATIONS, NATIVE_ACT, PackedLinear, load_linear, rms_norm
+from .stack import _held
 
 # `gemma4.*` keys this file reads; any other key under the prefix is refused (it would change the model).
 KNOWN_KEYS = frozenset({
@@ -37,6 +38,7 @@ KNOWN_KEYS = frozenset({
     "embedding_length_per_layer_input", "attention.sliding_window_pattern", "rope.dimension_count",
     "rope.dimension_count_swa", "expert_count", "expert_used_count", "expert_feed_forward_length", "vocab_size",
 })
+KV_OWN, KV_K_IS_V, KV_SHARED = 0, 1, 2  # where a layer's K/V come from (the native attend's kv_mode)
 ACT = "gelu_tanh"  # llama.cpp's LLM_FFN_GELU is ggml_gelu, the tanh approximation; HF's gelu_pytorch_tanh
 
 
@@ -160,7 +162,7 @@ class _Experts:
     """The routed block of a 26B-A4B layer: a softmax router over an RMS-normed, scaled input picks
     `n_used` experts per row, whose weights are renormalized and scaled per expert."""
 
-    def __init__(self, g: GGUFFile, p: str, cfg: Gemma4Config, packed: bool, dtype, device):
+    def __init__(self, g: GGUFFile, p: str, cfg: Gemma4Config, packed: bool | str, dtype, device):
         load = lambda name: g.load(p + name).to(dtype).to(device)
         # a linear layer like the others, so that packed it gives every row the bits a one-row call does
         self.router = load_linear(g, [p + "ffn_gate_inp.weight"], packed, dtype, device)
@@ -197,18 +199,20 @@ class _Experts:
 
 
 class _Layer:
-    def __init__(self, g: GGUFFile, i: int, cfg: Gemma4Config, packed: bool, dtype: torch.dtype, device):
+    def __init__(self, g: GGUFFile, i: int, cfg: Gemma4Config, packed: bool | str, dtype: torch.dtype, device):
         p = f"blk.{i}."
         has = lambda name: p + name + ".weight" in g.tensors
         linear = lambda *names: load_linear(g, [p + n + ".weight" for n in names], packed, dtype, device)
         norm = lambda name: g.load(p + name + ".weight").to(dtype).to(device)
         self.own_kv = cfg.kv_source_layer[i] == i
+        self.window = (cfg.sliding_window or None) if cfg.is_local[i] else None
         if self.own_kv and not has("attn_k"):
             raise ModelFileError(f"{g.path}: layer {i} computes K/V but blk.{i}.attn_k is missing; the file is incomplete")
         if has("attn_qkv"):
             raise ModelFileError(f"{g.path}: fused blk.{i}.attn_qkv is not supported; convert with separate q/k/v")
         # K reused as V where the file has no attn_v (attention_k_eq_v)
         self.k_is_v = self.own_kv and not has("attn_v")
+        self.kv_mode = KV_SHARED if not self.own_kv else KV_K_IS_V if self.k_is_v else KV_OWN
         parts = ["attn_q"] + (["attn_k"] if self.own_kv else []) + (["attn_v"] if self.own_kv and not self.k_is_v else [])
         self.wqkv = linear(*parts)
         self.wo = linear("attn_output")
@@ -243,16 +247,18 @@ class Gemma4:
     architecture = "gemma4"
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 native: bool = False, attention_dtype: torch.dtype = ATTENTION_DTYPE):
-        """`native`: weights packed for the CPU kernels (`outrider.native`)."""
+                 native: bool = False, attention_dtype: torch.dtype = ATTENTION_DTYPE, linear_form: str | None = None):
+        """`native`: weights packed for the CPU kernels (`outrider.native`); `linear_form` overrides how the
+        linear layers are held (`load_linear`: "quantized" on a GPU)."""
         self.config = cfg = Gemma4Config.from_gguf(g)
         self.dtype, self.device = dtype, torch.device(device)
         self.attention_dtype = attention_dtype
         self.chunk = PREFILL_CHUNK if native else 0
-        self.output, self.embed, self.output_norm = load_ends(g, native, dtype, device)
+        self.linear_form = form = linear_form or ("native" if native else "dense")
+        self.output, self.embed, self.output_norm = load_ends(g, form, dtype, device)
         # rounded to the model dtype first, as the reference implementations do
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=dtype)
-        self.layers = [_Layer(g, i, cfg, native, dtype, device) for i in range(cfg.n_layers)]
+        self.layers = [_Layer(g, i, cfg, form, dtype, device) for i in range(cfg.n_layers)]
         freq_factors = g.load("rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None
         hd_full = max(cfg.head_dim[i] for i in range(cfg.n_layers) if not cfg.is_local[i]) \
             if not all(cfg.is_local) else None
@@ -263,9 +269,40 @@ class Gemma4:
             if hd_full else None
         if cfg.per_layer_input_size:
             self.per_layer_table = RowTable(g, "per_layer_token_embd.weight", dtype)
-            self.per_layer_proj = load_linear(g, ["per_layer_model_proj.weight"], native, dtype, device)
+            self.per_layer_proj = load_linear(g, ["per_layer_model_proj.weight"], form, dtype, device)
             self.per_layer_proj_norm = g.load("per_layer_proj_norm.weight").to(dtype).to(device)
         self._masks: dict[tuple, tuple] = {}
+        # the CPU kernels' attention where every head dim suits it; their cache then holds float32 keys transposed
+        self.kernels = None
+        if native and all(d % 16 == 0 and d <= 1024 for d in cfg.head_dim):
+            from .. import native as native_kernels
+
+            self.kernels = native_kernels.load()
+        self.native_stack = self._native_stack()
+
+    def _rotary(self, i: int) -> Rotary:
+        return self.local_rotary if self.config.is_local[i] else self.global_rotary
+
+    def _native_stack(self):
+        """Every layer in one native call (as for llama and gemma3), where the attention and every linear run
+        on the kernels; the routed experts stay in Python."""
+        cfg = self.config
+        linears = [w for l in self.layers for w in (l.wqkv, l.wo, l.w_gate_up, l.w_down)
+                   + ((l.inp_gate, l.inp_proj) if cfg.per_layer_input_size else ())]
+        if self.kernels is None or any(l.experts is not None for l in self.layers) or \
+                not all(isinstance(w, PackedLinear) for w in linears):
+            return None
+        stack = self.kernels.LayerStack(cfg.n_heads[0], cfg.n_kv_heads[0], cfg.head_dim[0], cfg.eps, 1.0,
+                                        NATIVE_ACT[ACT])
+        for i, l in enumerate(self.layers):
+            rotary = self._rotary(i)
+            stack.add(_held(l.wqkv), _held(l.wo), _held(l.w_gate_up), _held(l.w_down), l.attn_norm, l.q_norm,
+                      l.k_norm, l.post_attn_norm, l.ffn_norm, l.post_ffn_norm, rotary.cos, rotary.sin, l.window or 0)
+            ple = cfg.per_layer_input_size > 0
+            stack.gemma4(cfg.n_heads[i], cfg.n_kv_heads[i], cfg.head_dim[i], cfg.kv_source_layer[i], l.kv_mode,
+                         _held(l.inp_gate) if ple else None, _held(l.inp_proj) if ple else None,
+                         l.inp_post_norm if ple else None, l.out_scale)
+        return stack
 
     @property
     def kv_source_layer(self) -> tuple[int, ...]:
@@ -275,8 +312,9 @@ class Gemma4:
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         cfg, n = self.config, self.config.n_kv_layers
+        native = self.kernels is not None
         return KVCache(n, list(cfg.n_kv_heads[:n]), list(cfg.head_dim[:n]), max_len or cfg.context_length,
-                       self.attention_dtype, self.device)
+                       torch.float32 if native else self.attention_dtype, self.device, keys_transposed=native)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False,
@@ -296,12 +334,22 @@ class Gemma4:
         rows = self.per_layer_table(tokens) * torch.tensor(math.sqrt(size), dtype=self.dtype)
         proj = self.per_layer_proj(x, prompt=prompt) * torch.tensor(cfg.hidden_size ** -0.5, dtype=self.dtype)
         proj = rms_norm(proj.view(-1, cfg.n_layers, size), self.per_layer_proj_norm, cfg.eps)
-        return (proj + rows.view(-1, cfg.n_layers, size)) * torch.tensor(2.0 ** -0.5, dtype=self.dtype)
+        return ((proj + rows.view(-1, cfg.n_layers, size)) * torch.tensor(2.0 ** -0.5, dtype=self.dtype)).contiguous()
 
     def _hidden(self, tokens: torch.Tensor, start: int, cache: KVCache, prompt: bool) -> torch.Tensor:
         cfg, eps = self.config, self.config.eps
         x = self.embed(tokens) * self.embed_scale
         per_layer = self._per_layer_inputs(tokens, x, prompt) if cfg.per_layer_input_size else None
+        if self.native_stack is not None:
+            x = self.native_stack.run(x, start, cache.keys, cache.values, prompt, per_layer)
+        else:
+            x = self._layers(x, per_layer, start, cache, prompt)
+        cache.length = start + tokens.shape[0]
+        return rms_norm(x, self.output_norm, eps)
+
+    def _layers(self, x: torch.Tensor, per_layer: torch.Tensor | None, start: int, cache: KVCache, prompt: bool):
+        """The layers one call at a time: the torch path, and the reference the native stack must match."""
+        eps = self.config.eps
         self._masks.clear()
         for i, l in enumerate(self.layers):
             o = self._attention(i, l, x, start, cache, prompt)
@@ -312,23 +360,24 @@ class Gemma4:
             else:
                 mlp = l.w_down(gate_up, act=ACT, out_norm=l.post_ffn_norm_1, eps=eps, prompt=prompt)
                 x = x + rms_norm(mlp + l.experts(x), l.post_ffn_norm, eps)
-            if per_layer is not None:
+            if per_layer is not None:  # act(gate) * per-layer input, as the two halves of one row
                 gate = l.inp_gate(x, prompt=prompt)
-                gated = ACTIVATIONS[ACT](gate) * per_layer[:, i]
-                x = l.inp_proj(gated, out_norm=l.inp_post_norm, residual=x, eps=eps, prompt=prompt)
+                x = l.inp_proj(torch.cat([gate, per_layer[:, i]], dim=-1), act=ACT, out_norm=l.inp_post_norm,
+                               residual=x, eps=eps, prompt=prompt)
             if l.out_scale is not None:
                 x = x * l.out_scale
-        cache.length = start + tokens.shape[0]
-        return rms_norm(x, self.output_norm, eps)
+        return x
 
     def _attention(self, i: int, l: _Layer, x: torch.Tensor, start: int, cache: KVCache, prompt: bool):
         cfg = self.config
         t, hd, n_q, n_kv = x.shape[0], cfg.head_dim[i], cfg.n_heads[i], cfg.n_kv_heads[i]
-        local = cfg.is_local[i]
-        rotary = self.local_rotary if local else self.global_rotary
+        rotary, src = self._rotary(i), cfg.kv_source_layer[i]
         qkv = l.wqkv(x, in_norm=l.attn_norm, eps=cfg.eps, prompt=prompt)
+        if self.kernels is not None:
+            return self.kernels.attend(qkv.contiguous(), cache.keys[src], cache.values[src], start, n_q, n_kv, hd,
+                                       rotary.cos, rotary.sin, l.q_norm, l.k_norm, cfg.eps, l.window or 0, 1.0,
+                                       l.kv_mode, True)
         q = rotary(rms_norm(qkv[:, :n_q * hd].view(t, n_q, hd), l.q_norm, cfg.eps), start)
-        src = cfg.kv_source_layer[i]
         if l.own_kv:
             k_raw = qkv[:, n_q * hd:(n_q + n_kv) * hd].view(t, n_kv, hd)
             v = k_raw if l.k_is_v else qkv[:, (n_q + n_kv) * hd:].view(t, n_kv, hd)
@@ -337,10 +386,9 @@ class Gemma4:
         else:
             end = start + t
             keys, values = cache.keys[src][:, :end], cache.values[src][:, :end]
-        window = cfg.sliding_window if local else None
-        key = (start, t, window)
+        key = (start, t, l.window)
         if key not in self._masks:
-            self._masks[key] = attention_mask(start, t, window, x.device)
+            self._masks[key] = attention_mask(start, t, l.window, x.device)
         first_key, mask = self._masks[key]
         return attention(q.transpose(0, 1), keys, values, first_key, mask, 1.0)
 

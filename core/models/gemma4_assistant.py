@@ -52,7 +52,8 @@ class Gemma4AssistantConfig:
     @classmethod
     def from_gguf(cls, g: GGUFFile) -> "Gemma4AssistantConfig":
         if g.architecture != ARCHITECTURE:
-            hint = " (write it with a hyphen: llama.cpp rejects the underscore name)" if g.architecture == "gemma4_assistant" else ""
+            underscore = g.architecture == "gemma4_assistant"
+            hint = " (write it with a hyphen: llama.cpp rejects the underscore name)" if underscore else ""
             raise ModelFileError(f"{g.path}: architecture '{g.architecture}' is not a Gemma 4 assistant "
                                  f"('{ARCHITECTURE}'){hint}; pass the assistant's GGUF as --draft-model")
         n_layers = int(g.require("block_count"))
@@ -111,8 +112,9 @@ class _Layer:
     def __init__(self, g: GGUFFile, i: int, dtype: torch.dtype, device):
         p = f"blk.{i}."
         load = lambda name: g.load(p + name + ".weight").to(dtype).to(device)
-        self.attn_norm, self.wq, self.q_norm, self.wo = load("attn_norm"), load("attn_q"), load("attn_q_norm"), load("attn_output")
-        self.post_attn_norm, self.ffn_norm, self.post_ffn_norm = load("post_attention_norm"), load("ffn_norm"), load("post_ffw_norm")
+        self.attn_norm, self.wq, self.q_norm = load("attn_norm"), load("attn_q"), load("attn_q_norm")
+        self.wo, self.post_attn_norm = load("attn_output"), load("post_attention_norm")
+        self.ffn_norm, self.post_ffn_norm = load("ffn_norm"), load("post_ffw_norm")
         self.w_gate, self.w_up, self.w_down = load("ffn_gate"), load("ffn_up"), load("ffn_down")
         self.out_scale = load("layer_output_scale")
 
@@ -127,12 +129,13 @@ class Gemma4Assistant:
         if head not in HEADS:
             raise ModelFileError(f"unknown assistant head '{head}'; choose one of: {', '.join(HEADS)}")
         if head == "centroids" and not cfg.has_centroids:
-            raise ModelFileError(f"{g.path}: the centroid head was asked for but the file has no masked_embd_centroids / "
-                                 "masked_embd_ordering; use head = dense (or auto)")
+            raise ModelFileError(f"{g.path}: the centroid head was asked for but the file has no "
+                                 "masked_embd_centroids / masked_embd_ordering; use head = dense (or auto)")
         self.centroids_on = cfg.has_centroids and head != "dense"
         load = lambda name: g.load(name).to(dtype).to(self.device)
         self.head_weight, self.output_norm = load("token_embd.weight"), load("output_norm.weight")
-        self.pre_projection, self.post_projection = load("nextn.pre_projection.weight"), load("nextn.post_projection.weight")
+        self.pre_projection = load("nextn.pre_projection.weight")  # [hidden, 2 * backbone]
+        self.post_projection = load("nextn.post_projection.weight")  # [backbone, hidden]
         self.rope_factors = g.load("rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None
         self.layers = [_Layer(g, i, dtype, self.device) for i in range(cfg.n_layers)]
         self.embed_scale = math.sqrt(cfg.backbone_hidden_size)
@@ -142,7 +145,8 @@ class Gemma4Assistant:
             n_centroids = self.centroids.shape[0]
             if cfg.vocab_size % n_centroids or ordering.numel() != cfg.vocab_size:
                 raise ModelFileError(f"{g.path}: masked_embd_ordering ({ordering.numel()} ids) does not split the "
-                                     f"{cfg.vocab_size}-token vocabulary into {n_centroids} centroids; use head = dense")
+                                     f"{cfg.vocab_size}-token vocabulary into {n_centroids} centroids; "
+                                     "use head = dense")
             self.tokens_per_centroid = ordering.view(n_centroids, cfg.vocab_size // n_centroids)
             self.centroid_top_k = min(int(centroid_top_k), n_centroids)
 

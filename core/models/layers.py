@@ -99,7 +99,7 @@ class Attention:
         if self.kernels is not None:
             return self.kernels.attend(qkv, cache.keys[layer], cache.values[layer], start, self.n_heads,
                                        self.n_kv_heads, self.head_dim, rotary.cos, rotary.sin, q_norm, k_norm,
-                                       self.eps, window or 0, self.scale)
+                                       self.eps, window or 0, self.scale, 0, False)
         t, n_q, n_qk = qkv.shape[0], self.n_heads, self.n_heads + self.n_kv_heads
         qkv = qkv.view(t, n_qk + self.n_kv_heads, self.head_dim)
         q, k = qkv[:, :n_q], qkv[:, n_q:n_qk]

@@ -55,7 +55,7 @@ class LayerStack:
 
     def run(self, x: torch.Tensor, start: int, cache: KVCache, prompt: bool) -> torch.Tensor:
         if self.native is not None:
-            return self.native.run(x, start, cache.keys, cache.values, prompt)
+            return self.native.run(x, start, cache.keys, cache.values, prompt, None)
         eps = self.eps
         for i, l in enumerate(self.layers):
             qkv = l.wqkv(x, in_norm=l.attn_norm, eps=eps, prompt=prompt)

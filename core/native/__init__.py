@@ -2,8 +2,14 @@
 
 The source is compiled once per machine with `-march=native` by torch's extension builder (g++ and
 ninja) and cached under `$OUTRIDER_HOME/native/`, keyed by the source, torch's version and the CPU's
-feature flags, so a second process loads it in milliseconds. Where no compiler is present `load()`
-raises `NativeUnavailable` with the reason, and the CPU backend falls back to torch's own ops.
+feature flags, so a second process loads it in milliseconds. The source is copied into that folder and
+compiled from there: torch's builder rebuilds whenever the source's path changes, which checkouts in
+different folders sharing one cache would otherwise do by turns.
+
+Where the build fails (no compiler, no ninja, a compile error) `load()` raises `NativeUnavailable` with the
+reason, and the CPU backend falls back to torch's own ops. The failure is remembered in a marker file in
+that folder, keyed by the compiler too, so later processes fall back at once instead of trying again;
+deleting the marker, a different compiler (`CXX`) or ninja, or `OUTRIDER_NATIVE_RETRY=1` tries again.
 """
 
 from __future__ import annotations
@@ -13,11 +19,14 @@ import hashlib
 import io
 import os
 import platform
+import shutil
 import sys
+import tempfile
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
+RETRY_VARIABLE = "OUTRIDER_NATIVE_RETRY"
 
 
 def cflags() -> list[str]:
@@ -47,6 +56,30 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
+def compiler_key() -> str:
+    """The tools a build would use, as torch's builder finds them: `$CXX` (default c++) and ninja, by
+    resolved path and modification time, so installing or upgrading either makes a remembered failure stale."""
+    parts = []
+    for tool in (os.environ.get("CXX") or "c++", "ninja"):
+        found = shutil.which(tool.split()[0]) if tool.strip() else None
+        parts += [tool, found or "-", str(os.stat(found).st_mtime_ns) if found else "-"]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def failure_marker(folder: Path) -> Path:
+    return folder / f"build-failed-{compiler_key()}.txt"
+
+
+def _place_source(folder: Path) -> Path:
+    """The source inside the build folder (the key holds its hash, so an existing copy is the same text)."""
+    target = folder / SOURCE.name
+    if not target.is_file():
+        with tempfile.NamedTemporaryFile("wb", dir=folder, delete=False) as tmp:
+            tmp.write(SOURCE.read_bytes())
+        os.replace(tmp.name, target)  # atomic: a process building beside this one never reads half a file
+    return target
+
+
 @functools.cache
 def load():
     """The compiled kernels module (functions `linear`, `dequantize_rows`, `attend`)."""
@@ -58,23 +91,26 @@ def load():
 
     key = build_key()
     folder = outrider_home() / "native" / key
+    marker = failure_marker(folder)
+    if marker.is_file() and os.environ.get(RETRY_VARIABLE) != "1":
+        raise NativeUnavailable(f"{marker.read_text().strip()} (remembered; delete {marker} or set "
+                                f"{RETRY_VARIABLE}=1 to try again)")
     folder.mkdir(parents=True, exist_ok=True)
+    source = _place_source(folder)
     if not any(folder.glob("*.so")):
         print("outrider: building the CPU kernels for this machine (once, about a minute)", file=sys.stderr)
-    # Built from a copy inside the keyed folder: ninja rebuilds when the source *path* changes, so checkouts
-    # in different places sharing one $OUTRIDER_HOME would otherwise rebuild the same kernels in turn.
-    source = folder / SOURCE.name
-    if not source.is_file() or source.read_bytes() != SOURCE.read_bytes():
-        partial = folder / f"{SOURCE.name}.{os.getpid()}.tmp"
-        partial.write_bytes(SOURCE.read_bytes())
-        os.replace(partial, source)
     log = io.StringIO()
     try:
         with redirect_stdout(log), redirect_stderr(log):
-            return cpp_extension.load(name=f"outrider_kernels_{key}", sources=[str(source)], extra_cflags=cflags(),
-                                      extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+            module = cpp_extension.load(name=f"outrider_kernels_{key}", sources=[str(source)],
+                                        extra_cflags=cflags(), extra_ldflags=["-fopenmp"], build_directory=str(folder),
+                                        verbose=False)
     except Exception as e:  # a missing compiler or ninja, or a compile error: say which, in one line
         lines = [line for line in (str(e) + "\n" + log.getvalue()).splitlines() if line.strip()]
         reason = next((line for line in lines if "error:" in line), lines[-1] if lines else type(e).__name__)
-        raise NativeUnavailable(f"could not build the CPU kernels ({reason.strip()[:200]}); "
-                                "install g++ and ninja (pip install ninja)") from e
+        message = f"could not build the CPU kernels ({reason.strip()[:200]}); install g++ and ninja (pip install ninja)"
+        marker.write_text(message + "\n")
+        raise NativeUnavailable(f"{message}; remembered in {marker} (delete it or set {RETRY_VARIABLE}=1 to "
+                                "try again)") from e
+    marker.unlink(missing_ok=True)
+    return module

@@ -763,20 +763,28 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
   }
 }
 
+// Where a layer's keys and values come from (Gemma 4 adds the last two).
+enum KVMode { KV_OWN = 0, KV_K_IS_V = 1, KV_SHARED = 2 };
+
 // qkv [T, (H + 2 G) * D]: queries, keys, values of T tokens at positions start..start+T-1. Normalizes
 // (q_norm, k_norm) and rotates q and k, writes k into the cache of keys [G, Lpad / 64, D, 64] (blocks of
 // 64 positions, each held transposed) and v
 // into the values [G, L, D] at those positions, and returns attention [T, H * D] over positions
 // [first, p] for the query at p, first = p - window + 1 with a window. Each (query, head) is computed
-// alone, in the same order whatever T is.
+// alone, in the same order whatever T is. kv_mode KV_K_IS_V: qkv is [T, (H + G) * D] and the values are
+// the keys as projected (before k_norm and rotary); KV_SHARED: qkv holds only the queries and the cache
+// (another layer's) is read, not written. v_norm: the values are RMS-normed (without a weight) first.
 torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, int64_t n_heads,
                      int64_t n_kv, int64_t d, torch::Tensor cos, torch::Tensor sin,
                      c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps,
-                     int64_t window, double scale) {
+                     int64_t window, double scale, int64_t kv_mode, bool v_norm) {
   TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat32, "attend: qkv must be contiguous float32");
   TORCH_CHECK(d % 16 == 0 && d <= 1024, "attend: head_dim must be a multiple of 16, at most 1024");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "attend: caches must be contiguous");
-  int64_t t_len = qkv.size(0), width = (n_heads + 2 * n_kv) * d;
+  TORCH_CHECK(kv_mode >= KV_OWN && kv_mode <= KV_SHARED, "attend: unknown kv_mode ", kv_mode);
+  int64_t t_len = qkv.size(0);
+  int64_t width = (n_heads + (kv_mode == KV_OWN ? 2 : kv_mode == KV_K_IS_V ? 1 : 0) * n_kv) * d;
+  TORCH_CHECK(qkv.size(1) == width, "attend: qkv has ", qkv.size(1), " columns, expected ", width);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == d && k_cache.size(3) == KEY_BLOCK,
               "attend: keys must be held in transposed blocks [kv_heads, blocks, head_dim, ", KEY_BLOCK, "]");
   int64_t k_len = k_cache.size(1) * KEY_BLOCK, v_len = v_cache.size(1);
@@ -791,15 +799,18 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
   float epsf = static_cast<float>(eps);
 
   // keys and values into the cache first: a query attends to the block's earlier tokens too
-  for (int64_t t = 0; t < t_len; ++t) {
+  std::vector<float> ones(v_norm ? d : 0, 1.0f);
+  for (int64_t t = 0; kv_mode != KV_SHARED && t < t_len; ++t) {
     int64_t p = start + t;
     for (int64_t g = 0; g < n_kv; ++g) {
       float normed[1024], rotated[1024];
       const float* k = src + t * width + (n_heads + g) * d;
+      const float* v = kv_mode == KV_K_IS_V ? k : src + t * width + (n_heads + n_kv + g) * d;
       if (kn) { rms_norm_row(k, kn, epsf, d, normed); k = normed; }
       rope_row(k, cs + p * d, sn + p * d, d, rotated);
       for (int64_t e = 0; e < d; ++e) kc[g * d * k_len + key_offset(d, e, p)] = rotated[e];
-      std::memcpy(vc + (g * v_len + p) * d, src + t * width + (n_heads + n_kv + g) * d, d * sizeof(float));
+      if (v_norm) rms_norm_row(v, ones.data(), epsf, d, vc + (g * v_len + p) * d);
+      else std::memcpy(vc + (g * v_len + p) * d, v, d * sizeof(float));
     }
   }
 
@@ -856,6 +867,12 @@ struct StackLayer {
   c10::optional<torch::Tensor> attn_norm, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffn_norm;
   torch::Tensor cos, sin;
   int64_t window;
+  // Gemma 4 (LayerStack.gemma4): this layer's own shape, where its keys and values come from, the
+  // per-layer input step after the FFN and the output scale. Unset: the stack's shape, its own cache.
+  int64_t n_heads = 0, n_kv = 0, d = 0, kv_layer = -1, kv_mode = KV_OWN;
+  bool v_norm = false, per_layer_input = false;
+  HeldLinear inp_gate, inp_proj;
+  c10::optional<torch::Tensor> inp_post_norm, out_scale;
 };
 
 class LayerStack {
@@ -872,21 +889,48 @@ class LayerStack {
                        ffn_norm, post_ffn_norm, cos.contiguous(), sin.contiguous(), window});
   }
 
+  // The last added layer as Gemma 4 has it: its own heads and head dim, the cache layer it reads
+  // (kv_mode: see attend), values RMS-normed, then after the FFN optionally
+  // x = proj(act(inp_gate(x)) * per_layer[:, i]) post-normed onto x, and x * out_scale.
+  void gemma4(int64_t n_heads, int64_t n_kv, int64_t d, int64_t kv_layer, int64_t kv_mode,
+              c10::optional<py::tuple> inp_gate, c10::optional<py::tuple> inp_proj,
+              c10::optional<torch::Tensor> inp_post_norm, c10::optional<torch::Tensor> out_scale) {
+    TORCH_CHECK(!layers_.empty(), "LayerStack.gemma4: add the layer first");
+    StackLayer& l = layers_.back();
+    l.n_heads = n_heads, l.n_kv = n_kv, l.d = d, l.kv_layer = kv_layer, l.kv_mode = kv_mode, l.v_norm = true;
+    l.per_layer_input = inp_gate.has_value();
+    if (l.per_layer_input) l.inp_gate = unpack(*inp_gate), l.inp_proj = unpack(*inp_proj);
+    l.inp_post_norm = inp_post_norm, l.out_scale = out_scale;
+  }
+
   // x [T, hidden] at positions start..start+T-1 through every layer; keys and values: the cache's
-  // tensors, one per layer (see attend).
+  // tensors, one per layer that has its own (see attend). per_layer: Gemma 4's [T, layers, size] inputs.
   torch::Tensor run(torch::Tensor x, int64_t start, const std::vector<torch::Tensor>& keys,
-                    const std::vector<torch::Tensor>& values, bool prompt) const {
-    TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(),
-                "LayerStack.run: the cache has ", keys.size(), " layers, the model ", layers_.size());
+                    const std::vector<torch::Tensor>& values, bool prompt,
+                    c10::optional<torch::Tensor> per_layer) const {
+    size_t cache_layers = 0;
+    for (size_t i = 0; i < layers_.size(); ++i)
+      cache_layers = std::max(cache_layers, static_cast<size_t>(layers_[i].kv_layer >= 0 ? layers_[i].kv_layer : i) + 1);
+    TORCH_CHECK(keys.size() == cache_layers && values.size() == cache_layers,
+                "LayerStack.run: the cache has ", keys.size(), " layers, the model ", cache_layers);
     x = x.contiguous();
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& l = layers_[i];
+      size_t kv = l.kv_layer >= 0 ? l.kv_layer : i;
       torch::Tensor qkv = l.qkv(x, l.attn_norm, eps_, ACT_NONE, c10::nullopt, c10::nullopt, prompt);
-      torch::Tensor a = attend(qkv, keys[i], values[i], start, n_heads_, n_kv_, d_, l.cos, l.sin, l.q_norm, l.k_norm,
-                               eps_, l.window, scale_);
+      torch::Tensor a = attend(qkv, keys[kv], values[kv], start, l.n_heads ? l.n_heads : n_heads_,
+                               l.n_kv ? l.n_kv : n_kv_, l.d ? l.d : d_, l.cos, l.sin, l.q_norm, l.k_norm, eps_,
+                               l.window, scale_, l.kv_mode, l.v_norm);
       x = l.o(a, c10::nullopt, eps_, ACT_NONE, x, l.post_attn_norm, prompt);
       torch::Tensor gu = l.gate_up(x, l.ffn_norm, eps_, ACT_NONE, c10::nullopt, c10::nullopt, prompt);
       x = l.down(gu, c10::nullopt, eps_, act_, x, l.post_ffn_norm, prompt);
+      if (l.per_layer_input) {
+        TORCH_CHECK(per_layer.has_value(), "LayerStack.run: this model needs its per-layer inputs");
+        torch::Tensor gate = l.inp_gate(x, c10::nullopt, eps_, ACT_NONE, c10::nullopt, c10::nullopt, prompt);
+        torch::Tensor gate_in = torch::cat({gate, per_layer->select(1, static_cast<int64_t>(i))}, 1).contiguous();
+        x = l.inp_proj(gate_in, c10::nullopt, eps_, act_, x, l.inp_post_norm, prompt);
+      }
+      if (l.out_scale.has_value()) x = x * *l.out_scale;
     }
     return x;
   }
@@ -910,5 +954,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LayerStack>(m, "LayerStack", py::module_local())  // local: two builds may share a process
       .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t>())
       .def("add", &LayerStack::add)
+      .def("gemma4", &LayerStack::gemma4)
       .def("run", &LayerStack::run);
 }

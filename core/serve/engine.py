@@ -50,7 +50,10 @@ class Job:
 
     def send(self, kind: str, value: Any) -> None:
         """From the worker thread: ("text", str), ("done", Outcome) or ("error", Exception)."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop has closed (shutdown): nobody is listening any more
+            pass
 
 
 def acceptors_by_greediness(assembly: Assembly, acceptor_setting: str,
@@ -79,7 +82,7 @@ class GenerationEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._current: Job | None = None
-        self._mean_latency_s = 1.0
+        self._mean_service_s = 1.0  # a generation's time, averaged; for Retry-After
         labels = metrics.model_name
         metrics.waiting.labels(labels).set_function(lambda: self.waiting)
         self._running = metrics.running.labels(labels)
@@ -108,8 +111,8 @@ class GenerationEngine:
         self._jobs.put(job)
 
     def retry_after_s(self) -> int:
-        """A guess at when a place frees up: the mean request time so far, at least a second."""
-        return max(1, round(self._mean_latency_s))
+        """A guess at when a place frees up: the mean time of a generation so far, at least a second."""
+        return max(1, round(self._mean_service_s))
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -130,6 +133,7 @@ class GenerationEngine:
             return None
         self._current = job
         self._running.set(1)
+        started = time.perf_counter()
         try:
             return "done", self._generate(job)
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the server
@@ -140,7 +144,7 @@ class GenerationEngine:
         finally:
             self._current = None
             self._running.set(0)
-            self._mean_latency_s += 0.2 * (time.perf_counter() - job.arrival - self._mean_latency_s)
+            self._mean_service_s += 0.2 * (time.perf_counter() - started - self._mean_service_s)
 
     def _generate(self, job: Job) -> Outcome:
         request, runner, tokenizer, metrics = job.request, self.runner, self.tokenizer, self.metrics

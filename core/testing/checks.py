@@ -25,7 +25,7 @@ from outrider.runner import Runner
 from outrider.sampling import PositionRandom, SamplingParams, warp
 from outrider.testing.fixtures import ARCHITECTURES, ContractFixtures
 from outrider.testing.stats import chi2_test, tv_distance
-from outrider.testing.toy import CopyingToyModel, ToyModel
+from outrider.testing.toy import CopyingToyModel, ToyModel, exact_law, model_next_logits
 
 # A prompt with repeats, so drafters that look things up have something to find.
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
@@ -266,8 +266,10 @@ def sane_on_an_empty_or_one_token_context(subject: Subject) -> None:
 
 @_check("drafter")
 def consistent_after_rollback(subject: Subject) -> None:
-    """After rejected drafts are rolled back, it proposes what a fresh instance shown only the kept tokens would
-    (a drafter that gives q: the same q for the first drafted position, and the same q rows while the drafts agree)."""
+    """After a rollback it proposes what a fresh instance shown only the kept tokens would (with q: the same q).
+
+    A drafter that gives q is run seeded; its tokens may come from a stream the rolled-back drafts advanced,
+    so what must match is q: the first row, and every row while the two proposals agree."""
     gives_q = subject.capability("gives_draft_probs", subject.new(), False)
     params = SAMPLED if gives_q else GREEDY  # seeded: a sampling drafter's draws are reproducible
     vocab = _vocab(subject)
@@ -307,8 +309,9 @@ def consistent_after_rollback(subject: Subject) -> None:
 
 @_check("drafter")
 def draft_kind_none_means_an_empty_draft(subject: Subject) -> None:
-    """draft_kind(tokens), asked before propose, gives a DraftKind (prior in [0, 1]) or None, None only where
-    the proposal is empty (the runner then skips propose), and asking it changes no proposal."""
+    """draft_kind(tokens) gives a DraftKind (prior in [0, 1]) or None only where the proposal is empty.
+
+    It is asked before propose; None means the runner skips propose, and asking changes no proposal."""
     from outrider.drafting import DraftKind
 
     if not callable(getattr(subject.new(), "draft_kind", None)):
@@ -385,8 +388,10 @@ Q_LAW_TOKENS = 3  # token 1 comes from the prefill; with max_tokens 4, tokens 2 
 
 @_check("drafter")
 def lossless_with_its_draft_probabilities(subject: Subject) -> None:
-    """Statistical, for a drafter that gives q: with the sampled acceptor the output is distributed as plain
-    sampling from the target (chi-square against the exact law of a seeded toy target)."""
+    """Statistical, with q: with the sampled acceptor the output is distributed as plain sampling from the target.
+
+    Seeded generations on a toy target that copies its context (a drafter that reads the target's hidden states:
+    the tiny model it drafts for), chi-square against the exact law of the first tokens (p > 1e-4 per statistic)."""
     from dataclasses import replace
 
     from outrider.drafting import Target
@@ -396,12 +401,19 @@ def lossless_with_its_draft_probabilities(subject: Subject) -> None:
     if not subject.capability("gives_draft_probs", drafter, False):
         raise CheckSkipped("gives_draft_probs is False: without q the output is plain sampling's token for token, "
                            "which seeded_sampling_equals_plain_sampling checks")
-    base = subject.fixtures.target("llama")
-    toy = CopyingToyModel(base.model.config.vocab_size, seed=11)
-    target = Target(model=toy, tokenizer=base.tokenizer, gguf=base.gguf, backend=base.backend)
+    if reads_the_target(drafter):
+        # it drafts from the target's hidden states: the tiny model it drafts for, whose law costs a forward
+        # per prefix (13 with top-k 3)
+        target = subject.fixtures.target(_arch(subject))
+        law = exact_law(lambda context: model_next_logits(target.model, context), PROMPT, Q_LAW_TOKENS,
+                        Q_LAW_PARAMS)
+    else:
+        base = subject.fixtures.target("llama")
+        toy = CopyingToyModel(base.model.config.vocab_size, seed=11)
+        target = Target(model=toy, tokenizer=base.tokenizer, gguf=base.gguf, backend=base.backend)
+        law = toy.law(PROMPT, Q_LAW_TOKENS, Q_LAW_PARAMS)
     drafter.setup(target)
     runner = Runner(target, drafter, SampledAcceptor(), draft_max=3, context=64)
-    law = toy.law(PROMPT, Q_LAW_TOKENS, Q_LAW_PARAMS)
     counts: dict[tuple[int, ...], int] = {}
     drafted = accepted = 0
     for s in range(Q_LAW_GENERATIONS):
@@ -420,7 +432,7 @@ def lossless_with_its_draft_probabilities(subject: Subject) -> None:
         observed = np.array([got.get(c, 0) for c in cells])
         expected = np.array([want.get(c, 0.0) for c in cells])
         stat, df, pval, forbidden = chi2_test(observed, expected)
-        detail = (f"with the sampled acceptor, over {Q_LAW_GENERATIONS} seeded generations on a toy target "
+        detail = (f"with the sampled acceptor, over {Q_LAW_GENERATIONS} seeded generations on a seeded tiny target "
                   f"(temperature {Q_LAW_PARAMS.temperature}, top_k {Q_LAW_PARAMS.top_k}, draft_max 3) the first "
                   f"{n} tokens are not distributed as plain sampling from the target: chi2={stat:.1f} df={df} "
                   f"p={pval:.2g} (threshold {P_THRESHOLD}), TV distance {tv_distance(observed, expected):.3f}, "
@@ -707,18 +719,22 @@ def last_only_gives_the_last_row(subject: Subject) -> None:
         _close(last, full[-1:], _tolerance(backend, full), f"{arch}: last_only row vs the full forward's last row")
 
 
-@_check("backend", gpu=True)
+@_check("backend")
 def matches_the_cpu_reference(subject: Subject) -> None:
-    """An accelerator backend's logits match the float32 CPU backend within its dtype's tolerance."""
-    backend = subject.new()
-    device = torch.device(getattr(backend, "device", "cpu"))
-    if device.type == "cpu":
-        raise CheckSkipped("the backend runs on the CPU: it is the reference")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CheckSkipped("no CUDA device on this machine")
+    """A backend's logits match the float32 CPU reference's within its dtype's tolerance (all but the reference).
+
+    An accelerator, and a CPU backend that computes another way (another dtype, weight layout or kernels),
+    is compared; only the reference itself (the built-in cpu backend, float32, compact weights) is skipped."""
     from outrider.plugins.backends.cpu import CPUBackend
 
+    backend = subject.new()
+    device = torch.device(getattr(backend, "device", "cpu"))
     reference_backend = CPUBackend()
+    if type(backend) is CPUBackend and (backend.dtype, backend.weights) == (reference_backend.dtype,
+                                                                           reference_backend.weights):
+        raise CheckSkipped("the backend is the float32 CPU reference itself")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CheckSkipped("no CUDA device on this machine")
     for arch in ARCHITECTURES:
         gguf = GGUFFile(subject.fixtures.model_path(arch))
         model, reference = backend.load_model(gguf), reference_backend.load_model(gguf)

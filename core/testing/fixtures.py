@@ -12,10 +12,10 @@ import torch
 from outrider.drafting import Target
 from outrider.gguf_file import GGUFFile
 from outrider.sampling import PositionRandom, SamplingParams, sample_at, warp
-from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama, write_tiny_mtp_sidecar
+from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_gemma4, write_tiny_llama, write_tiny_mtp_sidecar
 from outrider.tokenizer import Tokenizer
 
-ARCHITECTURES = ("llama", "gemma3")
+ARCHITECTURES = ("llama", "gemma3", "gemma4")
 
 
 def plain_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
@@ -77,10 +77,9 @@ class ContractFixtures:
 
     @functools.cached_property
     def tiny_gemma4_path(self) -> Path:
-        """The tiny dense Gemma 4, made by transformers and llama.cpp's converter (cached per machine): the
-        target of drafters that draft only for Gemma 4. Needs the test extra; CheckSkipped without it."""
-        return self._test_only(lambda: __import__("outrider.testing.gemma4_fixtures", fromlist=["x"])
-                               .cached_fixture("dense")[1])
+        """A tiny Gemma 4 written with the converter's keys and names (no transformers needed): the target of
+        drafters that draft only for Gemma 4."""
+        return write_tiny_gemma4(self.folder / "tiny-gemma4.gguf", seed=0)
 
     @functools.cached_property
     def tiny_gemma4_assistant_path(self) -> Path:
@@ -100,11 +99,9 @@ class ContractFixtures:
                                f"(setup --test): {exc}") from None
 
     def model_path(self, arch: str) -> Path:
-        if arch == "gemma4":
-            return self.tiny_gemma4_path
         if arch not in ARCHITECTURES:
-            raise ValueError(f"no tiny model for architecture {arch!r}; have {ARCHITECTURES} and gemma4")
-        return self.tiny_llama_path if arch == "llama" else self.tiny_gemma3_path
+            raise ValueError(f"no tiny model for architecture {arch!r}; have {ARCHITECTURES}")
+        return {"llama": self.tiny_llama_path, "gemma3": self.tiny_gemma3_path, "gemma4": self.tiny_gemma4_path}[arch]
 
     def target(self, arch: str = "llama") -> Target:
         if arch not in self._targets:

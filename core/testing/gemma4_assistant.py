@@ -195,15 +195,18 @@ def matching_config(target_gguf: str | os.PathLike, centroids: bool = False) -> 
     n_centroids = 8 if vocab % 8 == 0 else next(c for c in (7, 6, 5, 3, 2) if vocab % c == 0)
     return dict(vocab_size=vocab, backbone=int(g.require("embedding_length")), hidden=32, n_layers=4, heads=2,
                 kv_heads=int(kv[last_swa]), global_kv_heads=int(kv[last_full]),
-                head_dim=int(g.require("attention.key_length_swa")), global_head_dim=int(g.require("attention.key_length")),
+                head_dim=int(g.require("attention.key_length_swa")),
+                global_head_dim=int(g.require("attention.key_length")),
                 sliding_window=int(g.require("attention.sliding_window")), centroids=centroids,
                 n_centroids=n_centroids, centroid_top_k=2)
 
 
-def cached_assistant(target_gguf: str | os.PathLike, head: str = "dense", seed: int = 0) -> tuple[Path, Path]:
-    """(transformers checkpoint folder, converted GGUF) of an assistant matched to `target_gguf`, built once
-    per machine under `$OUTRIDER_HOME/fixtures/` and keyed by this file, the target file, the converter's,
-    transformers' and torch's versions (the converter takes tens of seconds)."""
+def cached_assistant(target_gguf: str | os.PathLike, head: str = "dense", seed: int = 0,
+                     **overrides) -> tuple[Path, Path]:
+    """(transformers checkpoint folder, converted GGUF) of an assistant matched to `target_gguf` (but for
+    `overrides` of `assistant_config` arguments: a mismatched one), built once per machine under
+    `$OUTRIDER_HOME/fixtures/` and keyed by this file, the target file, the converter's, transformers' and
+    torch's versions (the converter takes tens of seconds)."""
     import hashlib
     import shutil
     import tempfile
@@ -215,7 +218,8 @@ def cached_assistant(target_gguf: str | os.PathLike, head: str = "dense", seed: 
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
     digest.update(hashlib.sha256(Path(target_gguf).read_bytes()).digest())
-    for part in (LLAMA_CPP_PYTHON, transformers.__version__, torch.__version__, head, str(seed)):
+    for part in (LLAMA_CPP_PYTHON, transformers.__version__, torch.__version__, head, str(seed),
+                 repr(sorted(overrides.items()))):
         digest.update(part.encode())
     folder = outrider_home() / "fixtures" / f"gemma4-assistant-{head}-{digest.hexdigest()[:12]}"
     hf_dir, gguf_path = folder / "hf", folder / "assistant.gguf"
@@ -224,7 +228,8 @@ def cached_assistant(target_gguf: str | os.PathLike, head: str = "dense", seed: 
         staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
         try:
             centroids = head == "centroids"
-            write_assistant_checkpoint(staging / "hf", seed=seed, **matching_config(target_gguf, centroids))
+            config = {**matching_config(target_gguf, centroids), **overrides}
+            write_assistant_checkpoint(staging / "hf", seed=seed, **config)
             assistant_gguf(staging / "hf", staging / "assistant.gguf", keep_centroids=centroids)
             try:
                 staging.rename(folder)  # whole or not at all

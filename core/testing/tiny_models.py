@@ -1,5 +1,5 @@
 """Tiny random-weight GGUF models, written on the fly for tests (llama with a byte-level BPE vocab,
-gemma3 with a SentencePiece-style vocab). Small enough that a forward pass takes well under a millisecond
+gemma3 with a SentencePiece-style vocab, gemma4 with its BPE vocab). Small enough that a forward pass takes well under a millisecond
 of compute, yet they exercise every code path of the real architectures: GQA, q/k norms, the
 sliding window, tied and untied output heads, quantized tensors."""
 
@@ -200,6 +200,83 @@ def write_tiny_mtp_sidecar(path: str | Path, arch: str, target_path: str | Path,
         ids = np.sort(rng.permutation(vocab)[:DRAFT_VOCAB]) if ids is None else np.array(ids)
         w.add_tensor(p + "nextn.shared_head_head.weight", mat(len(ids), hidden, 0.5))
         w.add_tensor(p + "nextn.draft_vocab", ids.astype(np.int32))
+    _finish(w)
+    return Path(path)
+
+
+def write_tiny_gemma4(path: str | Path, seed: int = 0, hidden: int = 64, heads: int = 4, ffn: int = 96,
+                      window: int = 8, context: int = 256, per_layer_input: int = 32, quantize: bool = True) -> Path:
+    """A gemma4 GGUF written with llama.cpp's converter's keys and tensor names (checked against converted
+    files in tests/test_gemma4.py), without transformers or the converter: six layers (sliding x3, global,
+    sliding, global) with head dims 16 / 32 and 2 / 1 kv heads, `attention_k_eq_v` on the global layers,
+    proportional RoPE, per-layer input embeddings, and the last two layers sharing the K/V of layers 2 and 3
+    with a double-wide MLP."""
+    import gguf
+
+    from .gemma4_fixtures import CHAT_TEMPLATE, SPECIALS, vocabulary
+
+    rng = np.random.default_rng(seed)
+    tokens, merges = vocabulary()
+    visible = {"<|channel>", "<channel|>"}  # the converter's always-rendered tokens
+    types = [4 if t in visible else 3 if t in SPECIALS else 6 if t.startswith("<0x") else 1 for t in tokens]
+    vocab, n_layers, hd_swa, hd_full, first_shared = len(tokens), 6, 16, 32, 4
+    local = [True, True, True, False, True, False]
+    kv_heads = [2 if is_local else 1 for is_local in local]
+    ffns = [ffn if i < first_shared else 2 * ffn for i in range(n_layers)]
+    a = "gemma4."
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    for key, value in [("block_count", n_layers), ("context_length", context), ("embedding_length", hidden),
+                       ("attention.head_count", heads), ("attention.key_length", hd_full),
+                       ("attention.value_length", hd_full), ("attention.sliding_window", window),
+                       ("attention.shared_kv_layers", n_layers - first_shared),
+                       ("embedding_length_per_layer_input", per_layer_input), ("attention.key_length_swa", hd_swa),
+                       ("attention.value_length_swa", hd_swa), ("rope.dimension_count", hd_full),
+                       ("rope.dimension_count_swa", hd_swa)]:
+        w.add_uint32(a + key, value)
+    for key, value in [("rope.freq_base", 1_000_000.0), ("rope.freq_base_swa", 10_000.0),
+                       ("attention.layer_norm_rms_epsilon", 1e-6), ("final_logit_softcapping", 30.0)]:
+        w.add_float32(a + key, value)
+    w.add_array(a + "feed_forward_length", ffns)
+    w.add_array(a + "attention.head_count_kv", kv_heads)
+    w.add_array(a + "attention.sliding_window_pattern", local)
+    w.add_tokenizer_model("gemma4")
+    w.add_token_list(tokens)
+    w.add_token_scores([-1000.0] * vocab)
+    w.add_token_types(types)
+    w.add_token_merges([f"{left} {right}" for left, right in merges])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_uint32("tokenizer.ggml.mask_token_id", 4)
+    w.add_chat_template(CHAT_TEMPLATE)
+    w.add_add_space_prefix(False)
+    w.add_add_bos_token(True)
+    n_rot = int(hd_full * 0.25 / 2)  # proportional RoPE: the rest of each half does not rotate
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * n_rot + [1e30] * (hd_full // 2 - n_rot), dtype=np.float32))
+    _add(w, "token_embd.weight", _matrix(rng, vocab, hidden, 0.3), quantize)
+    _add(w, "per_layer_token_embd.weight", _matrix(rng, vocab, n_layers * per_layer_input, 0.3), quantize)
+    _add(w, "per_layer_model_proj.weight", _matrix(rng, n_layers * per_layer_input, hidden), quantize)
+    w.add_tensor("per_layer_proj_norm.weight", _norm(rng, per_layer_input))
+    w.add_tensor("output_norm.weight", _norm(rng, hidden))
+    for i in range(n_layers):
+        p, hd, kv = f"blk.{i}.", hd_swa if local[i] else hd_full, kv_heads[i]
+        for norm in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm", "post_norm"):
+            w.add_tensor(p + norm + ".weight", _norm(rng, hidden))
+        w.add_tensor(p + "attn_q_norm.weight", _norm(rng, hd))
+        _add(w, p + "attn_q.weight", _matrix(rng, heads * hd, hidden), quantize)
+        if i < first_shared:
+            w.add_tensor(p + "attn_k_norm.weight", _norm(rng, hd))
+            _add(w, p + "attn_k.weight", _matrix(rng, kv * hd, hidden), quantize)
+            if local[i]:  # the global layers reuse K as V
+                _add(w, p + "attn_v.weight", _matrix(rng, kv * hd, hidden), quantize)
+        _add(w, p + "attn_output.weight", _matrix(rng, hidden, heads * hd), quantize)
+        _add(w, p + "ffn_gate.weight", _matrix(rng, ffns[i], hidden), quantize)
+        _add(w, p + "ffn_up.weight", _matrix(rng, ffns[i], hidden), quantize)
+        _add(w, p + "ffn_down.weight", _matrix(rng, hidden, ffns[i]), quantize)
+        _add(w, p + "inp_gate.weight", _matrix(rng, per_layer_input, hidden), quantize)
+        _add(w, p + "proj.weight", _matrix(rng, hidden, per_layer_input), quantize)
+        w.add_tensor(p + "layer_output_scale.weight", np.array([0.7 + 0.6 * rng.random()], dtype=np.float32))
     _finish(w)
     return Path(path)
 

@@ -142,12 +142,25 @@ class CopyingToyModel:
 
     def law(self, prompt: list[int], n: int, params: SamplingParams) -> dict[tuple[int, ...], float]:
         """The exact probability of every n-token continuation of `prompt` under plain sampling with `params`."""
-        law = {(): 1.0}
-        for _ in range(n):
-            grown = {}
-            for seq, mass in law.items():
-                p = warp(self.next_logits(list(prompt) + list(seq)), params).double()
-                for t in torch.nonzero(p > 0).flatten().tolist():
-                    grown[seq + (t,)] = mass * float(p[t])
-            law = grown
-        return law
+        return exact_law(self.next_logits, prompt, n, params)
+
+
+def exact_law(next_logits, prompt: list[int], n: int, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """The exact probability of every n-token continuation of `prompt` under plain sampling with `params`,
+    given `next_logits(context)`: one call per prefix, so only for small supports (top-k)."""
+    law = {(): 1.0}
+    for _ in range(n):
+        grown = {}
+        for seq, mass in law.items():
+            p = warp(next_logits(list(prompt) + list(seq)), params).double()
+            for t in torch.nonzero(p > 0).flatten().tolist():
+                grown[seq + (t,)] = mass * float(p[t])
+        law = grown
+    return law
+
+
+def model_next_logits(model, context: list[int]) -> torch.Tensor:
+    """A real model's next-token logits after `context`, from a fresh cache (no runner involved)."""
+    cache = model.new_cache(len(context) + 1)
+    tokens = torch.tensor(context, device=getattr(model, "device", torch.device("cpu")))
+    return model.forward(tokens, 0, cache, last_only=True)[-1].float().cpu()

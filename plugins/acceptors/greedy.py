@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from outrider.hookspecs import hookimpl
-from outrider.sampling import AcceptResult, PositionRandom, SamplingParams
+from outrider.sampling import AcceptResult, PositionRandom, SamplingParams, argmax_token
 
 
 def check_round(
@@ -27,30 +29,19 @@ def check_round(
     return target_logits
 
 
-def first_rejection(ok: torch.Tensor) -> int:
-    """Index of the first False in the bool vector ``ok`` [k], or k if all are True."""
-    k = ok.shape[0]
-    if k == 0:
-        return 0
-    bad = torch.cat([~ok, ok.new_ones(1)])
-    return int(bad.to(torch.uint8).argmax())  # argmax returns the first maximal index
-
-
 def greedy_round(
-    target_logits: torch.Tensor, draft_tokens: list[int], force: torch.Tensor | None = None
+    target_logits: torch.Tensor, draft_tokens: list[int], force: Callable[[int], bool] | None = None
 ) -> AcceptResult:
-    """Greedy verify: accept x_i iff x_i == argmax p_i (or ``force[i]``); recovered/bonus = argmax."""
-    k = len(draft_tokens)
-    top = target_logits.argmax(dim=-1)  # [k+1], one op for every row
-    if k:
-        drafts = torch.tensor(draft_tokens, dtype=top.dtype, device=top.device)
-        ok = top[:k] == drafts
-        if force is not None:
-            ok = ok | force
-        n = first_rejection(ok)
-    else:
-        n = 0
-    return AcceptResult(tokens=list(draft_tokens[:n]) + [int(top[n])], accepted=n)
+    """Greedy verify: accept x_i iff x_i == argmax p_i (or ``force(i)``); recovered/bonus = argmax.
+
+    Rows after the first rejection are never looked at.
+    """
+    for i, x in enumerate(draft_tokens):
+        top = argmax_token(target_logits[i])
+        if top != x and not (force is not None and force(i)):
+            return AcceptResult(tokens=list(draft_tokens[:i]) + [top], accepted=i)  # recovered
+    bonus = argmax_token(target_logits[len(draft_tokens)])
+    return AcceptResult(tokens=list(draft_tokens) + [bonus], accepted=len(draft_tokens))
 
 
 class GreedyAcceptor:

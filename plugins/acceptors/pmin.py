@@ -13,10 +13,10 @@ import torch
 
 from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
-from outrider.sampling import AcceptResult, PositionRandom, SamplingParams, warp
+from outrider.sampling import AcceptResult, PositionRandom, SamplingParams
 
 from .greedy import check_round
-from .sampled import draft_rows, sampled_round
+from .sampled import WarpedRows, sampled_round
 
 
 class PMinAcceptor:
@@ -44,17 +44,17 @@ class PMinAcceptor:
         position: int,
     ) -> AcceptResult:
         target_logits = check_round(target_logits, draft_tokens, draft_probs)
-        k = len(draft_tokens)
-        if params.greedy:
-            probs = None
-            thr = torch.softmax(target_logits[:k].to(torch.float32), dim=-1)
-        else:
-            probs = warp(target_logits, params)
-            thr = probs[:k]
-        force = None
-        if k:
-            xs, valid = draft_rows(draft_tokens, thr.shape[-1], thr.device)
-            force = valid & (thr[torch.arange(k, device=thr.device), xs] >= self.p_min)
+        probs = None if params.greedy else WarpedRows(target_logits, params)
+        vocab = target_logits.shape[-1]
+
+        def force(i: int) -> bool:
+            x = draft_tokens[i]
+            if not 0 <= x < vocab:
+                return False
+            # at temperature 0 the threshold is on the softmax of the raw logits (T = 1)
+            row = torch.softmax(target_logits[i].to(torch.float32), dim=-1) if probs is None else probs[i]
+            return bool(row[x] >= self.p_min)
+
         return sampled_round(target_logits, draft_tokens, draft_probs, params, rng, position, probs, force)
 
     def __repr__(self) -> str:

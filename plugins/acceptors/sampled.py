@@ -3,19 +3,29 @@ temperature. At temperature 0 it is exactly the ``greedy`` acceptor."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from outrider.hookspecs import hookimpl
-from outrider.sampling import AcceptResult, PositionRandom, SamplingParams, sample_at, sample_rows, warp
+from outrider.sampling import AcceptResult, PositionRandom, SamplingParams, sample_at, warp
 
 from .greedy import check_round, greedy_round
 
 
-def draft_rows(draft_tokens: list[int], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids clamped into [0, V), mask of the ids that were in range) for gathering p_i(x_i)."""
-    xs = torch.tensor(draft_tokens, dtype=torch.long, device=device)
-    valid = (xs >= 0) & (xs < vocab)
-    return xs.clamp(0, vocab - 1), valid
+class WarpedRows:
+    """warp(target_logits[i], params) for the rows asked for, each warped once: a round pays for the rows
+    up to its first rejection, not for all k + 1 (a row warps to the same bits alone as in a batch)."""
+
+    def __init__(self, target_logits: torch.Tensor, params: SamplingParams) -> None:
+        self.logits, self.params = target_logits, params
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        row = self._rows.get(i)
+        if row is None:
+            row = self._rows[i] = warp(self.logits[i], self.params)
+        return row
 
 
 def sampled_round(
@@ -25,61 +35,48 @@ def sampled_round(
     params: SamplingParams,
     rng: PositionRandom,
     position: int,
-    probs: torch.Tensor | None = None,
-    force: torch.Tensor | None = None,
+    probs: WarpedRows | None = None,
+    force: Callable[[int], bool] | None = None,
 ) -> AcceptResult:
-    """One verify round by the lossless rule; ``force[i]`` (bool [k]) additionally accepts x_i (lossy).
+    """One verify round by the lossless rule; ``force(i)`` True additionally accepts x_i (lossy).
 
-    ``probs`` is warp(target_logits, params) if the caller already has it.
+    ``probs`` gives warp(target_logits[i], params) if the caller already has some rows.
     """
     if params.greedy:
         return greedy_round(target_logits, draft_tokens, force)
     k = len(draft_tokens)
-    p = warp(target_logits, params) if probs is None else probs
-    vocab = p.shape[-1]
+    p = WarpedRows(target_logits, params) if probs is None else probs
+    vocab = target_logits.shape[-1]
 
     if draft_probs is None:
         # Deterministic drafter, q_i one-hot at x_i. Sample t_i ~ p_i with the draw plain decoding would use
         # at that position; accept iff t_i == x_i (probability p_i(x_i)). At the first mismatch t_i is
         # distributed as p_i without x_i, renormalised: the one-hot residual. Same seed => same output as
         # plain sampling.
-        us = [rng.uniform(position + i) for i in range(k + 1)]
-        t = sample_rows(p, us)  # every row at once; rows past the first rejection are not used
-        ok = [t[i] == x for i, x in enumerate(draft_tokens)]
-        if force is not None:
-            ok = [a or b for a, b in zip(ok, force.tolist())]
-        n = k
-        for i, a in enumerate(ok):
-            if not a:
-                n = i
-                break
-        return AcceptResult(tokens=list(draft_tokens[:n]) + [t[n]], accepted=n)
+        for i, x in enumerate(draft_tokens):
+            t = sample_at(p[i], rng.uniform(position + i))
+            if t != x and not (force is not None and force(i)):
+                return AcceptResult(tokens=list(draft_tokens[:i]) + [t], accepted=i)  # recovered
+        bonus = sample_at(p[k], rng.uniform(position + k))
+        return AcceptResult(tokens=list(draft_tokens) + [bonus], accepted=k)
 
     # Drafter with q: accept x_i with probability min(1, p_i(x_i) / q_i(x_i)) (reject if q_i(x_i) == 0); at
     # the first rejection sample from norm(max(0, p_i - q_i)); all accepted: bonus from p_{k+1}.
-    n = k
-    if k:
-        q = draft_probs.to(device=p.device, dtype=torch.float32)
-        valid = [0 <= x < vocab for x in draft_tokens]
-        idx = torch.tensor([x if v else 0 for x, v in zip(draft_tokens, valid)], device=p.device).unsqueeze(1)
-        px = p[:k].gather(1, idx).squeeze(1).tolist()  # python floats: float64 arithmetic below
-        qx = q.gather(1, idx).squeeze(1).tolist()
-        forced = force.tolist() if force is not None else [False] * k
-        for i in range(k):
-            if forced[i]:
-                continue
-            if valid[i] and qx[i] > 0.0 and rng.uniform_aux(position + i) * qx[i] <= px[i]:
+    for i, x in enumerate(draft_tokens):
+        if force is not None and force(i):
+            continue
+        if 0 <= x < vocab:
+            qx = float(draft_probs[i, x].to(torch.float32))  # python floats: float64 arithmetic below
+            if qx > 0.0 and rng.uniform_aux(position + i) * qx <= float(p[i][x]):
                 continue  # u <= p/q
-            n = i
-            break
-    if n < k:
-        residual = torch.clamp(p[n] - q[n], min=0.0)
+        q = draft_probs[i].to(device=p[i].device, dtype=torch.float32)
+        residual = torch.clamp(p[i] - q, min=0.0)
         if not float(residual.sum()) > 0.0:
-            residual = p[n]
-        tok = sample_at(residual, rng.uniform(position + n))
-    else:
-        tok = sample_at(p[k], rng.uniform(position + k))
-    return AcceptResult(tokens=list(draft_tokens[:n]) + [tok], accepted=n)
+            residual = p[i]
+        recovered = sample_at(residual, rng.uniform(position + i))
+        return AcceptResult(tokens=list(draft_tokens[:i]) + [recovered], accepted=i)
+    bonus = sample_at(p[k], rng.uniform(position + k))
+    return AcceptResult(tokens=list(draft_tokens) + [bonus], accepted=k)
 
 
 class SampledAcceptor:

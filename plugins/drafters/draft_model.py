@@ -37,7 +37,7 @@ def check_vocab_compatible(target: Tokenizer, draft: Tokenizer, draft_name: str)
 
 class DraftModelDrafter(DrafterBase):
     needs = frozenset({NEEDS_DRAFT_MODEL})
-    gives_draft_probs = True  # only when sample = true; the runner asks the instance
+    gives_draft_probs = False  # True on an instance made with sample = true; the runner asks the instance
 
     def __init__(self, model: str = "", sample: bool = False, context: int = 4096, dtype: str = ""):
         if not model:
@@ -100,8 +100,8 @@ class DraftModelDrafter(DrafterBase):
 @hookimpl
 def register_drafters(register):
     register("draft-model", DraftModelDrafter, aliases=("draft",), options={
-        "model": (str, "", "the draft GGUF: a catalog name or a path (also --draft-model)"),
-        "sample": (bool, False, "sample drafts from q instead of argmax (the acceptor then uses the full-q rule)"),
-        "context": (int, 4096, "the draft model's KV cache length"),
-        "dtype": (str, "", "the draft model's dtype on the target's backend (empty: the target's)"),
+        "model": (str, "the draft GGUF: a catalog name or a path (also --draft-model)"),
+        "sample": (bool, "sample drafts from q instead of argmax (the acceptor then uses the full-q rule)"),
+        "context": (int, "the draft model's KV cache length"),
+        "dtype": (str, "the draft model's dtype on the target's backend (empty: the target's)"),
     })

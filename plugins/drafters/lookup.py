@@ -74,6 +74,6 @@ class LookupDrafter(DrafterBase):
 @hookimpl
 def register_drafters(register):
     register("lookup", LookupDrafter, aliases=("ngram", "prompt-lookup"), options={
-        "min_n": (int, 2, "shortest n-gram that may match (1-gram matches are mostly wrong in open text)"),
-        "max_n": (int, 4, "longest n-gram tried first"),
+        "min_n": (int, "shortest n-gram that may match (1-gram matches are mostly wrong in open text)"),
+        "max_n": (int, "longest n-gram tried first"),
     })

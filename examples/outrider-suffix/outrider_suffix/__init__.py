@@ -12,7 +12,7 @@ __all__ = ["SuffixDrafter", "register_drafters"]
 @hookimpl
 def register_drafters(register):
     register("suffix", SuffixDrafter, aliases=("suffix-cache",), options={
-        "max_depth": (int, 8, "longest suffix matched (tokens); longer matches are tried first"),
-        "min_match": (int, 2, "shortest suffix that may match; 1 drafts more often but more wrongly"),
-        "max_history_tokens": (int, 1_000_000, "tokens of earlier requests remembered; oldest dropped first"),
+        "max_depth": (int, "longest suffix matched (tokens); longer matches are tried first"),
+        "min_match": (int, "shortest suffix that may match; 1 drafts more often but more wrongly"),
+        "max_history_tokens": (int, "tokens of earlier requests remembered; oldest dropped first"),
     })

@@ -1,0 +1,95 @@
+"""Combining drafters: `--drafter lookup,mtp` (or `lookup+mtp`, the spelling `outrider bench` uses in its
+list of configurations). Each round the first drafter that has something to propose drafts it: the lookup
+drafter where an n-gram matches, the MTP head elsewhere. Every member sees every call that keeps its state
+(begin, rollback, observe), whether or not it drafted. Each member's kinds of draft are named after it, so
+`--draft-max auto` learns each one's acceptance apart."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .drafting import DEFAULT_KIND, Draft, DraftControls, DraftKind, Target, reads_the_target
+from .registry import PluginSpec
+from .sampling import SamplingParams
+
+SEPARATORS = ",+"
+
+
+def is_chain(name: str) -> bool:
+    return any(sep in name for sep in SEPARATORS)
+
+
+def chain_names(name: str) -> list[str]:
+    for sep in SEPARATORS[1:]:
+        name = name.replace(sep, SEPARATORS[0])
+    return [part.strip() for part in name.split(SEPARATORS[0]) if part.strip()]
+
+
+class DrafterChain:
+    def __init__(self, drafters: list[Any], names: list[str]):
+        self.drafters, self.names = drafters, names
+        self.needs = frozenset().union(*(getattr(d, "needs", frozenset()) for d in drafters))
+        self.gives_draft_probs = all(getattr(d, "gives_draft_probs", False) for d in drafters)
+        self._kinds: dict[tuple[int, DraftKind], DraftKind] = {}
+        if reads_the_target(self):
+            self.observe = self._observe
+
+    def setup(self, target: Target) -> None:
+        for d in self.drafters:
+            d.setup(target)
+
+    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
+        for d in self.drafters:
+            d.begin(list(prompt), params, controls)
+
+    def rollback(self, length: int) -> None:
+        for d in self.drafters:
+            d.rollback(length)
+
+    def _observe(self, hidden, start: int, cache) -> None:
+        for d in self.drafters:
+            if reads_the_target(d):
+                d.observe(hidden, start, cache)
+
+    def _member_kind(self, i: int, tokens: list[int]) -> DraftKind | None:
+        ask = getattr(self.drafters[i], "draft_kind", None)
+        return ask(tokens) if ask is not None else DEFAULT_KIND
+
+    def draft_kind(self, tokens: list[int]) -> DraftKind | None:
+        for i in range(len(self.drafters)):
+            kind = self._member_kind(i, tokens)
+            if kind is not None:
+                key = (i, kind)
+                if key not in self._kinds:
+                    self._kinds[key] = DraftKind(f"{self.names[i]}:{kind.name}", kind.prior)
+                return self._kinds[key]
+        return None
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        for i, d in enumerate(self.drafters):
+            if self._member_kind(i, tokens) is not None:
+                draft = d.propose(tokens, k)
+                if draft.tokens:
+                    return draft
+        return Draft()
+
+
+def chain_spec(specs: list[PluginSpec]) -> PluginSpec:
+    """One drafter spec for the members `specs`: their options merged (an option goes to every member that
+    declares it), needs united, draft probabilities only if every member gives them."""
+    options: dict[str, Any] = {}
+    for spec in specs:
+        for name, option in spec.options.items():
+            options.setdefault(name, option)
+    names = [spec.name for spec in specs]
+
+    def factory(**settings: Any) -> DrafterChain:
+        members = [spec.factory(**{k: v for k, v in settings.items() if k in spec.options}) for spec in specs]
+        return DrafterChain(members, names)
+
+    capabilities = {
+        "needs": frozenset().union(*(spec.capabilities.get("needs", frozenset()) for spec in specs)),
+        "gives_draft_probs": all(spec.capabilities.get("gives_draft_probs", False) for spec in specs),
+    }
+    return PluginSpec("drafter", ",".join(names), factory, (), options, capabilities,
+                      " + ".join(sorted({spec.package for spec in specs})))

@@ -1,0 +1,51 @@
+"""Combined drafters (`--drafter lookup,mtp`): the first member with a draft drafts the round, every member
+keeps its state, `--draft-max auto` learns each member's kinds apart, and the output stays plain decoding's."""
+
+from __future__ import annotations
+
+import pytest
+
+from outrider.assembly import drafter_spec
+from outrider.drafter_chain import DrafterChain
+from outrider.errors import ConfigError
+from outrider.plugins.acceptors.greedy import GreedyAcceptor
+from outrider.plugins.drafters.lookup import LookupDrafter
+from outrider.plugins.drafters.mtp import MTPDrafter
+from outrider.registry import default_registry
+from outrider.runner import Runner
+from outrider.sampling import SamplingParams
+from outrider.testing.contracts import DrafterContract
+from outrider.testing.fixtures import plain_greedy
+
+# repeats, then fresh text: lookup matches some rounds and not others
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 40, 41, 42, 43]
+
+
+def test_lookup_then_mtp_equals_plain_greedy_and_both_draft(outrider_contract_fixtures):
+    fx = outrider_contract_fixtures
+    target = fx.target("llama")
+    chain = DrafterChain([LookupDrafter(), MTPDrafter(model=str(fx.tiny_mtp_sidecar_path))], ["lookup", "mtp"])
+    chain.setup(target)
+    runner = Runner(target, chain, GreedyAcceptor(), draft_max="auto", context=256)
+    out = list(runner.generate(list(PROMPT), 40, SamplingParams()))
+    assert out == plain_greedy(target.model, PROMPT, 40)
+    learned = {kind.name.split(":")[0] for kind in runner.draft_length.kinds}
+    assert learned == {"lookup", "mtp"}, learned
+
+
+def test_combination_names():
+    registry = default_registry()
+    for name in ("lookup,mtp", "lookup+mtp", " lookup , mtp "):
+        spec = drafter_spec(registry, name)
+        assert spec.name == "lookup,mtp" and {"model", "min_n"} <= set(spec.options)
+    assert drafter_spec(registry, "ngram,nextn").name == "lookup,mtp"  # aliases resolve
+    with pytest.raises(ConfigError, match="unknown drafter"):
+        drafter_spec(registry, "lookup,nope")
+    with pytest.raises(ConfigError, match="two or more"):
+        drafter_spec(registry, "lookup,")
+
+
+class TestLookupMTPChainContract(DrafterContract):
+    def make_drafter(self):
+        return DrafterChain([LookupDrafter(), MTPDrafter(model=str(self.fixtures.tiny_mtp_sidecar_path),
+                                                         sample=False)], ["lookup", "mtp"])
