@@ -58,8 +58,9 @@ class OutriderEngine(Engine):
         from ..config import resolve_config
 
         # the sampled acceptor is exactly the greedy one at temperature 0, so one assembly serves both
-        flags = {"model": self.model_path, "drafter": self.drafter, "acceptor": "sampled",
-                 "draft_max": self.draft_max, "draft_model": self.model_path}
+        flags = {"model": self.model_path, "drafter": self.drafter, "acceptor": "sampled", "draft_max": self.draft_max,
+                 # only the draft-model drafter drafts with the target's copy; mtp finds its head in the cache
+                 "draft_model": self.model_path if "draft-model" in self.drafter.split("+") else ""}
         # no smaller model of either family exists: a bfloat16 copy of the float32 target drafts
         options = [("drafter.dtype", "bfloat16")] if self.drafter == "draft-model" else []
         self.assembly = assemble(resolve_config(flags, None, {}, options))
