@@ -380,3 +380,19 @@ def test_smollm2_metrics_counters_equal_the_sum_of_the_responses_timings(smollm2
         (complete, dict(stream=True, prompt=ECHO_PROMPT + " at 10", max_tokens=10, temperature=0)),
         (chat, dict(messages=[{"role": "user", "content": ECHO_PROMPT}], max_tokens=10, temperature=0)),
     ])
+
+
+# -- the command ----------------------------------------------------------------------------------------
+
+
+def test_serve_takes_every_setting_generate_takes_and_refuses_a_bad_one_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from outrider.cli import generate, serve
+
+    served = {p.name for p in serve.params}
+    assert {p.name for p in generate.params} - served == {"prompt", "chat", "as_json", "verbose"}
+    result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path / "missing.gguf")])
+    assert result.exit_code == 1
+    assert result.output.startswith("error: ") and "missing.gguf" in result.output
+    assert len(result.output.strip().splitlines()) == 1
