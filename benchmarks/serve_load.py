@@ -9,8 +9,8 @@ Clients cycle through `outrider bench`'s three prompts (code edit, summary, stor
 a sampled request has a seed. Prints requests/s, p50/p99 latency and time to first token (both as the
 client sees them: queueing included, since one generation runs at a time), errors by kind, the acceptance
 the server's /metrics counted, and the server's resident memory after a warm-up request and at the end.
-No request starts after --duration or --max-requests; those still in flight at the end of --duration are cut
-(closed: the server stops their generations) and counted apart from errors, so the run ends on time.
+No request starts after --duration or --max-requests; those still in flight a moment after --duration are cut
+(closed, or given up on and closed when the server stops) and counted apart from errors, so the run ends on time.
 """
 
 from __future__ import annotations
@@ -155,13 +155,20 @@ def main() -> None:
 
         started = time.perf_counter()
         rss_samples = [rss_start]
-        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(args.clients)]
+        # daemon threads: one still waiting at the deadline is given up on, not waited for (its read timeout
+        # counts from its last byte, which may be long before the deadline when the server was busy)
+        threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(args.clients)]
         for thread in threads:
             thread.start()
-        while any(thread.is_alive() for thread in threads):
-            time.sleep(1.0)
+        while any(thread.is_alive() for thread in threads) and time.monotonic() < deadline + CUT_GRACE_S:
+            time.sleep(0.5)
             rss_samples.append(rss_mib(server.pid))
         elapsed = time.perf_counter() - started
+        with lock:  # what the given-up threads do from here on is not counted
+            cut_total = cut[0] + sum(thread.is_alive() for thread in threads)
+            # copies under other names: the threads' closures would see a rebinding of these
+            done_latencies, done_ttfts, done_tokens = list(latencies), list(ttfts), list(tokens)
+            seen_errors = collections.Counter(errors)
         rss_end = rss_mib(server.pid)
         after = counters(base)
     finally:
@@ -174,15 +181,15 @@ def main() -> None:
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    done = len(latencies)
+    done = len(done_latencies)
     drafted, accepted = delta("outrider:spec_decode_num_draft_tokens_total"), \
         delta("outrider:spec_decode_num_accepted_tokens_total")
     report = {
         "clients": args.clients, "duration_s": round(elapsed, 1), "requests": done,
-        "requests_per_s": round(done / elapsed, 3), "completion_tokens_per_s": round(sum(tokens) / elapsed, 1),
-        "latency_s": {"p50": round(percentile(latencies, 50), 3), "p99": round(percentile(latencies, 99), 3)},
-        "ttft_s": {"p50": round(percentile(ttfts, 50), 3), "p99": round(percentile(ttfts, 99), 3)},
-        "errors": sum(errors.values()), "error_kinds": dict(errors), "cut_at_deadline": cut[0],
+        "requests_per_s": round(done / elapsed, 3), "completion_tokens_per_s": round(sum(done_tokens) / elapsed, 1),
+        "latency_s": {"p50": round(percentile(done_latencies, 50), 3), "p99": round(percentile(done_latencies, 99), 3)},
+        "ttft_s": {"p50": round(percentile(done_ttfts, 50), 3), "p99": round(percentile(done_ttfts, 99), 3)},
+        "errors": sum(seen_errors.values()), "error_kinds": dict(seen_errors), "cut_at_deadline": cut_total,
         "acceptance": {"drafted": drafted, "accepted": accepted,
                        "rate": round(accepted / drafted, 3) if drafted else 0.0},
         "server_rss_mib": {"start": round(rss_start, 1), "end": round(rss_end, 1), "max": round(max(rss_samples), 1)},
@@ -191,13 +198,13 @@ def main() -> None:
           f"{report['completion_tokens_per_s']} completion tokens/s")
     print(f"latency p50 {report['latency_s']['p50']} s, p99 {report['latency_s']['p99']} s; "
           f"time to first token p50 {report['ttft_s']['p50']} s, p99 {report['ttft_s']['p99']} s")
-    print(f"errors: {report['errors']} {dict(errors) if errors else ''}; requests in flight at the deadline, "
-          f"cut: {cut[0]}")
+    print(f"errors: {report['errors']} {dict(seen_errors) if seen_errors else ''}; requests in flight at the deadline, "
+          f"cut: {cut_total}")
     print(f"acceptance: {accepted:.0f}/{drafted:.0f} drafted tokens ({report['acceptance']['rate']:.0%})")
     print(f"server RSS: {rss_start:.1f} MiB after warm-up, {rss_end:.1f} MiB at the end, "
           f"{max(rss_samples):.1f} MiB at most")
     print(json.dumps(report))
-    if errors:
+    if seen_errors:
         print(f"server log kept: {log.name}")
     else:
         os.unlink(log.name)

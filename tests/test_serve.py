@@ -38,6 +38,7 @@ ECHO_PROMPT = ("Copy this text exactly: The meeting is on Monday at 10 am in roo
 TINY_ECHO = "the cat the cat the cat the"  # the tiny model's greedy answer repeats, so lookup's drafts land
 # long enough that a generation cut short by a disconnect is plainly cut short (the tiny model's repetitive
 # output makes lookup accept most drafts: ~400 tokens/s here)
+GENERATED = ("outrider:generation_tokens_total", ())
 LONG = dict(prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", max_tokens=4000, temperature=0)
 
 
@@ -241,10 +242,28 @@ def test_a_disconnect_stops_the_generation_and_frees_the_server(server, greedy_t
     after = server.wait_idle()
     assert after[("outrider:request_success_total", (("finished_reason", "abort"),))] == \
         before.get(("outrider:request_success_total", (("finished_reason", "abort"),)), 0) + 1
-    generated = after[("outrider:generation_tokens_total", ())] - before[("outrider:generation_tokens_total", ())]
+    generated = after[GENERATED] - before.get(GENERATED, 0)
     assert 1 <= generated < LONG["max_tokens"] / 2
     # the next request is served, and nothing of the cut generation leaks into it
     assert complete(server, prompt=TINY_ECHO, max_tokens=24, temperature=0)[0] == greedy_tiny[0][0]
+
+
+def test_a_client_that_leaves_a_non_streamed_request_stops_it_too(server):
+    before = server.wait_idle()
+    body = json.dumps({**LONG, "model": server.model_id}).encode()
+    host, port = server.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as client:  # sends the request, then hangs up
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 30
+        while server.metrics()[("outrider:num_requests_running", ())] == 0:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.02)
+    after = server.wait_idle()
+    abort = ("outrider:request_success_total", (("finished_reason", "abort"),))
+    assert after[abort] == before.get(abort, 0) + 1
+    generated = after[GENERATED] - before.get(GENERATED, 0)
+    assert generated < LONG["max_tokens"] / 2
 
 
 def test_a_full_queue_answers_503_with_retry_after(server):
@@ -380,3 +399,19 @@ def test_smollm2_metrics_counters_equal_the_sum_of_the_responses_timings(smollm2
         (complete, dict(stream=True, prompt=ECHO_PROMPT + " at 10", max_tokens=10, temperature=0)),
         (chat, dict(messages=[{"role": "user", "content": ECHO_PROMPT}], max_tokens=10, temperature=0)),
     ])
+
+
+# -- the command ----------------------------------------------------------------------------------------
+
+
+def test_serve_takes_every_setting_generate_takes_and_refuses_a_bad_one_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from outrider.cli import generate, serve
+
+    served = {p.name for p in serve.params}
+    assert {p.name for p in generate.params} - served == {"prompt", "chat", "as_json", "verbose"}
+    result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path / "missing.gguf")])
+    assert result.exit_code == 1
+    assert result.output.startswith("error: ") and "missing.gguf" in result.output
+    assert len(result.output.strip().splitlines()) == 1

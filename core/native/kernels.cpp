@@ -947,13 +947,16 @@ class LayerStack {
   std::vector<StackLayer> layers_;
 };
 
+// The compute calls touch tensors only, so they let go of the GIL: a prefill can take seconds, and other
+// Python threads (`outrider serve`'s event loop) must go on meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "y = post(W @ pre(x)) with W held as GGUF codes and float32 scales");
-  m.def("dequantize_rows", &dequantize_rows, "rows of a held weight as float32");
-  m.def("attend", &attend, "rotary, cache write and attention for a block of tokens");
+  using no_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("linear", &linear, "y = post(W @ pre(x)) with W held as GGUF codes and float32 scales", no_gil());
+  m.def("dequantize_rows", &dequantize_rows, "rows of a held weight as float32", no_gil());
+  m.def("attend", &attend, "rotary, cache write and attention for a block of tokens", no_gil());
   py::class_<LayerStack>(m, "LayerStack", py::module_local())  // local: two builds may share a process
       .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t>())
       .def("add", &LayerStack::add)
       .def("gemma4", &LayerStack::gemma4)
-      .def("run", &LayerStack::run);
+      .def("run", &LayerStack::run, no_gil());
 }

@@ -171,14 +171,18 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
             job.cancelled.set()  # a disconnect cancels this generator; the worker stops after this round
 
     async def collect(job: Job, request: Request) -> tuple[str, Outcome]:
-        parts = []
+        parts, checked = [], time.monotonic()
         try:
             while True:
                 try:
                     kind, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
                 except TimeoutError:
+                    kind, value = None, None
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:  # whether or not text keeps coming
+                    checked = time.monotonic()
                     if await request.is_disconnected():
-                        raise _ClientGone from None
+                        raise _ClientGone
+                if kind is None:
                     continue
                 if kind == "text":
                     parts.append(value)
