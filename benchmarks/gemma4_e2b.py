@@ -172,7 +172,8 @@ def main() -> None:
         folder = Path(args.keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
         files = {}
-        for name, write in (("Gemma 4 E2B (synthetic)", write_gemma4_e2b), ("Gemma 3 270M (synthetic)", write_gemma3_270m)):
+        targets = (("Gemma 4 E2B (synthetic)", write_gemma4_e2b), ("Gemma 3 270M (synthetic)", write_gemma3_270m))
+        for name, write in targets:
             path = folder / (write.__name__.removeprefix("write_") + ".gguf")
             started = time.perf_counter()
             files[name] = path if path.is_file() else write(path, rng)
