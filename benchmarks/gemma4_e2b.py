@@ -172,7 +172,8 @@ def main() -> None:
         folder = Path(args.keep or tmp)
         folder.mkdir(parents=True, exist_ok=True)
         files = {}
-        for name, write in (("Gemma 4 E2B (synthetic)", write_gemma4_e2b), ("Gemma 3 270M (synthetic)", write_gemma3_270m)):
+        targets = (("Gemma 4 E2B (synthetic)", write_gemma4_e2b), ("Gemma 3 270M (synthetic)", write_gemma3_270m))
+        for name, write in targets:
             path = folder / (write.__name__.removeprefix("write_") + ".gguf")
             started = time.perf_counter()
             files[name] = path if path.is_file() else write(path, rng)
@@ -180,15 +181,19 @@ def main() -> None:
         bandwidth = read_bandwidth_gbs()
         print(f"\nthreads: {torch.get_num_threads()}, measured read bandwidth: {bandwidth:.1f} GB/s; CPU backend, "
               f"compact weights\n")
-        print("| target | decode tok/s (median) | MB read per token | bandwidth bound tok/s | fraction of bound |")
-        print("|---|---|---|---|---|")
+        print("| target | decode tok/s (median) | MB read per token | bandwidth bound tok/s | fraction of bound | "
+              "load s |")
+        print("|---|---|---|---|---|---|", flush=True)
         for name, path in files.items():
+            started = time.perf_counter()
             model = load_model(GGUFFile(path), weights="compact")
+            loaded = time.perf_counter() - started
             held = held_bytes(model)
             decode_tokens_per_s(model, 2)  # warm-up
             speed = statistics.median(decode_tokens_per_s(model, args.tokens) for _ in range(args.runs))
             bound = bandwidth * 1e9 / held
-            print(f"| {name} | {speed:.2f} | {held / 1e6:.0f} | {bound:.2f} | {speed / bound:.0%} |")
+            print(f"| {name} | {speed:.2f} | {held / 1e6:.0f} | {bound:.2f} | {speed / bound:.0%} | {loaded:.0f} |",
+                  flush=True)
             del model
 
 

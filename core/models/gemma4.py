@@ -115,9 +115,16 @@ class Gemma4Config:
         window = int(g.require("attention.sliding_window"))
         if any(is_local) and window <= 0:
             raise ModelFileError(f"{path}: gemma4 has sliding layers but attention.sliding_window is {window}")
-        n_experts = int(g.arch_key("expert_count", 0))
+        n_experts, n_used = int(g.arch_key("expert_count", 0)), int(g.arch_key("expert_used_count", 0))
+        if any(name.endswith("ffn_gate_inp.weight") for name in g.tensors) and not 0 < n_used <= n_experts:
+            raise ModelFileError(f"{path}: gemma4 experts need 0 < expert_used_count ({n_used}) <= expert_count "
+                                 f"({n_experts}); the file is corrupt")
+        vocab = g.tensors["token_embd.weight"].shape[0]
+        if int(g.arch_key("vocab_size", vocab)) != vocab:
+            raise ModelFileError(f"{path}: gemma4.vocab_size {g.arch_key('vocab_size')} differs from token_embd's "
+                                 f"{vocab} rows; the file is corrupt")
         return cls(
-            vocab_size=g.tensors["token_embd.weight"].shape[0],
+            vocab_size=vocab,
             hidden_size=int(g.require("embedding_length")),
             n_layers=n,
             n_heads=_per_layer(g.require("attention.head_count"), n, "attention.head_count", path),
@@ -134,7 +141,7 @@ class Gemma4Config:
             per_layer_input_size=int(g.arch_key("embedding_length_per_layer_input", 0) or 0),
             kv_source_layer=tuple(sources),
             n_experts=n_experts,
-            n_experts_used=int(g.arch_key("expert_used_count", 0)),
+            n_experts_used=n_used,
             expert_ffn_size=int(g.arch_key("expert_feed_forward_length", 0)),
         )
 
@@ -207,13 +214,14 @@ class _Layer:
         self.own_kv = cfg.kv_source_layer[i] == i
         self.window = (cfg.sliding_window or None) if cfg.is_local[i] else None
         if self.own_kv and not has("attn_k"):
-            raise ModelFileError(f"{g.path}: layer {i} computes K/V but blk.{i}.attn_k is missing; the file is incomplete")
+            raise ModelFileError(f"{g.path}: layer {i} computes K/V but blk.{i}.attn_k is missing; "
+                                 "the file is incomplete")
         if has("attn_qkv"):
             raise ModelFileError(f"{g.path}: fused blk.{i}.attn_qkv is not supported; convert with separate q/k/v")
         # K reused as V where the file has no attn_v (attention_k_eq_v)
         self.k_is_v = self.own_kv and not has("attn_v")
         self.kv_mode = KV_SHARED if not self.own_kv else KV_K_IS_V if self.k_is_v else KV_OWN
-        parts = ["attn_q"] + (["attn_k"] if self.own_kv else []) + (["attn_v"] if self.own_kv and not self.k_is_v else [])
+        parts = ["attn_q"] + (["attn_k"] if self.own_kv else []) + (["attn_v"] if self.kv_mode == KV_OWN else [])
         self.wqkv = linear(*parts)
         self.wo = linear("attn_output")
         self.q_norm = norm("attn_q_norm")
