@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .sampling import SamplingParams
+from .sampling import SamplingParams, warp
 
 # What a drafter may need from the target, declared in its `needs` capability.
 NEEDS_DRAFT_MODEL = "draft_model"
@@ -104,3 +104,18 @@ class DrafterBase:
 def reads_the_target(drafter: Any) -> bool:
     """Whether the runner must show `drafter` the target's hidden states and KV cache (`observe`)."""
     return bool(set(getattr(drafter, "needs", ())) & {NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV})
+
+
+def choose_draft_token(logits: torch.Tensor, params: SamplingParams, sample: bool, generator: torch.Generator,
+                       p_min: float) -> tuple[int, torch.Tensor | None, float]:
+    """One draft token from a draft model's logits row [vocab] (float32, CPU): with `sample` at a temperature
+    above 0, drawn from q = warp(logits, params) and returned with q (the sampled acceptor's q row, which
+    must be the law the token was drawn from); otherwise the argmax and no q. The third value is the
+    token's probability, which `--draft-p-min` compares (1.0 when p_min is off and nothing was sampled)."""
+    if sample and not params.greedy:
+        q = warp(logits, params)
+        token = int(torch.multinomial(q, 1, generator=generator))
+        return token, q, float(q[token])
+    token = int(logits.argmax())
+    confidence = float(torch.softmax(logits, -1)[token]) if p_min > 0 else 1.0
+    return token, None, confidence

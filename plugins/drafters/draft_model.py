@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from outrider.catalog import resolve_model
-from outrider.drafting import NEEDS_DRAFT_MODEL, Draft, DrafterBase, DraftControls, Target
+from outrider.drafting import NEEDS_DRAFT_MODEL, Draft, DrafterBase, DraftControls, Target, choose_draft_token
 from outrider.errors import ConfigError
 from outrider.gguf_file import GGUFFile
 from outrider.hookspecs import hookimpl
-from outrider.sampling import SamplingParams, warp
+from outrider.sampling import SamplingParams
 from outrider.tokenizer import Tokenizer
 
 # llama.cpp's rule: ids below this may differ (special tokens), the rest must spell the same.
@@ -67,13 +67,7 @@ class DraftModelDrafter(DrafterBase):
 
     def _next(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
         logits = logits[: self.vocab_size].float().cpu()
-        if self.sample and not self.params.greedy:
-            q = warp(logits, self.params)
-            token = int(torch.multinomial(q, 1, generator=self.generator))
-            return token, q, float(q[token])
-        token = int(logits.argmax())
-        confidence = float(torch.softmax(logits, -1)[token]) if self.controls.draft_p_min > 0 else 1.0
-        return token, None, confidence
+        return choose_draft_token(logits, self.params, self.sample, self.generator, self.controls.draft_p_min)
 
     def propose(self, tokens: list[int], k: int) -> Draft:
         room = self.cache.max_len - len(tokens)

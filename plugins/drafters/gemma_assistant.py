@@ -18,12 +18,13 @@ from __future__ import annotations
 import torch
 
 from outrider.catalog import resolve_model
-from outrider.drafting import NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, Draft, DraftControls, DrafterBase, Target
+from outrider.drafting import (NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, Draft, DraftControls, DrafterBase, Target,
+                               choose_draft_token)
 from outrider.errors import ConfigError, ModelFileError
 from outrider.gguf_file import GGUFFile
 from outrider.hookspecs import hookimpl
 from outrider.models.gemma4_assistant import DEFAULT_CENTROID_TOP_K, HEADS, Gemma4Assistant
-from outrider.sampling import SamplingParams, warp
+from outrider.sampling import SamplingParams
 
 TARGET_ARCHITECTURE = "gemma4"
 
@@ -103,13 +104,7 @@ class GemmaAssistantDrafter(DrafterBase):
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
         logits = logits[: self.vocab_size].float().cpu()
-        if self.sample and not self.params.greedy:
-            q = warp(logits, self.params)
-            token = int(torch.multinomial(q, 1, generator=self.generator))
-            return token, q, float(q[token])
-        token = int(logits.argmax())
-        confidence = float(torch.softmax(logits, -1)[token]) if self.controls.draft_p_min > 0 else 1.0
-        return token, None, confidence
+        return choose_draft_token(logits, self.params, self.sample, self.generator, self.controls.draft_p_min)
 
     def propose(self, tokens: list[int], k: int) -> Draft:
         pos = len(tokens) - 1  # t0's position: the target has cached exactly the positions before it

@@ -29,14 +29,15 @@ import numpy as np
 import torch
 
 from outrider.catalog import outrider_home, resolve_model
-from outrider.drafting import NEEDS_MTP_HEAD, NEEDS_TARGET_HIDDEN, Draft, DrafterBase, DraftControls, DraftKind, Target
+from outrider.drafting import (NEEDS_MTP_HEAD, NEEDS_TARGET_HIDDEN, Draft, DrafterBase, DraftControls, DraftKind,
+                               Target, choose_draft_token)
 from outrider.errors import ConfigError, ModelFileError
 from outrider.gguf_file import GGUFFile
 from outrider.hookspecs import hookimpl
 from outrider.models.layers import PREFILL_CHUNK, trunk_layers
 from outrider.models.linear import load_linear, rms_norm
 from outrider.models.stack import LayerStack
-from outrider.sampling import SamplingParams, warp
+from outrider.sampling import SamplingParams
 
 MTP_KIND = DraftKind("mtp", 0.6)
 
@@ -195,13 +196,7 @@ class MTPDrafter(DrafterBase):
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
         logits = logits.float()
-        if self.sample and not self.params.greedy:
-            q = warp(logits, self.params)
-            token = int(torch.multinomial(q, 1, generator=self.generator))
-            return token, q, float(q[token])
-        token = int(logits.argmax())
-        confidence = float(torch.softmax(logits, -1)[token]) if self.controls.draft_p_min > 0 else 1.0
-        return token, None, confidence
+        return choose_draft_token(logits, self.params, self.sample, self.generator, self.controls.draft_p_min)
 
     def propose(self, tokens: list[int], k: int) -> Draft:
         k = min(k, self.max_len - len(tokens))
