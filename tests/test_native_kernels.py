@@ -51,6 +51,21 @@ def kernels():
         pytest.skip(str(e))
 
 
+# ------------------------------------------------------------------------------------ shared codes
+
+
+def test_python_codes_are_the_ones_the_compiled_kernels_export(kernels):
+    """outrider.native.codes is Python's copy of the kernels' codes (the torch path runs without the
+    module): every table must equal what kernels.cpp exports, or a weight kind, activation or kv mode
+    would be read as another."""
+    from outrider.native import codes
+
+    assert codes.WEIGHT_KINDS == kernels.WEIGHT_KINDS
+    assert codes.ACTIVATIONS == kernels.ACTIVATIONS
+    assert codes.KV_MODES == kernels.KV_MODES
+    assert codes.KEY_BLOCK == kernels.KEY_BLOCK
+
+
 # ------------------------------------------------------------------------------------ GGUF blocks
 
 

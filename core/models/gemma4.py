@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile, dequantize
 from ..kv_cache import KVCache
+from ..native.codes import KV_MODES
 from .layers import ATTENTION_DTYPE, PREFILL_CHUNK, Rotary, attention, attention_mask, load_ends, run_in_chunks
 from .linear import ACTIVATIONS, NATIVE_ACT, PackedLinear, load_linear, rms_norm
 from .stack import _held
@@ -38,7 +39,7 @@ KNOWN_KEYS = frozenset({
     "embedding_length_per_layer_input", "attention.sliding_window_pattern", "rope.dimension_count",
     "rope.dimension_count_swa", "expert_count", "expert_used_count", "expert_feed_forward_length", "vocab_size",
 })
-KV_OWN, KV_K_IS_V, KV_SHARED = 0, 1, 2  # where a layer's K/V come from (the native attend's kv_mode)
+KV_OWN, KV_K_IS_V, KV_SHARED = (KV_MODES[name] for name in ("own", "k_is_v", "shared"))  # the attend's kv_mode
 ACT = "gelu_tanh"  # llama.cpp's LLM_FFN_GELU is ggml_gelu, the tanh approximation; HF's gelu_pytorch_tanh
 
 

@@ -454,24 +454,30 @@ static const float* held(const torch::Tensor& t) {
   return t.numel() ? t.data_ptr<float>() : nullptr;
 }
 
-// Calls f with the weight format named by kind (0 = 4-bit, 1 = int8, 2 = float32, 3 = 5-bit), group and zeros.
+// How a weight is held (PackedLinear.kind): packed nibbles, int8 codes, float32, 5-bit codes. Exported to
+// Python as WEIGHT_KINDS, with ACTIVATIONS, KV_MODES and KEY_BLOCK, so Python's table (outrider.native.codes)
+// is checked against these.
+enum WeightKind { KIND_Q4 = 0, KIND_Q8 = 1, KIND_F32 = 2, KIND_Q5 = 3 };
+
+// Calls f with the weight format named by kind (see WeightKind), group and zeros.
 template <class F>
 static void with_format(int64_t kind, const torch::Tensor& codes, const torch::Tensor& scales,
                         const torch::Tensor& zeros, int64_t group, int64_t k, F&& f) {
   const float* s = held(scales);
   const float* z = held(zeros);
-  if (kind == 0) {
+  if (kind == KIND_Q4) {
     f(Q4{codes.data_ptr<uint8_t>(), s, z, k / 32});
-  } else if (kind == 1) {
+  } else if (kind == KIND_Q8) {
     const int8_t* c = codes.data_ptr<int8_t>();
     if (group == 32 && z) f(Q8<32, true>{c, s, z, k});
     else if (group == 32) f(Q8<32, false>{c, s, z, k});
     else if (group == 16 && z) f(Q8<16, true>{c, s, z, k});
     else if (group == 16) f(Q8<16, false>{c, s, z, k});
     else TORCH_CHECK(false, "int8 weights need a group of 16 or 32");
-  } else if (kind == 3) {
+  } else if (kind == KIND_Q5) {
     f(Q5{codes.data_ptr<uint8_t>(), s, z, k / 32});
   } else {
+    TORCH_CHECK(kind == KIND_F32, "unknown weight kind ", kind);
     f(F32{codes.data_ptr<float>(), nullptr, nullptr, k});
   }
 }
@@ -959,4 +965,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add", &LayerStack::add)
       .def("gemma4", &LayerStack::gemma4)
       .def("run", &LayerStack::run, no_gil());
+  // The codes the calls above take, for outrider.native.codes's test (Python keeps its own copy so that
+  // it runs without this module).
+  py::dict kinds, acts, kv_modes;
+  kinds["q4"] = int(KIND_Q4), kinds["q8"] = int(KIND_Q8), kinds["f32"] = int(KIND_F32), kinds["q5"] = int(KIND_Q5);
+  acts["none"] = int(ACT_NONE), acts["silu"] = int(ACT_SILU), acts["gelu_tanh"] = int(ACT_GELU_TANH);
+  kv_modes["own"] = int(KV_OWN), kv_modes["k_is_v"] = int(KV_K_IS_V), kv_modes["shared"] = int(KV_SHARED);
+  m.attr("WEIGHT_KINDS") = kinds;
+  m.attr("ACTIVATIONS") = acts;
+  m.attr("KV_MODES") = kv_modes;
+  m.attr("KEY_BLOCK") = py::int_(KEY_BLOCK);
 }
