@@ -104,6 +104,11 @@ class PackedLinear:
                                    self.n_out, self.k, in_norm, eps, NATIVE_ACT[act], residual, out_norm, softcap,
                                    prompt)
 
+    def held(self):
+        """This weight as the kernels' `HeldLinear`, the form `LayerStack` takes its linears in."""
+        return self.kernels.HeldLinear(kind=self.kind, codes=self.codes, scales=self.scales, zeros=self.zeros,
+                                       group=self.group, n_out=self.n_out, k=self.k)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.kernels.dequantize_rows(ids, self.kind, self.codes, self.scales, self.zeros, self.group, self.k)
 
