@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import torch
 
-
-KEY_BLOCK = 64  # the native kernel reads transposed keys 64 positions at a time
+from .native.codes import KEY_BLOCK  # the native kernel reads transposed keys this many positions at a time
 
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int | list[int], head_dim: int | list[int], max_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  keys_transposed: bool = False):
-        """`keys_transposed`: keys held [kv_heads, positions / 64, head_dim, 64], as the native attention
-        kernel reads them: a query's scores for 16 positions are one vector per dimension, and a block of
-        64 positions is one contiguous read whatever the context length. Only that kernel writes and
-        reads such a cache."""
+        """`keys_transposed`: keys held [kv_heads, positions / KEY_BLOCK, head_dim, KEY_BLOCK], as the native
+        attention kernel reads them: a query's scores for 16 positions are one vector per dimension, and a
+        block of KEY_BLOCK positions is one contiguous read whatever the context length. Only that kernel
+        writes and reads such a cache."""
         heads = n_kv_heads if isinstance(n_kv_heads, list) else [n_kv_heads] * n_layers
         dims = head_dim if isinstance(head_dim, list) else [head_dim] * n_layers
         if keys_transposed:

@@ -94,6 +94,20 @@ def test_unknown_architecture_is_refused(tmp_path):
         load_model(GGUFFile(path))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_rope_scaling_linear_is_read_and_others_are_refused_in_one_line(tiny_paths, arch):
+    """llama.cpp's linear rope scaling divides positions by the factor (freq_scale = 1 / factor); yarn and
+    the like change the model, so loading one must fail with a one-line error, for both architectures."""
+    g = GGUFFile(tiny_paths[arch])
+    g.metadata[f"{arch}.rope.scaling.type"], g.metadata[f"{arch}.rope.scaling.factor"] = "linear", 4.0
+    assert load_model(g).config.rope_freq_scale == 0.25
+    g = GGUFFile(tiny_paths[arch])
+    g.metadata[f"{arch}.rope.scaling.type"] = "yarn"
+    with pytest.raises(ModelFileError) as e:
+        load_model(g)
+    assert "\n" not in str(e.value) and "rope scaling 'yarn'" in str(e.value), str(e.value)
+
+
 def test_unsupported_quant_type_is_refused(tmp_path):
     path = tmp_path / "iq.gguf"
     w = gguf.GGUFWriter(str(path), "llama")

@@ -51,6 +51,35 @@ def kernels():
         pytest.skip(str(e))
 
 
+# ------------------------------------------------------------------------------------ shared codes
+
+
+def test_python_codes_are_the_ones_the_compiled_kernels_export(kernels):
+    """outrider.native.codes is Python's copy of the kernels' codes (the torch path runs without the
+    module): every table must equal what kernels.cpp exports, or a weight kind, activation or kv mode
+    would be read as another."""
+    from outrider.native import codes
+
+    assert codes.WEIGHT_KINDS == kernels.WEIGHT_KINDS
+    assert codes.ACTIVATIONS == kernels.ACTIVATIONS
+    assert codes.KV_MODES == kernels.KV_MODES
+    assert codes.KEY_BLOCK == kernels.KEY_BLOCK
+
+
+def test_layer_stack_takes_its_linears_and_layers_by_name_only(kernels):
+    """LayerStack's linears are HeldLinear objects built by keyword, and add() takes keywords only: a
+    positional call, which could put scales where zeros go or q_norm where k_norm goes, is refused."""
+    w = PackedLinear(KIND_F32, torch.randn(8, 32), torch.empty(0), None, 32, 8, 32)
+    held = w.held()
+    assert (held.kind, held.group, held.n_out, held.k) == (KIND_F32, 32, 8, 32)
+    assert held.codes.data_ptr() == w.codes.data_ptr() and held.scales.data_ptr() == w.scales.data_ptr()
+    with pytest.raises(TypeError):
+        kernels.HeldLinear(KIND_F32, w.codes, w.scales, w.zeros, 32, 8, 32)
+    stack = kernels.LayerStack(n_heads=1, n_kv=1, head_dim=8, eps=1e-6, scale=1.0, act=0)
+    with pytest.raises(TypeError):
+        stack.add(held, held, held, held, None, None, None, None, None, None, torch.ones(4), torch.ones(4), 0)
+
+
 # ------------------------------------------------------------------------------------ GGUF blocks
 
 

@@ -10,9 +10,9 @@ import torch
 
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
-from ..kv_cache import KVCache
-from .layers import ATTENTION_DTYPE, PREFILL_CHUNK, Attention, Rotary, load_ends, run_in_chunks, trunk_layers
-from .linear import load_linear, rms_norm
+from .decoder import Decoder, rope_freq_scale
+from .layers import ATTENTION_DTYPE, Attention, Rotary, trunk_layers
+from .linear import load_linear
 from .stack import LayerStack, LayerWeights
 
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp hard-codes the local layers' base; GGUF stores only the global one
@@ -58,10 +58,6 @@ class Gemma3Config:
         if g.arch_key("attn_logit_softcapping"):
             raise ModelFileError(f"{g.path}: attention logit softcapping is not supported; gemma3 files do not set it "
                                  "(this looks like a gemma2 file with the wrong architecture)")
-        scaling = str(g.arch_key("rope.scaling.type", "none"))
-        if scaling not in ("none", "linear"):
-            raise ModelFileError(f"{g.path}: rope scaling '{scaling}' is not supported for gemma3 (only linear)")
-        factor = float(g.arch_key("rope.scaling.factor", 1.0) or 1.0) if scaling == "linear" else 1.0
         window = int(g.arch_key("attention.sliding_window", 0))
         is_local = local_layers(g, n_layers)
         # llama.cpp: the 27B (62 layers) scales by hidden/heads (its query_pre_attn_scalar), others by head_dim.
@@ -74,7 +70,7 @@ class Gemma3Config:
             ffn_size=int(g.require("feed_forward_length")),
             eps=float(g.require("attention.layer_norm_rms_epsilon")),
             rope_base=float(g.arch_key("rope.freq_base", 1_000_000.0)),
-            rope_freq_scale=1.0 / factor,
+            rope_freq_scale=rope_freq_scale(g),
             sliding_window=window,
             is_local=is_local,
             attention_scale=1.0 / math.sqrt(scale_dim),
@@ -100,7 +96,7 @@ class _Layer:
         return out + [self.attn_norm, self.q_norm, self.k_norm, self.post_attn_norm, self.ffn_norm, self.post_ffn_norm]
 
 
-class Gemma3:
+class Gemma3(Decoder):
     architecture = "gemma3"
     activation = "gelu_tanh"
 
@@ -109,11 +105,8 @@ class Gemma3:
         """`native`: weights packed for, and attention run by, the CPU kernels (`outrider.native`);
         `linear_form` overrides how the linear layers are held (`load_linear`: "quantized" on a GPU)."""
         self.config = cfg = Gemma3Config.from_gguf(g)
-        self.dtype, self.device = dtype, torch.device(device)
-        self.chunk = PREFILL_CHUNK if native else 0
-        self.native = native
-        self.linear_form = form = linear_form or ("native" if native else "dense")
-        self.output, self.embed, self.output_norm = load_ends(g, form, dtype, device)
+        form = self._load_ends(g, dtype, device, native, linear_form)
+        self.logit_softcap = cfg.final_logit_softcap
         # rounded to the model dtype first, as the reference implementations do
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=dtype)
         self.layers = [_Layer(g, i, form, dtype, device) for i in range(cfg.n_layers)]
@@ -138,25 +131,5 @@ class Gemma3:
         return LayerWeights(l.wqkv, l.wo, l.w_gate_up, l.w_down, l.attn_norm, l.ffn_norm, rotary, window, l.q_norm,
                             l.k_norm, l.post_attn_norm, l.post_ffn_norm)
 
-    def new_cache(self, max_len: int | None = None) -> KVCache:
-        return self.attention.new_cache(self.config.n_layers, max_len or self.config.context_length, self.device)
-
-    @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False,
-                last_only: bool = False):
-        """Logits [T, vocab] (float32) for tokens at positions start..start+T-1 (only the last row with
-        `last_only`, which marks a prompt: see `run_in_chunks`); with `hidden`, also the final-normed
-        hidden states [T, hidden_size] of every row, `last_only` or not. Writes the cache and sets its
-        length to start+T."""
-        h = run_in_chunks(self._hidden, tokens, start, cache, self.chunk, last_only, every_row=hidden)
-        logits = self.output(h[-1:] if last_only else h, softcap=self.config.final_logit_softcap).float()
-        return (logits, h) if hidden else logits
-
-    def _hidden(self, tokens: torch.Tensor, start: int, cache: KVCache, prompt: bool) -> torch.Tensor:
-        x = self.stack.run(self.embed(tokens) * self.embed_scale, start, cache, prompt)
-        cache.length = start + tokens.shape[0]
-        return rms_norm(x, self.output_norm, self.config.eps)
-
-    def weight_tensors(self) -> list[torch.Tensor]:
-        """Every tensor the model reads per token (the input embedding is a row gather, so it is left out)."""
-        return self.output.tensors() + [self.output_norm] + [t for layer in self.layers for t in layer.tensors()]
+    def _embedded(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens) * self.embed_scale

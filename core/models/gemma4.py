@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile, dequantize
 from ..kv_cache import KVCache
+from ..native.codes import KV_MODES
 from .layers import ATTENTION_DTYPE, PREFILL_CHUNK, Rotary, attention, attention_mask, load_ends, run_in_chunks
 from .linear import ACTIVATIONS, NATIVE_ACT, PackedLinear, load_linear, rms_norm
-from .stack import _held
+from .stack import add_layer
 
 # `gemma4.*` keys this file reads; any other key under the prefix is refused (it would change the model).
 KNOWN_KEYS = frozenset({
@@ -38,7 +39,7 @@ KNOWN_KEYS = frozenset({
     "embedding_length_per_layer_input", "attention.sliding_window_pattern", "rope.dimension_count",
     "rope.dimension_count_swa", "expert_count", "expert_used_count", "expert_feed_forward_length", "vocab_size",
 })
-KV_OWN, KV_K_IS_V, KV_SHARED = 0, 1, 2  # where a layer's K/V come from (the native attend's kv_mode)
+KV_OWN, KV_K_IS_V, KV_SHARED = (KV_MODES[name] for name in ("own", "k_is_v", "shared"))  # the attend's kv_mode
 ACT = "gelu_tanh"  # llama.cpp's LLM_FFN_GELU is ggml_gelu, the tanh approximation; HF's gelu_pytorch_tanh
 
 
@@ -300,16 +301,15 @@ class Gemma4:
         if self.kernels is None or any(l.experts is not None for l in self.layers) or \
                 not all(isinstance(w, PackedLinear) for w in linears):
             return None
-        stack = self.kernels.LayerStack(cfg.n_heads[0], cfg.n_kv_heads[0], cfg.head_dim[0], cfg.eps, 1.0,
-                                        NATIVE_ACT[ACT])
+        stack = self.kernels.LayerStack(n_heads=cfg.n_heads[0], n_kv=cfg.n_kv_heads[0], head_dim=cfg.head_dim[0],
+                                        eps=cfg.eps, scale=1.0, act=NATIVE_ACT[ACT])
         for i, l in enumerate(self.layers):
-            rotary = self._rotary(i)
-            stack.add(_held(l.wqkv), _held(l.wo), _held(l.w_gate_up), _held(l.w_down), l.attn_norm, l.q_norm,
-                      l.k_norm, l.post_attn_norm, l.ffn_norm, l.post_ffn_norm, rotary.cos, rotary.sin, l.window or 0)
+            add_layer(stack, l, self._rotary(i))
             ple = cfg.per_layer_input_size > 0
-            stack.gemma4(cfg.n_heads[i], cfg.n_kv_heads[i], cfg.head_dim[i], cfg.kv_source_layer[i], l.kv_mode,
-                         _held(l.inp_gate) if ple else None, _held(l.inp_proj) if ple else None,
-                         l.inp_post_norm if ple else None, l.out_scale)
+            stack.gemma4(n_heads=cfg.n_heads[i], n_kv=cfg.n_kv_heads[i], head_dim=cfg.head_dim[i],
+                         kv_layer=cfg.kv_source_layer[i], kv_mode=l.kv_mode,
+                         inp_gate=l.inp_gate.held() if ple else None, inp_proj=l.inp_proj.held() if ple else None,
+                         inp_post_norm=l.inp_post_norm if ple else None, out_scale=l.out_scale)
         return stack
 
     @property

@@ -31,6 +31,8 @@ from gguf import GGMLQuantizationType as Q
 
 from ..errors import ConfigError
 from ..gguf_file import GGUFFile
+from ..native.codes import ACTIVATIONS as ACTIVATION_CODES
+from ..native.codes import WEIGHT_KINDS
 
 GROUP = 32
 INT4_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q4_K}
@@ -38,9 +40,9 @@ FLOAT_TYPES = {Q.F32, Q.F16, Q.BF16}
 WEIGHT_MODES = ("compact", "dense")
 LINEAR_FORMS = ("native", "quantized", "dense")  # how load_linear holds a weight (see load_linear)
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
-KIND_Q4, KIND_Q8, KIND_F32, KIND_Q5 = 0, 1, 2, 3
+KIND_Q4, KIND_Q8, KIND_F32, KIND_Q5 = (WEIGHT_KINDS[name] for name in ("q4", "q8", "f32", "q5"))
 INT5_TYPES = {Q.Q5_0, Q.Q5_1, Q.Q5_K}
-NATIVE_ACT = {None: 0, "silu": 1, "gelu_tanh": 2}
+NATIVE_ACT = {None if name == "none" else name: code for name, code in ACTIVATION_CODES.items()}
 RowMap = Callable[[torch.Tensor], torch.Tensor]  # a row permutation, applied to anything with rows first
 
 
@@ -101,6 +103,11 @@ class PackedLinear:
         return self.kernels.linear(x.contiguous(), self.kind, self.codes, self.scales, self.zeros, self.group,
                                    self.n_out, self.k, in_norm, eps, NATIVE_ACT[act], residual, out_norm, softcap,
                                    prompt)
+
+    def held(self):
+        """This weight as the kernels' `HeldLinear`, the form `LayerStack` takes its linears in."""
+        return self.kernels.HeldLinear(kind=self.kind, codes=self.codes, scales=self.scales, zeros=self.zeros,
+                                       group=self.group, n_out=self.n_out, k=self.k)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.kernels.dequantize_rows(ids, self.kind, self.codes, self.scales, self.zeros, self.group, self.k)

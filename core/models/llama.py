@@ -8,10 +8,9 @@ import torch
 
 from ..errors import ModelFileError
 from ..gguf_file import GGUFFile
-from ..kv_cache import KVCache
-from .layers import (ATTENTION_DTYPE, PREFILL_CHUNK, Attention, Rotary, default_scale, load_ends, run_in_chunks,
-                     trunk_layers)
-from .linear import load_linear, rms_norm
+from .decoder import Decoder, rope_freq_scale
+from .layers import ATTENTION_DTYPE, Attention, Rotary, default_scale, trunk_layers
+from .linear import load_linear
 from .stack import LayerStack, LayerWeights
 
 
@@ -35,11 +34,6 @@ class LlamaConfig:
         head_dim = int(g.arch_key("attention.key_length", hidden // heads))
         if int(g.arch_key("rope.dimension_count", head_dim)) != head_dim:
             raise ModelFileError(f"{g.path}: partial rotary (rope.dimension_count != head_dim) is not supported")
-        scaling = str(g.arch_key("rope.scaling.type", "none"))
-        if scaling not in ("none", "linear"):
-            raise ModelFileError(f"{g.path}: rope scaling '{scaling}' is not supported (only linear); "
-                                 "use a model without it")
-        factor = float(g.arch_key("rope.scaling.factor", 1.0) or 1.0) if scaling == "linear" else 1.0
         return cls(
             vocab_size=g.tensors["token_embd.weight"].shape[0],
             hidden_size=hidden,
@@ -50,7 +44,7 @@ class LlamaConfig:
             ffn_size=int(g.require("feed_forward_length")),
             eps=float(g.require("attention.layer_norm_rms_epsilon")),
             rope_base=float(g.arch_key("rope.freq_base", 10000.0)),
-            rope_freq_scale=1.0 / factor,
+            rope_freq_scale=rope_freq_scale(g),
             context_length=int(g.require("context_length")),
         )
 
@@ -81,7 +75,7 @@ class _Layer:
         return out + [self.attn_norm, self.ffn_norm]
 
 
-class Llama:
+class Llama(Decoder):
     architecture = "llama"
     activation = "silu"
 
@@ -90,13 +84,9 @@ class Llama:
         """`native`: weights packed for, and attention run by, the CPU kernels (`outrider.native`);
         `linear_form` overrides how the linear layers are held (`load_linear`: "quantized" on a GPU)."""
         self.config = cfg = LlamaConfig.from_gguf(g)
-        self.dtype, self.device = dtype, torch.device(device)
-        self.chunk = PREFILL_CHUNK if native else 0
-        self.native = native
         if any(name.endswith(".bias") for name in g.tensors) or any("_exps" in name for name in g.tensors):
             raise ModelFileError(f"{g.path}: llama variants with biases or experts are not supported")
-        self.linear_form = form = linear_form or ("native" if native else "dense")
-        self.output, self.embed, self.output_norm = load_ends(g, form, dtype, device)
+        form = self._load_ends(g, dtype, device, native, linear_form)
         self.layers = [_Layer(g, i, cfg, form, dtype, device) for i in range(cfg.n_layers)]
         freq_factors = g.load("rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.context_length, cfg.rope_freq_scale,
@@ -112,26 +102,3 @@ class Llama:
         """Decoder block `blk.{i}` of `g` held and run as this model's own layers are: an MTP (nextn) block,
         read from this model's file or from a sidecar in its layout."""
         return self._weights(_Layer(g, i, self.config, self.linear_form, self.dtype, self.device))
-
-    def new_cache(self, max_len: int | None = None) -> KVCache:
-        return self.attention.new_cache(self.config.n_layers, max_len or self.config.context_length, self.device)
-
-    @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False,
-                last_only: bool = False):
-        """Logits [T, vocab] (float32) for tokens at positions start..start+T-1 (only the last row with
-        `last_only`, which marks a prompt: see `run_in_chunks`); with `hidden`, also the final-normed
-        hidden states [T, hidden_size] of every row, `last_only` or not. Writes the cache and sets its
-        length to start+T."""
-        h = run_in_chunks(self._hidden, tokens, start, cache, self.chunk, last_only, every_row=hidden)
-        logits = self.output(h[-1:] if last_only else h).float()
-        return (logits, h) if hidden else logits
-
-    def _hidden(self, tokens: torch.Tensor, start: int, cache: KVCache, prompt: bool) -> torch.Tensor:
-        x = self.stack.run(self.embed(tokens), start, cache, prompt)
-        cache.length = start + tokens.shape[0]
-        return rms_norm(x, self.output_norm, self.config.eps)
-
-    def weight_tensors(self) -> list[torch.Tensor]:
-        """Every tensor the model reads per token (the input embedding is a row gather, so it is left out)."""
-        return self.output.tensors() + [self.output_norm] + [t for layer in self.layers for t in layer.tensors()]

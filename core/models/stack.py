@@ -46,12 +46,11 @@ class LayerStack:
         kernels = attention.kernels
         self.native = None
         if native and kernels is not None and all(isinstance(w, PackedLinear) for l in layers for w in l.linears()):
-            self.native = kernels.LayerStack(attention.n_heads, attention.n_kv_heads, attention.head_dim, eps,
-                                             attention.scale, NATIVE_ACT[act])
+            self.native = kernels.LayerStack(n_heads=attention.n_heads, n_kv=attention.n_kv_heads,
+                                             head_dim=attention.head_dim, eps=eps, scale=attention.scale,
+                                             act=NATIVE_ACT[act])
             for l in layers:
-                self.native.add(*(_held(w) for w in l.linears()), l.attn_norm, l.q_norm, l.k_norm,
-                                l.post_attn_norm, l.ffn_norm, l.post_ffn_norm, l.rotary.cos, l.rotary.sin,
-                                l.window or 0)
+                add_layer(self.native, l, l.rotary)
 
     def run(self, x: torch.Tensor, start: int, cache: KVCache, prompt: bool) -> torch.Tensor:
         if self.native is not None:
@@ -66,5 +65,10 @@ class LayerStack:
         return x
 
 
-def _held(w: PackedLinear) -> tuple:
-    return w.kind, w.codes, w.scales, w.zeros, w.group, w.n_out, w.k
+def add_layer(native_stack, l, rotary: Rotary) -> None:
+    """Append layer `l` (a `LayerWeights`, or any layer with its fields and PackedLinear weights) to the
+    kernels' `LayerStack`, by field name."""
+    native_stack.add(qkv=l.wqkv.held(), o=l.wo.held(), gate_up=l.w_gate_up.held(), down=l.w_down.held(),
+                     attn_norm=l.attn_norm, q_norm=l.q_norm, k_norm=l.k_norm, post_attn_norm=l.post_attn_norm,
+                     ffn_norm=l.ffn_norm, post_ffn_norm=l.post_ffn_norm, cos=rotary.cos, sin=rotary.sin,
+                     window=l.window or 0)

@@ -454,24 +454,30 @@ static const float* held(const torch::Tensor& t) {
   return t.numel() ? t.data_ptr<float>() : nullptr;
 }
 
-// Calls f with the weight format named by kind (0 = 4-bit, 1 = int8, 2 = float32, 3 = 5-bit), group and zeros.
+// How a weight is held (PackedLinear.kind): packed nibbles, int8 codes, float32, 5-bit codes. Exported to
+// Python as WEIGHT_KINDS, with ACTIVATIONS, KV_MODES and KEY_BLOCK, so Python's table (outrider.native.codes)
+// is checked against these.
+enum WeightKind { KIND_Q4 = 0, KIND_Q8 = 1, KIND_F32 = 2, KIND_Q5 = 3 };
+
+// Calls f with the weight format named by kind (see WeightKind), group and zeros.
 template <class F>
 static void with_format(int64_t kind, const torch::Tensor& codes, const torch::Tensor& scales,
                         const torch::Tensor& zeros, int64_t group, int64_t k, F&& f) {
   const float* s = held(scales);
   const float* z = held(zeros);
-  if (kind == 0) {
+  if (kind == KIND_Q4) {
     f(Q4{codes.data_ptr<uint8_t>(), s, z, k / 32});
-  } else if (kind == 1) {
+  } else if (kind == KIND_Q8) {
     const int8_t* c = codes.data_ptr<int8_t>();
     if (group == 32 && z) f(Q8<32, true>{c, s, z, k});
     else if (group == 32) f(Q8<32, false>{c, s, z, k});
     else if (group == 16 && z) f(Q8<16, true>{c, s, z, k});
     else if (group == 16) f(Q8<16, false>{c, s, z, k});
     else TORCH_CHECK(false, "int8 weights need a group of 16 or 32");
-  } else if (kind == 3) {
+  } else if (kind == KIND_Q5) {
     f(Q5{codes.data_ptr<uint8_t>(), s, z, k / 32});
   } else {
+    TORCH_CHECK(kind == KIND_F32, "unknown weight kind ", kind);
     f(F32{codes.data_ptr<float>(), nullptr, nullptr, k});
   }
 }
@@ -887,6 +893,8 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
 // make (fused q/k/v projection, attention, output projection, gate/up projection, down projection),
 // with the same arguments, so the result is bit for bit the loop's; what goes is the Python and argument
 // conversion around each of them: about 5% of SmolLM2's one-token step (measured).
+// A linear as PackedLinear holds it; Python builds one by keyword (HeldLinear(kind=..., codes=..., ...)), so
+// no field can take another's place.
 struct HeldLinear {
   int64_t kind, group, n_out, k;
   torch::Tensor codes, scales, zeros;
@@ -915,26 +923,28 @@ class LayerStack {
   LayerStack(int64_t n_heads, int64_t n_kv, int64_t d, double eps, double scale, int64_t act)
       : n_heads_(n_heads), n_kv_(n_kv), d_(d), eps_(eps), scale_(scale), act_(act) {}
 
-  // One layer: each linear as (kind, codes, scales, zeros, group, n_out, k); norms may be None.
-  void add(py::tuple qkv, py::tuple o, py::tuple gate_up, py::tuple down, c10::optional<torch::Tensor> attn_norm,
+  // One layer (keyword arguments only, see the bindings); norms may be None.
+  void add(const HeldLinear& qkv, const HeldLinear& o, const HeldLinear& gate_up, const HeldLinear& down,
+           c10::optional<torch::Tensor> attn_norm,
            c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
            c10::optional<torch::Tensor> post_attn_norm, c10::optional<torch::Tensor> ffn_norm,
            c10::optional<torch::Tensor> post_ffn_norm, torch::Tensor cos, torch::Tensor sin, int64_t window) {
-    layers_.push_back({unpack(qkv), unpack(o), unpack(gate_up), unpack(down), attn_norm, q_norm, k_norm, post_attn_norm,
-                       ffn_norm, post_ffn_norm, cos.contiguous(), sin.contiguous(), window});
+    layers_.push_back({qkv, o, gate_up, down, attn_norm, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffn_norm,
+                       cos.contiguous(), sin.contiguous(), window});
   }
 
   // The last added layer as Gemma 4 has it: its own heads and head dim, the cache layer it reads
   // (kv_mode: see attend), values RMS-normed, then after the FFN optionally
   // x = proj(act(inp_gate(x)) * per_layer[:, i]) post-normed onto x, and x * out_scale.
   void gemma4(int64_t n_heads, int64_t n_kv, int64_t d, int64_t kv_layer, int64_t kv_mode,
-              c10::optional<py::tuple> inp_gate, c10::optional<py::tuple> inp_proj,
+              c10::optional<HeldLinear> inp_gate, c10::optional<HeldLinear> inp_proj,
               c10::optional<torch::Tensor> inp_post_norm, c10::optional<torch::Tensor> out_scale) {
     TORCH_CHECK(!layers_.empty(), "LayerStack.gemma4: add the layer first");
     StackLayer& l = layers_.back();
     l.n_heads = n_heads, l.n_kv = n_kv, l.d = d, l.kv_layer = kv_layer, l.kv_mode = kv_mode, l.v_norm = true;
     l.per_layer_input = inp_gate.has_value();
-    if (l.per_layer_input) l.inp_gate = unpack(*inp_gate), l.inp_proj = unpack(*inp_proj);
+    TORCH_CHECK(inp_gate.has_value() == inp_proj.has_value(), "LayerStack.gemma4: inp_gate and inp_proj go together");
+    if (l.per_layer_input) l.inp_gate = *inp_gate, l.inp_proj = *inp_proj;
     l.inp_post_norm = inp_post_norm, l.out_scale = out_scale;
   }
 
@@ -971,11 +981,6 @@ class LayerStack {
   }
 
  private:
-  static HeldLinear unpack(const py::tuple& t) {  // see stack.py's _held
-    TORCH_CHECK(t.size() == 7, "LayerStack.add: a linear is (kind, codes, scales, zeros, group, n_out, k)");
-    return {t[0].cast<int64_t>(), t[4].cast<int64_t>(), t[5].cast<int64_t>(), t[6].cast<int64_t>(),
-            t[1].cast<torch::Tensor>(), t[2].cast<torch::Tensor>(), t[3].cast<torch::Tensor>()};
-  }
   int64_t n_heads_, n_kv_, d_;
   double eps_, scale_;
   int64_t act_;
@@ -989,9 +994,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "y = post(W @ pre(x)) with W held as GGUF codes and float32 scales", no_gil());
   m.def("dequantize_rows", &dequantize_rows, "rows of a held weight as float32", no_gil());
   m.def("attend", &attend, "rotary, cache write and attention for a block of tokens", no_gil());
-  py::class_<LayerStack>(m, "LayerStack", py::module_local())  // local: two builds may share a process
-      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t>())
-      .def("add", &LayerStack::add)
-      .def("gemma4", &LayerStack::gemma4)
+  // local: two builds may share a process. Keyword-only arguments: many are tensors or ints of the same
+  // shape, which a positional call could swap without an error.
+  py::class_<HeldLinear>(m, "HeldLinear", py::module_local())
+      .def(py::init([](int64_t kind, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, int64_t group,
+                       int64_t n_out, int64_t k) { return HeldLinear{kind, group, n_out, k, codes, scales, zeros}; }),
+           py::kw_only(), py::arg("kind"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("group"),
+           py::arg("n_out"), py::arg("k"))
+      .def_readonly("kind", &HeldLinear::kind)
+      .def_readonly("codes", &HeldLinear::codes)
+      .def_readonly("scales", &HeldLinear::scales)
+      .def_readonly("zeros", &HeldLinear::zeros)
+      .def_readonly("group", &HeldLinear::group)
+      .def_readonly("n_out", &HeldLinear::n_out)
+      .def_readonly("k", &HeldLinear::k);
+  py::class_<LayerStack>(m, "LayerStack", py::module_local())
+      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t>(), py::kw_only(), py::arg("n_heads"),
+           py::arg("n_kv"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("act"))
+      .def("add", &LayerStack::add, py::kw_only(), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
+           py::arg("attn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("post_attn_norm"), py::arg("ffn_norm"),
+           py::arg("post_ffn_norm"), py::arg("cos"), py::arg("sin"), py::arg("window"))
+      .def("gemma4", &LayerStack::gemma4, py::kw_only(), py::arg("n_heads"), py::arg("n_kv"), py::arg("head_dim"),
+           py::arg("kv_layer"), py::arg("kv_mode"), py::arg("inp_gate"), py::arg("inp_proj"), py::arg("inp_post_norm"),
+           py::arg("out_scale"))
       .def("run", &LayerStack::run, no_gil());
+  // The codes the calls above take, for outrider.native.codes's test (Python keeps its own copy so that
+  // it runs without this module).
+  py::dict kinds, acts, kv_modes;
+  kinds["q4"] = int(KIND_Q4), kinds["q8"] = int(KIND_Q8), kinds["f32"] = int(KIND_F32), kinds["q5"] = int(KIND_Q5);
+  acts["none"] = int(ACT_NONE), acts["silu"] = int(ACT_SILU), acts["gelu_tanh"] = int(ACT_GELU_TANH);
+  kv_modes["own"] = int(KV_OWN), kv_modes["k_is_v"] = int(KV_K_IS_V), kv_modes["shared"] = int(KV_SHARED);
+  m.attr("WEIGHT_KINDS") = kinds;
+  m.attr("ACTIVATIONS") = acts;
+  m.attr("KV_MODES") = kv_modes;
+  m.attr("KEY_BLOCK") = py::int_(KEY_BLOCK);
 }
