@@ -208,12 +208,11 @@ def cached_assistant(target_gguf: str | os.PathLike | None, head: str = "dense",
     `$OUTRIDER_HOME/fixtures/` and keyed by this file, the target file, the converter's, transformers' and
     torch's versions (the converter takes tens of seconds)."""
     import hashlib
-    import shutil
-    import tempfile
 
     import transformers
 
-    from outrider.catalog import outrider_home
+    from outrider.paths import outrider_home
+    from outrider.testing.gemma4_fixtures import build_once
     from outrider.testing.llama_cpp import LLAMA_CPP_PYTHON
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
@@ -224,22 +223,14 @@ def cached_assistant(target_gguf: str | os.PathLike | None, head: str = "dense",
         digest.update(part.encode())
     folder = outrider_home() / "fixtures" / f"gemma4-assistant-{head}-{digest.hexdigest()[:12]}"
     hf_dir, gguf_path = folder / "hf", folder / "assistant.gguf"
-    if not gguf_path.is_file():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-        try:
-            centroids = head == "centroids"
-            matched = matching_config(target_gguf, centroids) if target_gguf is not None else {"centroids": centroids}
-            config = {**matched, **overrides}
-            write_assistant_checkpoint(staging / "hf", seed=seed, **config)
-            assistant_gguf(staging / "hf", staging / "assistant.gguf", keep_centroids=centroids)
-            try:
-                staging.rename(folder)  # whole or not at all
-            except OSError:  # another process finished first
-                if not gguf_path.is_file():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+
+    def build(staging: Path) -> None:
+        centroids = head == "centroids"
+        matched = matching_config(target_gguf, centroids) if target_gguf is not None else {"centroids": centroids}
+        write_assistant_checkpoint(staging / "hf", seed=seed, **{**matched, **overrides})
+        assistant_gguf(staging / "hf", staging / "assistant.gguf", keep_centroids=centroids)
+
+    build_once(folder, gguf_path, build)
     return hf_dir, gguf_path
 
 

@@ -116,13 +116,10 @@ def cached_fixture(variant: str, outtype: str = "f32") -> tuple[Path, Path]:
     """(transformers checkpoint folder, converted GGUF) for `variant`, built once per machine under
     `$OUTRIDER_HOME/fixtures/` (the converter takes tens of seconds) and keyed by everything they depend on:
     this file, the converter's version, transformers' and torch's versions."""
-    import shutil
-    import tempfile
-
     import torch
     import transformers
 
-    from outrider.catalog import outrider_home
+    from outrider.paths import outrider_home
 
     from .llama_cpp import LLAMA_CPP_PYTHON
 
@@ -131,16 +128,27 @@ def cached_fixture(variant: str, outtype: str = "f32") -> tuple[Path, Path]:
         digest.update(part.encode())
     folder = outrider_home() / "fixtures" / f"gemma4-{variant}-{outtype}-{digest.hexdigest()[:12]}"
     hf_dir, gguf_path = folder / f"hf-{variant}", folder / f"gemma4-{variant}-{outtype}.gguf"
-    if not gguf_path.is_file():
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-        try:
-            write_gguf(staging, variant, outtype)
-            try:
-                staging.rename(folder)  # whole or not at all
-            except OSError:  # another process finished first
-                if not gguf_path.is_file():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    build_once(folder, gguf_path, lambda staging: write_gguf(staging, variant, outtype))
     return hf_dir, gguf_path
+
+
+def build_once(folder: Path, made: Path, build) -> None:
+    """A fixture folder built once per machine: `build(staging)` writes a fresh folder beside `folder`, which
+    then takes its name whole (if another process finished first, its folder stands). Nothing if `made` is
+    there already."""
+    import shutil
+    import tempfile
+
+    if made.is_file():
+        return
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        build(staging)
+        try:
+            staging.rename(folder)  # whole or not at all
+        except OSError:  # another process finished first
+            if not made.is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
