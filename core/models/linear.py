@@ -56,6 +56,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
+def torch_pre_steps(x: torch.Tensor, in_norm, act, eps: float) -> torch.Tensor:
+    """What a linear layer does to its input before the matmul, in torch: rms_norm, then act(gate) * up."""
+    if in_norm is not None:
+        x = rms_norm(x, in_norm, eps)
+    if act is not None:
+        gate, up = x.chunk(2, dim=-1)
+        x = ACTIVATIONS[act](gate) * up
+    return x
+
+
+def torch_post_steps(y: torch.Tensor, out_norm, residual, softcap: float, eps: float) -> torch.Tensor:
+    """What a linear layer does after the matmul, in torch: rms_norm, + residual, softcap."""
+    if out_norm is not None:
+        y = rms_norm(y, out_norm, eps)
+    if residual is not None:
+        y = residual + y
+    if softcap:
+        y = torch.tanh(y / softcap) * softcap
+    return y
+
+
 class DenseLinear:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
@@ -63,19 +84,8 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
                  act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                  softcap: float = 0.0, prompt: bool = False) -> torch.Tensor:
-        if in_norm is not None:
-            x = rms_norm(x, in_norm, eps)
-        if act is not None:
-            gate, up = x.chunk(2, dim=-1)
-            x = ACTIVATIONS[act](gate) * up
-        y = F.linear(x, self.weight)
-        if out_norm is not None:
-            y = rms_norm(y, out_norm, eps)
-        if residual is not None:
-            y = residual + y
-        if softcap:
-            y = torch.tanh(y / softcap) * softcap
-        return y
+        y = F.linear(torch_pre_steps(x, in_norm, act, eps), self.weight)
+        return torch_post_steps(y, out_norm, residual, softcap, eps)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight[ids]

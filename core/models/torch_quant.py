@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..gguf_file import GGUFFile
-from .linear import ACTIVATIONS, INT4_TYPES, block_codes, rms_norm
+from .linear import INT4_TYPES, block_codes, torch_post_steps, torch_pre_steps
 
 INT4_GROUP = 32  # GGUF's 4-bit blocks scale per 32 weights; the int4 kernel takes groups of 32..256
 INT4_MIDPOINT = 8  # the int4 kernel's zero point: w = (q - 8) * scale + zero
@@ -40,34 +40,15 @@ def int4_inner_k_tiles(k: int) -> int | None:
     return None
 
 
-def _post(y: torch.Tensor, out_norm, residual, softcap: float, eps: float) -> torch.Tensor:
-    if out_norm is not None:
-        y = rms_norm(y, out_norm, eps)
-    if residual is not None:
-        y = residual + y
-    if softcap:
-        y = torch.tanh(y / softcap) * softcap
-    return y
-
-
-def _pre(x: torch.Tensor, in_norm, act, eps: float) -> torch.Tensor:
-    if in_norm is not None:
-        x = rms_norm(x, in_norm, eps)
-    if act is not None:
-        gate, up = x.chunk(2, dim=-1)
-        x = ACTIVATIONS[act](gate) * up
-    return x
-
-
 class _QuantLinear:
     n_out: int
 
     def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
                  act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                  softcap: float = 0.0, prompt: bool = False) -> torch.Tensor:
-        x = _pre(x, in_norm, act, eps)
+        x = torch_pre_steps(x, in_norm, act, eps)
         y = self.matmul(x.reshape(-1, x.shape[-1]).to(self.dtype).contiguous())
-        return _post(y.reshape(*x.shape[:-1], self.n_out), out_norm, residual, softcap, eps)
+        return torch_post_steps(y.reshape(*x.shape[:-1], self.n_out), out_norm, residual, softcap, eps)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
