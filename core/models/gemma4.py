@@ -26,7 +26,8 @@ from ..errors import ModelFileError
 from ..gguf_file import GGUFFile, dequantize
 from ..kv_cache import KVCache
 from ..native.codes import KV_MODES
-from .layers import ATTENTION_DTYPE, PREFILL_CHUNK, Rotary, attention, attention_mask, load_ends, run_in_chunks
+from .decoder import Decoder
+from .layers import ATTENTION_DTYPE, Rotary, attention, attention_mask
 from .linear import ACTIVATIONS, NATIVE_ACT, PackedLinear, load_linear, rms_norm
 from .stack import add_layer
 
@@ -252,7 +253,10 @@ class _Layer:
         return out
 
 
-class Gemma4:
+class Gemma4(Decoder):
+    """`forward` is `Decoder`'s; the layers, the cache (only the layers that compute K/V) and the per-layer
+    inputs are Gemma 4's own."""
+
     architecture = "gemma4"
 
     def __init__(self, g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -260,11 +264,8 @@ class Gemma4:
         """`native`: weights packed for the CPU kernels (`outrider.native`); `linear_form` overrides how the
         linear layers are held (`load_linear`: "quantized" on a GPU)."""
         self.config = cfg = Gemma4Config.from_gguf(g)
-        self.dtype, self.device = dtype, torch.device(device)
-        self.attention_dtype = attention_dtype
-        self.chunk = PREFILL_CHUNK if native else 0
-        self.linear_form = form = linear_form or ("native" if native else "dense")
-        self.output, self.embed, self.output_norm = load_ends(g, form, dtype, device)
+        self.attention_dtype, self.logit_softcap = attention_dtype, cfg.final_logit_softcap
+        form = self._load_ends(g, dtype, device, native, linear_form)
         # rounded to the model dtype first, as the reference implementations do
         self.embed_scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=dtype)
         self.layers = [_Layer(g, i, cfg, form, dtype, device) for i in range(cfg.n_layers)]
@@ -323,17 +324,6 @@ class Gemma4:
         native = self.kernels is not None
         return KVCache(n, list(cfg.n_kv_heads[:n]), list(cfg.head_dim[:n]), max_len or cfg.context_length,
                        torch.float32 if native else self.attention_dtype, self.device, keys_transposed=native)
-
-    @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False,
-                last_only: bool = False):
-        """Logits [T, vocab] (float32) for tokens at positions start..start+T-1 (only the last row with
-        `last_only`, which marks a prompt: see `run_in_chunks`); with `hidden`, also the final-normed
-        hidden states [T, hidden_size] of every row, `last_only` or not. Writes the cache and sets its
-        length to start+T."""
-        h = run_in_chunks(self._hidden, tokens, start, cache, self.chunk, last_only, every_row=hidden)
-        logits = self.output(h[-1:] if last_only else h, softcap=self.config.final_logit_softcap).float()
-        return (logits, h) if hidden else logits
 
     def _per_layer_inputs(self, tokens: torch.Tensor, x: torch.Tensor, prompt: bool) -> torch.Tensor:
         """[T, n_layers, per_layer_input_size]: the token's own per-layer rows plus a projection of its input
