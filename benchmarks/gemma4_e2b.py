@@ -32,6 +32,7 @@ import torch
 from outrider.bench import read_bandwidth_gbs
 from outrider.gguf_file import GGUFFile
 from outrider.models import load_model
+from outrider.testing.tiny_models import add_gemma4_hparams
 
 Q = gguf.GGMLQuantizationType
 VOCAB = 262144
@@ -66,21 +67,10 @@ def write_gemma4_e2b(path: Path, rng) -> Path:
     n, hidden, heads, hd_swa, hd_full, ffn, ple, first_shared = 35, 1536, 8, 256, 512, 6144, 256, 15
     local = [i % 5 != 4 for i in range(n)]
     ffns = [ffn if i < first_shared else 2 * ffn for i in range(n)]
-    a = "gemma4."
     w = gguf.GGUFWriter(str(path), "gemma4")
-    for key, value in [("block_count", n), ("context_length", 4096), ("embedding_length", hidden),
-                       ("attention.head_count", heads), ("attention.head_count_kv", 1),
-                       ("attention.key_length", hd_full), ("attention.value_length", hd_full),
-                       ("attention.sliding_window", 512), ("attention.shared_kv_layers", n - first_shared),
-                       ("embedding_length_per_layer_input", ple), ("attention.key_length_swa", hd_swa),
-                       ("attention.value_length_swa", hd_swa), ("rope.dimension_count", hd_full),
-                       ("rope.dimension_count_swa", hd_swa)]:
-        w.add_uint32(a + key, value)
-    for key, value in [("rope.freq_base", 1_000_000.0), ("rope.freq_base_swa", 10_000.0),
-                       ("attention.layer_norm_rms_epsilon", 1e-6), ("final_logit_softcapping", 30.0)]:
-        w.add_float32(a + key, value)
-    w.add_array(a + "feed_forward_length", ffns)
-    w.add_array(a + "attention.sliding_window_pattern", local)
+    add_gemma4_hparams(w, n_layers=n, context=4096, hidden=hidden, heads=heads, kv_heads=1, hd_swa=hd_swa,
+                       hd_full=hd_full, window=512, first_shared=first_shared, per_layer_input=ple, ffns=ffns,
+                       local=local)
     n_rot = hd_full // 8
     w.add_tensor("rope_freqs.weight", np.array([1.0] * n_rot + [1e30] * (hd_full // 2 - n_rot), dtype=np.float32))
     _matrix(w, "token_embd.weight", VOCAB, hidden, Q.Q8_0, rng)

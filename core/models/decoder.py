@@ -1,5 +1,6 @@
 """What llama and gemma3 share: a token embedding, one `LayerStack` of pre-norm layers, a final norm and an
-output head, run in prompt chunks; and the GGUF rope-scaling keys they both read (linear scaling only)."""
+output head, run in prompt chunks; and the GGUF rope-scaling keys they both read (linear scaling only).
+Gemma 4 takes the ends and `forward` from here and brings its own layers and cache."""
 
 from __future__ import annotations
 

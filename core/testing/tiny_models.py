@@ -204,6 +204,31 @@ def write_tiny_mtp_sidecar(path: str | Path, arch: str, target_path: str | Path,
     return Path(path)
 
 
+def add_gemma4_hparams(w, *, n_layers: int, context: int, hidden: int, heads: int, kv_heads: int | list[int],
+                       hd_swa: int, hd_full: int, window: int, first_shared: int, per_layer_input: int,
+                       ffns: list[int], local: list[bool]) -> None:
+    """The `gemma4.*` hyperparameters as llama.cpp's converter writes them (shared by the tiny fixture and the
+    synthetic E2B benchmark): RoPE bases 1e6 / 1e4, eps 1e-6, final softcap 30."""
+    a = "gemma4."
+    for key, value in [("block_count", n_layers), ("context_length", context), ("embedding_length", hidden),
+                       ("attention.head_count", heads), ("attention.key_length", hd_full),
+                       ("attention.value_length", hd_full), ("attention.sliding_window", window),
+                       ("attention.shared_kv_layers", n_layers - first_shared),
+                       ("embedding_length_per_layer_input", per_layer_input), ("attention.key_length_swa", hd_swa),
+                       ("attention.value_length_swa", hd_swa), ("rope.dimension_count", hd_full),
+                       ("rope.dimension_count_swa", hd_swa)]:
+        w.add_uint32(a + key, value)
+    for key, value in [("rope.freq_base", 1_000_000.0), ("rope.freq_base_swa", 10_000.0),
+                       ("attention.layer_norm_rms_epsilon", 1e-6), ("final_logit_softcapping", 30.0)]:
+        w.add_float32(a + key, value)
+    w.add_array(a + "feed_forward_length", ffns)
+    if isinstance(kv_heads, int):
+        w.add_uint32(a + "attention.head_count_kv", kv_heads)
+    else:
+        w.add_array(a + "attention.head_count_kv", kv_heads)
+    w.add_array(a + "attention.sliding_window_pattern", local)
+
+
 def write_tiny_gemma4(path: str | Path, seed: int = 0, hidden: int = 64, heads: int = 4, ffn: int = 96,
                       window: int = 8, context: int = 256, per_layer_input: int = 32, quantize: bool = True) -> Path:
     """A gemma4 GGUF written with llama.cpp's converter's keys and tensor names (checked against converted
@@ -223,22 +248,10 @@ def write_tiny_gemma4(path: str | Path, seed: int = 0, hidden: int = 64, heads: 
     local = [True, True, True, False, True, False]
     kv_heads = [2 if is_local else 1 for is_local in local]
     ffns = [ffn if i < first_shared else 2 * ffn for i in range(n_layers)]
-    a = "gemma4."
     w = gguf.GGUFWriter(str(path), "gemma4")
-    for key, value in [("block_count", n_layers), ("context_length", context), ("embedding_length", hidden),
-                       ("attention.head_count", heads), ("attention.key_length", hd_full),
-                       ("attention.value_length", hd_full), ("attention.sliding_window", window),
-                       ("attention.shared_kv_layers", n_layers - first_shared),
-                       ("embedding_length_per_layer_input", per_layer_input), ("attention.key_length_swa", hd_swa),
-                       ("attention.value_length_swa", hd_swa), ("rope.dimension_count", hd_full),
-                       ("rope.dimension_count_swa", hd_swa)]:
-        w.add_uint32(a + key, value)
-    for key, value in [("rope.freq_base", 1_000_000.0), ("rope.freq_base_swa", 10_000.0),
-                       ("attention.layer_norm_rms_epsilon", 1e-6), ("final_logit_softcapping", 30.0)]:
-        w.add_float32(a + key, value)
-    w.add_array(a + "feed_forward_length", ffns)
-    w.add_array(a + "attention.head_count_kv", kv_heads)
-    w.add_array(a + "attention.sliding_window_pattern", local)
+    add_gemma4_hparams(w, n_layers=n_layers, context=context, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                       hd_swa=hd_swa, hd_full=hd_full, window=window, first_shared=first_shared,
+                       per_layer_input=per_layer_input, ffns=ffns, local=local)
     w.add_tokenizer_model("gemma4")
     w.add_token_list(tokens)
     w.add_token_scores([-1000.0] * vocab)
