@@ -13,7 +13,8 @@ from outrider.testing.tiny_models import write_tiny_gemma4
 
 def test_blocked_keys_read_back_as_the_dense_cache_holds_them(tmp_path):
     g = GGUFFile(write_tiny_gemma4(tmp_path / "gemma4.gguf", seed=0))
-    compact, dense = CPUBackend(weights="compact").load_model(g), CPUBackend(weights="dense").load_model(g)
+    compact = CPUBackend(weights="compact", activations="float32").load_model(g)  # exact: this is about layout
+    dense = CPUBackend(weights="dense").load_model(g)
     tokens = torch.randint(0, compact.config.vocab_size, (70,), generator=torch.Generator().manual_seed(0))
     end = 67  # crosses the 64-position key block, and stops inside the second one
     caches = []

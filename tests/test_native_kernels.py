@@ -25,6 +25,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from outrider import native
+from outrider.native import activations
 from outrider.gguf_file import GGUFFile
 from outrider.models import load_model
 from outrider.models.linear import KIND_F32, DenseLinear, PackedLinear, block_codes, load_linear
@@ -45,10 +46,24 @@ def _ids(types):
 
 @pytest.fixture(scope="module")
 def kernels():
+    """The kernels with float32 activations (the exact mode most tests here hold to float64's tolerance);
+    the int8 tests below switch modes with `activations`."""
     try:
-        return native.load()
+        module = native.load()
     except native.NativeUnavailable as e:  # no compiler here: the CPU backend falls back to torch
         pytest.skip(str(e))
+    before = module.int8_activations()
+    native.use_activations("float32")
+    yield module
+    module.set_int8_activations(before)
+
+
+@pytest.fixture
+def int8_kernels(kernels):
+    if not kernels.HAS_INT8_KERNELS:
+        pytest.skip("this build has no int8 kernels (no AVX2)")
+    with activations("int8"):
+        yield kernels
 
 
 # ------------------------------------------------------------------------------------ shared codes
@@ -367,11 +382,20 @@ def test_tiles_too_wide_for_l1_walk_k_in_blocks_with_the_same_bits(kernels, k):
 ROW_NAMES = ["w.Q4_0", "w.Q4_K", "w.Q5_0", "w.Q5_K", "w.Q8_0", "w.Q5_1", "w.Q6_K", "p.Q6_K", "w.F32"]
 
 
+@pytest.mark.parametrize("mode", ["float32", "int8"])
 @pytest.mark.parametrize("name", ROW_NAMES)
-def test_each_output_row_is_bitwise_independent_of_the_others(kernels, weights, name):
+def test_each_output_row_is_bitwise_independent_of_the_others(kernels, weights, name, mode):
     """lin(x) for the first T of 40 rows equals those rows' one-row calls exactly, for every T in 1..40
-    (full tiles of 8 or 4 rows, and every remainder), with and without the fused steps. Only calls
-    marked `prompt` may sum in another order."""
+    (full tiles of 8 or 4 rows, and every remainder), with and without the fused steps, with float32 and
+    with int8 activations (each row quantized on its own). Only calls marked `prompt` may sum in another
+    order."""
+    if mode == "int8" and not kernels.HAS_INT8_KERNELS:
+        pytest.skip("this build has no int8 kernels (no AVX2)")
+    with activations(mode):
+        _check_rows_independent(weights, name)
+
+
+def _check_rows_independent(weights, name):
     g, _ = weights
     gen = torch.Generator().manual_seed(17 + ROW_NAMES.index(name))
     lin = _packed(g, [name])
@@ -391,6 +415,62 @@ def test_each_output_row_is_bitwise_independent_of_the_others(kernels, weights, 
         for t in range(1, 41):
             together = call(0, t)
             assert torch.equal(together, one_by_one[:t]), (label, t, (together - one_by_one[:t]).abs().max().item())
+
+
+# ------------------------------------------------------------------------------------ int8 activations
+
+
+def _as_the_int8_kernels_see_it(x: torch.Tensor) -> torch.Tensor:
+    """x as the rule the int8 kernels implement quantizes it (llama.cpp's Q8_0), written here in numpy: per
+    row and block of 32, d = amax / 127 and q = round-half-even(x * (127 / amax)) in float32; float64 d * q."""
+    xb = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv)
+    return torch.from_numpy((q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape))
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=_ids(QUANT_TYPES))
+def test_int8_activations_match_float64_within_the_quantization_bound(int8_kernels, weights, qtype):
+    """Two oracles, neither the kernel: (1) float64's product of the gguf reference weight with x quantized
+    by the rule, to float32 rounding (the integer dot products are exact; scales and sums round); (2) the
+    exact product, within what the rule allows: each x moves by at most d / 2 = amax / 254 of its block, so
+    output n moves by at most sum over blocks of amax / 254 * sum |w| (plus that rounding)."""
+    g, reference = weights
+    gen = torch.Generator().manual_seed(300 + int(qtype))
+    names = [f"w.{qtype.name}"] + ([] if qtype in K_QUANTS else [f"v.{qtype.name}"])
+    names += ["p.Q6_K"] if qtype == Q.Q6_K else []
+    for name in names:
+        lin, w = _packed(g, [name]), reference[name]
+        for t in (1, 3, 4, 7, 11):
+            x = torch.randn(t, w.shape[1], generator=gen) * torch.linspace(0.1, 3.0, w.shape[1])  # uneven blocks
+            got = lin(x).double()
+            _assert_matmul_close(lin(x), _as_the_int8_kernels_see_it(x) @ w.T)
+            exact = x.double() @ w.T
+            step = x.abs().reshape(t, -1, 32).amax(-1, keepdim=True).double() / 254
+            bound = step.expand(t, w.shape[1] // 32, 32).reshape(t, -1) @ w.abs().T
+            slack = 2e-6 * exact.abs().max().item()
+            assert ((got - exact).abs() <= bound + slack).all(), name
+            assert (got - exact).abs().max() > 1e-4 * exact.abs().max()  # int8 did run: not float32's error
+
+
+def test_int8_activations_leave_float_weights_in_float32(int8_kernels, weights):
+    g, reference = weights
+    lin, w = _packed(g, ["w.F32"]), reference["w.F32"]
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(1))
+    _assert_matmul_close(lin(x), x.double() @ w.T)
+
+
+def test_activation_modes_are_checked(kernels):
+    with pytest.raises(ValueError, match="choose one of"):
+        native.use_activations("int4")
+    from outrider.errors import ConfigError
+    from outrider.plugins.backends.cpu import CPUBackend
+
+    with pytest.raises(ConfigError, match="auto, int8, float32"):
+        CPUBackend(activations="bf16")
 
 
 # ------------------------------------------------------------------------------------- tiny models
@@ -449,11 +529,19 @@ def test_compact_logits_match_dense_logits(kernels, tiny_models, arch, quantize)
                                    rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["float32", "int8"])
 @pytest.mark.parametrize("arch,quantize", MODEL_CASES, ids=[f"{a}-{'q8' if q else 'f32'}" for a, q in MODEL_CASES])
-def test_compact_batched_forward_equals_single_token_forwards_bitwise(kernels, tiny_models, arch, quantize):
+def test_compact_batched_forward_equals_single_token_forwards_bitwise(kernels, tiny_models, arch, quantize, mode):
     """A verify pass over k tokens gives exactly the logits of k decoding steps (k = 3, 9, 17), and after
-    rolling the cache back into the block, the next step is exactly plain decoding's."""
-    model = _compact(tiny_models[arch, quantize])
+    rolling the cache back into the block, the next step is exactly plain decoding's; with float32 and with
+    int8 activations."""
+    if mode == "int8" and not kernels.HAS_INT8_KERNELS:
+        pytest.skip("this build has no int8 kernels (no AVX2)")
+    with activations(mode):
+        _check_verify_equals_steps(_compact(tiny_models[arch, quantize]))
+
+
+def _check_verify_equals_steps(model):
     # positions 50..66: past the gemma3 window, and across the kernel's 64-position key block
     vocab, prefix_len, longest = model.config.vocab_size, 50, 17
     prefix = _tokens(prefix_len, vocab, seed=1)

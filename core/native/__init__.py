@@ -14,6 +14,7 @@ deleting the marker, a different compiler (`CXX`) or ninja, or `OUTRIDER_NATIVE_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -116,3 +117,42 @@ def load():
                                 "try again)") from e
     marker.unlink(missing_ok=True)
     return module
+
+
+ACTIVATION_MODES = ("auto", "int8", "float32")
+
+
+def use_activations(mode: str) -> bool:
+    """Sets how the kernels meet quantized weights, for the whole process: `int8` quantizes each row of
+    activations per 32 values first and multiplies in integers (llama.cpp's design: the fast path on AVX2);
+    `float32` dequantizes the weights and multiplies in float32 (exact weights and activations); `auto` is
+    int8 where this build prefers it (AVX2 without AVX-512) and float32 elsewhere. Returns whether int8 is
+    on. Raises ValueError for an unknown mode or int8 on a build without the int8 kernels."""
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"unknown activations mode '{mode}'; choose one of: {', '.join(ACTIVATION_MODES)}")
+    kernels = load()
+    on = kernels.PREFERS_INT8 if mode == "auto" else mode == "int8"
+    if on and not kernels.HAS_INT8_KERNELS:
+        raise ValueError("activations=int8 needs a CPU with AVX2 (these kernels were built without it); "
+                         "use activations=float32")
+    kernels.set_int8_activations(on)
+    return on
+
+
+@contextlib.contextmanager
+def activations(mode: str):
+    """`use_activations(mode)` for a block, then the mode before it (tests, benchmarks comparing modes).
+    Without kernels (they run dense) a float32 block changes nothing."""
+    try:
+        kernels = load()
+    except NativeUnavailable:
+        if mode == "int8":
+            raise
+        yield
+        return
+    before = kernels.int8_activations()
+    use_activations(mode)
+    try:
+        yield
+    finally:
+        kernels.set_int8_activations(before)

@@ -8,7 +8,8 @@
 //   float operations whatever the tile size. So a verify pass over k+1 tokens gives bit for bit the
 //   logits of k+1 single steps, and greedy speculation equals plain decoding.
 // - Exact weights. Every GGUF type is held as the integers the file stores with float32 scales (and
-//   zeros), w = scale * code + zero, dequantized in registers; activations stay float32.
+//   zeros), w = scale * code + zero, dequantized in registers with float32 activations, or met by int8
+//   activations in integer dot products (see "int8 activations", the fast path on AVX2).
 //
 // Threads: at::parallel_for, i.e. torch's own OpenMP pool (torch's wheel ships libgomp.so.1, which this
 // library then shares), so our kernels and torch's ops never fight over cores.
@@ -482,6 +483,209 @@ static void with_format(int64_t kind, const torch::Tensor& codes, const torch::T
   }
 }
 
+// ------------------------------------------------------------------------ int8 activations (AVX2)
+//
+// The float kernels above dequantize every weight to float32 and multiply; on AVX2, without AVX-512's
+// 16-entry table lookup and at half the width, that ran at 0.08x llama.cpp's decode (perf: 80% of the
+// cycles in the tiles). Here, as in llama.cpp, each row of x is first quantized on its own to int8 in
+// blocks of 32 (d = amax / 127, q = round(x / d)), and a weight group meets it in integer arithmetic:
+// u8 x s8 pairs (`maddubs`), pairs of those to int32 (`madd`), one float multiply-add per group with the
+// combined scale s_g * d_g; the zero of a group adds z_g * d_g * sum(q). A row of x is quantized the same
+// way whatever other rows come with it, and each (weight row, x row) pair runs the same instructions in
+// the same order for every tile size: row independence holds as in the float kernels.
+#if defined(__AVX2__)
+constexpr bool HAS_INT8_KERNELS = true;
+
+// x's rows, quantized per 32-block: codes, the block's scale d, and d * sum(codes) per 32 and per 16 (what
+// a group's zero multiplies).
+struct QuantizedRows {
+  int64_t rows = 0, k = 0, groups = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, sum32, sum16;
+};
+
+static inline float hsum8(__m256 v) {
+  __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+static inline int32_t hsum8_epi32(__m256i v) {
+  __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  __m128i h2 = _mm_add_epi32(h4, _mm_unpackhi_epi64(h4, h4));
+  return _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 1)));
+}
+
+static void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedRows& out) {
+  const int64_t groups = k / 32;
+  out.rows = rows, out.k = k, out.groups = groups;
+  out.q.resize(rows * k), out.d.resize(rows * groups), out.sum32.resize(rows * groups), out.sum16.resize(rows * groups * 2);
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < rows * groups; ++b) {
+    const float* xb = x + b * 32;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float m = _mm_cvtss_f32(m4);
+    const float d = m / 127.0f;
+    const __m256 inv = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i)
+      i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute puts them back
+    __m256i i16a = _mm256_packs_epi32(i32[0], i32[1]), i16b = _mm256_packs_epi32(i32[2], i32[3]);
+    __m256i i8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(i16a, i16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q.data() + b * 32), i8);
+    // sums of the codes per 16 (lanes 0-3 of madd(maddubs(1, q)) hold the first 16, 4-7 the second)
+    __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), i8), ones16);
+    const int32_t lo = hsum8_epi32(_mm256_blend_epi32(pairs, _mm256_setzero_si256(), 0xF0));
+    const int32_t hi = hsum8_epi32(_mm256_blend_epi32(pairs, _mm256_setzero_si256(), 0x0F));
+    out.d[b] = d;
+    out.sum32[b] = d * static_cast<float>(lo + hi);
+    out.sum16[2 * b] = d * static_cast<float>(lo);
+    out.sum16[2 * b + 1] = d * static_cast<float>(hi);
+  }
+}
+
+// Each format gives a group's 32 codes as bytes for `maddubs` (unsigned), and the x codes to meet them
+// (signed; for signed weight codes, x takes their sign: |w| * (x * sign w) = w * x).
+struct IntQ4 {
+  static constexpr int SCALES = 1;
+  static constexpr bool SIGNED = false;
+  const uint8_t* codes;
+  int64_t groups;
+  inline __m256i group(int64_t n, int64_t g) const {
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (n * groups + g) * 16));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+  }
+};
+
+struct IntQ5 {
+  static constexpr int SCALES = 1;
+  static constexpr bool SIGNED = false;
+  const uint8_t* codes;
+  int64_t groups;
+  inline __m256i group(int64_t n, int64_t g) const {
+    const uint8_t* p = codes + (n * groups + g) * 20;
+    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+    uint32_t word;
+    std::memcpy(&word, p + 16, 4);
+    // byte j takes byte j / 8 of the word, then keeps bit j % 8 of it as 0x10
+    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(word)), spread);
+    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+    __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(low, high);
+  }
+};
+
+template <int G>
+struct IntQ8 {
+  static constexpr int SCALES = 32 / G;
+  static constexpr bool SIGNED = true;
+  const int8_t* codes;
+  int64_t k;
+  inline __m256i group(int64_t n, int64_t g) const {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + n * k + g * 32));
+  }
+};
+
+template <class W, int R>
+static void int8_tile(const W& w, const float* scales, const float* zeros, const QuantizedRows& xq, int64_t r0,
+                      float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t groups = xq.groups, k = xq.k;
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* s = scales + n * groups * W::SCALES;
+    const float* z = zeros ? zeros + n * groups * W::SCALES : nullptr;
+    __m256 acc[R];
+    float zacc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), zacc[r] = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256i wc = w.group(n, g);
+      __m256i wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r, b = row * groups + g;
+        __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + row * k + g * 32));
+        if (W::SIGNED) qx = _mm256_sign_epi8(qx, wc);
+        __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, qx), ones16));
+        const float d = xq.d[b];
+        if constexpr (W::SCALES == 1) {
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s[g] * d), dot, acc[r]);
+          if (z) zacc[r] += z[g] * xq.sum32[b];
+        } else {  // lanes 0-3 hold the first 16 weights, 4-7 the second
+          acc[r] = _mm256_fmadd_ps(_mm256_set_m128(_mm_set1_ps(s[2 * g + 1] * d), _mm_set1_ps(s[2 * g] * d)), dot, acc[r]);
+          if (z) zacc[r] += z[2 * g] * xq.sum16[2 * b] + z[2 * g + 1] * xq.sum16[2 * b + 1];
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum8(acc[r]) + zacc[r];
+  }
+}
+
+constexpr int INT8_MAX_TILE = 4;  // rows of x per pass over a weight row: 4 accumulators and 4 x loads in 16 ymm
+
+template <class W>
+static void int8_matmul(const W& w, const float* scales, const float* zeros, const QuantizedRows& xq, float* y,
+                        int64_t n_out) {
+  const int64_t rows = xq.rows;
+  at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
+    int64_t r = 0;
+    for (; r + INT8_MAX_TILE <= rows; r += INT8_MAX_TILE)
+      int8_tile<W, INT8_MAX_TILE>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1);
+    switch (rows - r) {
+      case 3: int8_tile<W, 3>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); break;
+      case 2: int8_tile<W, 2>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); break;
+      case 1: int8_tile<W, 1>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); break;
+      default: break;
+    }
+  });
+}
+
+// false where the weight is float32 (which keeps float activations)
+static bool run_int8_matmul(int64_t kind, const torch::Tensor& codes, const torch::Tensor& scales,
+                            const torch::Tensor& zeros, int64_t group, const float* x, int64_t rows, int64_t k,
+                            float* y, int64_t n_out) {
+  if (kind == KIND_F32) return false;
+  QuantizedRows xq;
+  quantize_rows(x, rows, k, xq);
+  const float* s = held(scales);
+  const float* z = held(zeros);
+  if (kind == KIND_Q4) int8_matmul(IntQ4{codes.data_ptr<uint8_t>(), k / 32}, s, z, xq, y, n_out);
+  else if (kind == KIND_Q5) int8_matmul(IntQ5{codes.data_ptr<uint8_t>(), k / 32}, s, z, xq, y, n_out);
+  else if (kind == KIND_Q8 && group == 32) int8_matmul(IntQ8<32>{codes.data_ptr<int8_t>(), k}, s, z, xq, y, n_out);
+  else if (kind == KIND_Q8 && group == 16) int8_matmul(IntQ8<16>{codes.data_ptr<int8_t>(), k}, s, z, xq, y, n_out);
+  else TORCH_CHECK(false, "int8 activations: unknown weight kind ", kind, " with group ", group);
+  return true;
+}
+#else
+constexpr bool HAS_INT8_KERNELS = false;
+static bool run_int8_matmul(int64_t, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, int64_t,
+                            const float*, int64_t, int64_t, float*, int64_t) { return false; }
+#endif
+
+// Whether quantized weights meet int8 activations (above) or float32 ones: one setting per process,
+// chosen by the CPU backend (`-o backend.activations`), read by every linear call.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool PREFERS_INT8 = true;
+#else
+constexpr bool PREFERS_INT8 = false;
+#endif
+static bool int8_activations = PREFERS_INT8;
+
+static void set_int8_activations(bool on) {
+  TORCH_CHECK(!on || HAS_INT8_KERNELS, "int8 activations need a CPU with AVX2 (this build has no int8 kernels)");
+  int8_activations = on;
+}
+
 // Prompts: many rows of x. Four weight rows are dequantized once into a float panel (for every row of x,
 // not once per tile), then 4 x 4 blocks of dot products run at the FMA units' pace, and a shuffle tree
 // turns the block's 16 accumulators into 16 sums at once. The sums come in another order than the
@@ -591,6 +795,9 @@ static void blas_prompt_matmul(const W& w, int64_t groups, const float* x, int64
 static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Tensor& scales,
                        const torch::Tensor& zeros, int64_t group, int64_t groups, const float* x, int64_t rows,
                        int64_t k, float* y, int64_t n_out, bool prompt) {
+  // int8 activations take every row, prompt rows too: a prefill then gives each row the bits a single
+  // step would, so replaying a sequence from scratch agrees with decoding it (as float32 nearly does)
+  if (int8_activations && run_int8_matmul(kind, codes, scales, zeros, group, x, rows, k, y, n_out)) return;
   with_format(kind, codes, scales, zeros, group, k, [&](const auto& w) {
 #if defined(__AVX512F__)
     if (prompt && rows >= PROMPT_PANEL_MIN_ROWS) return panel_matmul(w, groups, x, rows, k, y, n_out);
@@ -1028,4 +1235,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ACTIVATIONS") = acts;
   m.attr("KV_MODES") = kv_modes;
   m.attr("KEY_BLOCK") = py::int_(KEY_BLOCK);
+  // int8 activations: whether this build has the kernels, and whether they are this CPU's faster choice
+  // (AVX2 without AVX-512, where the float kernels lack a table lookup and half the width).
+  m.attr("HAS_INT8_KERNELS") = py::bool_(HAS_INT8_KERNELS);
+  m.attr("PREFERS_INT8") = py::bool_(PREFERS_INT8);
+  m.def("set_int8_activations", &set_int8_activations, "quantized weights meet int8 (true) or float32 activations");
+  m.def("int8_activations", [] { return int8_activations; });
 }

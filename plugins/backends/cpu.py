@@ -1,12 +1,15 @@
 """The CPU backend. Weights stay compact, as the GGUF's own codes with float32 scales and zeros,
 and run through Outrider's kernels (`outrider.native`, built on first use) with float32 activations;
-`weights = dense` dequantizes everything to `dtype` and runs torch's ops instead."""
+`weights = dense` dequantizes everything to `dtype` and runs torch's ops instead. `activations` chooses
+whether the kernels quantize activations to int8 (the fast path on AVX2) or keep them float32."""
 
 from __future__ import annotations
 
 import torch
 
 from outrider.backend import DTYPES, Backend
+from outrider.errors import ConfigError
+from outrider.native import ACTIVATION_MODES
 from outrider.models.linear import WEIGHT_MODES
 from outrider.hookspecs import hookimpl
 
@@ -15,10 +18,25 @@ class CPUBackend(Backend):
     device = torch.device("cpu")
 
     def __init__(self, dtype: str = "float32", weights: str = "compact", batch_invariant: bool = True,
-                 threads: int = 0):
+                 threads: int = 0, activations: str = "auto"):
         super().__init__(dtype, weights, batch_invariant)
+        if activations not in ACTIVATION_MODES:
+            raise ConfigError(f"unknown activations mode '{activations}'; choose one of: {', '.join(ACTIVATION_MODES)}")
+        self.activations = activations
         if threads > 0:
             torch.set_num_threads(threads)
+
+    def load_model(self, g):
+        if self.weights == "compact":
+            from outrider import native
+
+            try:
+                native.use_activations(self.activations)  # one setting for the process's kernels
+            except native.NativeUnavailable:
+                pass  # load_model warns and runs dense
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        return super().load_model(g)
 
 
 @hookimpl
@@ -29,5 +47,8 @@ def register_backends(register):
         "batch_invariant": (bool, True, "with weights=dense: attention in float64, so a verify pass's logits stay "
                             "within ~1e-4 of single steps (torch's matmuls still sum in another order; the "
                             "compact kernels give the same bits by construction)"),
+        "activations": (str, "auto", "with weights=compact: int8 quantizes each activation row per 32 values "
+                        "and multiplies in integers (llama.cpp's design; the fast path on AVX2), float32 keeps "
+                        "them exact; auto = int8 on AVX2 without AVX-512, float32 elsewhere (see README, Numerics)"),
         "threads": (int, 0, "torch intra-op threads; 0 keeps torch's default (one per core)"),
     })
