@@ -598,36 +598,58 @@ struct IntQ8 {
   }
 };
 
+// sum of a[i] * b[i] in a fixed order: 8 lanes, then the tail
+static inline float dot_f32(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float sum = hsum8(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// R rows of x against weight rows n0..n1. Per (weight row, x row): even and odd groups in two chains of
+// multiply-adds (the chain's latency, not the arithmetic, bounds a one-row pass), then the zeros' term
+// as one dot product of the row's zeros with x's block sums. The same steps for every R.
 template <class W, int R>
 static void int8_tile(const W& w, const float* scales, const float* zeros, const QuantizedRows& xq, int64_t r0,
                       float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t groups = xq.groups, k = xq.k;
   const __m256i ones16 = _mm256_set1_epi16(1);
+  const int8_t* xcodes = xq.q.data() + r0 * k;
+  const float* xd = xq.d.data() + r0 * groups;
   for (int64_t n = n0; n < n1; ++n) {
     const float* s = scales + n * groups * W::SCALES;
-    const float* z = zeros ? zeros + n * groups * W::SCALES : nullptr;
-    __m256 acc[R];
-    float zacc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), zacc[r] = 0.0f;
-    for (int64_t g = 0; g < groups; ++g) {
-      __m256i wc = w.group(n, g);
-      __m256i wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
+    __m256 acc[2][R];
+    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    auto step = [&](int64_t g, __m256* chain) __attribute__((always_inline)) {
+      const __m256i wc = w.group(n, g);
+      const __m256i wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
+      __m256 sw;  // the weight scales of the group's lanes (lanes 0-3: the first 16 weights, 4-7: the rest)
+      if constexpr (W::SCALES == 1) sw = _mm256_set1_ps(s[g]);
+      else sw = _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
       for (int r = 0; r < R; ++r) {
-        const int64_t row = r0 + r, b = row * groups + g;
-        __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.q.data() + row * k + g * 32));
+        __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xcodes + r * k + g * 32));
         if (W::SIGNED) qx = _mm256_sign_epi8(qx, wc);
-        __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, qx), ones16));
-        const float d = xq.d[b];
-        if constexpr (W::SCALES == 1) {
-          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s[g] * d), dot, acc[r]);
-          if (z) zacc[r] += z[g] * xq.sum32[b];
-        } else {  // lanes 0-3 hold the first 16 weights, 4-7 the second
-          acc[r] = _mm256_fmadd_ps(_mm256_set_m128(_mm_set1_ps(s[2 * g + 1] * d), _mm_set1_ps(s[2 * g] * d)), dot, acc[r]);
-          if (z) zacc[r] += z[2 * g] * xq.sum16[2 * b] + z[2 * g + 1] * xq.sum16[2 * b + 1];
-        }
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, qx), ones16));
+        chain[r] = _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(xd[r * groups + g])), dot, chain[r]);
       }
+    };
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+      step(g, acc[0]);
+      step(g + 1, acc[1]);
     }
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum8(acc[r]) + zacc[r];
+    if (g < groups) step(g, acc[0]);
+    for (int r = 0; r < R; ++r) {
+      float out = hsum8(_mm256_add_ps(acc[0][r], acc[1][r]));
+      if (zeros) {
+        const int64_t row = r0 + r, count = groups * W::SCALES;
+        const float* sums = W::SCALES == 1 ? xq.sum32.data() + row * groups : xq.sum16.data() + row * 2 * groups;
+        out += dot_f32(zeros + n * count, sums, count);
+      }
+      y[r * ldy + n] = out;
+    }
   }
 }
 
