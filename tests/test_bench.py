@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from outrider import bench
+from outrider.bench.results import PAIRED_COLUMNS
 from outrider.errors import ConfigError
 from outrider.cli import main
 from outrider.testing.tiny_models import write_tiny_llama
@@ -136,7 +137,8 @@ def test_bench_on_a_tiny_model(tiny, short_prompts, tmp_path):
     table = bench.markdown(report)
     rows = [line for line in table.splitlines() if line.startswith("| code") or line.startswith("| story")]
     # the main table, then the paired ratios of every Outrider cell (all 8 here)
-    assert len(rows) == 16 and all(line.count("|") == 9 for line in rows)
+    assert len(rows) == 16 and all(line.count("|") == 9 for line in rows[:8])
+    assert all(line.count("|") == 4 + len(PAIRED_COLUMNS) for line in rows[8:])
     assert "| prompt | T | engine | vs Outrider plain |" in table
     assert "| story | 0.7@0.95 | outrider+lookup |" in table and "what chat front-ends send" in table
     assert {(c["temperature"], c["top_p"]) for c in entry["cells"]} == {(0.0, 1.0), (0.7, 0.95)}
@@ -172,7 +174,7 @@ def test_cli_bench_writes_table_json_and_notes_missing_peers(tiny, short_prompts
 def test_cli_bench_rejects_unknown_names_in_one_line(tiny):
     result = CliRunner().invoke(main, ["bench", "--models", str(tiny), "--engines", "vllm", "--chart", ""])
     assert result.exit_code == 1
-    assert result.output.strip().splitlines() == ["error: unknown engine 'vllm'; choose from outrider, llama.cpp, "
+    assert result.output.strip().splitlines() == ["error: unknown engine 'vllm'; choose from outrider, llama.cpp, llama-bench, "
                                                   "transformers"]
     result = CliRunner().invoke(main, ["bench", "--models", str(tiny), "--temperatures", "0,0@0.9", "--chart", ""])
     assert result.exit_code == 1
@@ -241,3 +243,78 @@ def test_bench_drafter_list_tells_a_combination_from_a_list():
     for bad in ("lookup+nope", "none+mtp", "lookup,mtp"):
         with pytest.raises(ConfigError, match="join"):
             BenchSettings(drafters=[bad]).check()
+
+
+FAKE_LLAMA_BENCH = """#!{python}
+import json, sys
+args = sys.argv[1:]
+value = lambda flag: args[args.index(flag) + 1]
+with open({log!r}, "a") as log:
+    log.write(" ".join(args) + "\\n")
+if {fail}:
+    print("error: failed to load model", file=sys.stderr)
+    sys.exit(3)
+# prompt processing at 400 tok/s, generation at 50 tok/s, as llama-bench -o json lists its tests
+print(json.dumps([{{"n_prompt": int(value("-p")), "n_gen": 0, "n_depth": 0, "avg_ts": 400.0}},
+                  {{"n_prompt": 0, "n_gen": int(value("-n")), "n_depth": 0, "avg_ts": 50.0}}]))
+"""
+
+
+def _fake_llama_bench(tmp_path, fail=False):
+    import stat
+    import sys
+
+    path, log = tmp_path / "llama-bench", tmp_path / "calls.log"
+    path.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable, log=str(log), fail=fail))
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path, log
+
+
+def test_llama_bench_engine_runs_the_binary_and_reads_its_two_tests(tmp_path, monkeypatch):
+    """The contract with llama-bench's command line and JSON, hand-checked: -p the prompt's length, -n the
+    new tokens after the first (which counts to prefill, as for every engine), one repetition; its tok/s
+    become the same RunResult definitions as the other engines'."""
+    path, log = _fake_llama_bench(tmp_path)
+    monkeypatch.delenv("LLAMA_BENCH", raising=False)
+    engine = bench.make_engines(["llama-bench"], ["none"], "model.gguf", 2, llama_bench=str(path))[0]
+    engine.load()
+    result = engine.run(list(range(40)), 9, 0.7, 1.0, 1)
+    assert log.read_text().split() == ["-m", "model.gguf", "-t", "2", "-p", "40", "-n", "8", "-d", "0", "-r", "1",
+                                       "-o", "json"]
+    assert result.prefill_tokens_per_s == pytest.approx(400.0)
+    assert result.decode_tokens_per_s == pytest.approx(50.0)
+    assert (result.n_prompt, result.n_generated, result.n_first) == (40, 9, 1)
+    monkeypatch.setenv("LLAMA_BENCH", str(path))  # the variable, when no path is given
+    assert bench.make_engines(["llama-bench"], ["none"], "model.gguf", 2)[0].binary == str(path)
+
+
+def test_llama_bench_engine_failures_are_one_line(tmp_path, monkeypatch):
+    from outrider.errors import OutriderError
+
+    monkeypatch.delenv("LLAMA_BENCH", raising=False)
+    with pytest.raises(FileNotFoundError, match="pass --llama-bench PATH or set LLAMA_BENCH"):
+        bench.make_engines(["llama-bench"], ["none"], "m.gguf", 1)[0].load()
+    with pytest.raises(FileNotFoundError, match="not an executable llama-bench"):
+        bench.make_engines(["llama-bench"], ["none"], "m.gguf", 1, llama_bench=str(tmp_path))[0].load()
+    path, _ = _fake_llama_bench(tmp_path, fail=True)
+    engine = bench.make_engines(["llama-bench"], ["none"], "m.gguf", 1, llama_bench=str(path))[0]
+    engine.load()
+    with pytest.raises(OutriderError, match="llama-bench exited with 3: error: failed to load model"):
+        engine.run([1, 2, 3], 4, 0.0, 1.0, 1)
+
+
+def test_cli_bench_puts_llama_bench_beside_outrider(tiny, short_prompts, tmp_path):
+    path, _ = _fake_llama_bench(tmp_path)
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(main, ["bench", "--models", str(tiny), "--tokens", "3", "--runs", "1",
+                                       "--prompts", "story", "--temperatures", "0", "--drafters", "none",
+                                       "--engines", "outrider,llama-bench", "--llama-bench", str(path),
+                                       "--no-bandwidth", "--json-out", str(out), "--chart", ""])
+    assert result.exit_code == 0, result.output
+    assert f"--llama-bench {path}" in result.output.splitlines()[0]
+    cells = json.loads(out.read_text())["models"][str(tiny)]["cells"]
+    assert [c["config"] for c in cells] == ["outrider", "llama-bench"]
+    assert cells[1]["median"]["decode_tokens_per_s"] == pytest.approx(50.0)
+    ours = cells[0]["runs"][0]["decode_tokens_per_s"]
+    assert cells[0]["paired"]["vs_llama_bench"] == pytest.approx(ours / 50.0)
+    assert "| vs llama-bench |" in result.output

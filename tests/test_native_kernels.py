@@ -456,6 +456,21 @@ def test_int8_activations_match_float64_within_the_quantization_bound(int8_kerne
             assert (got - exact).abs().max() > 1e-4 * exact.abs().max()  # int8 did run: not float32's error
 
 
+@pytest.mark.torch_threads(2)
+@pytest.mark.parametrize("name", ["w.Q4_0", "w.Q5_K", "w.Q8_0", "w.Q6_K"])
+def test_int8_rows_do_not_depend_on_the_thread_count(int8_kernels, weights, name):
+    """Output rows are split across threads, never an output's sum: one and two threads, and every tile
+    size, give the same bits."""
+    g, _ = weights
+    lin = _packed(g, [name])
+    x = torch.randn(11, COLS, generator=torch.Generator().manual_seed(2))
+    two = lin(x)
+    torch.set_num_threads(1)
+    one = torch.cat([lin(x[i:i + 1]) for i in range(11)])
+    assert torch.equal(one, two)
+    assert torch.equal(lin(x[:8]), two[:8])
+
+
 def test_int8_activations_leave_float_weights_in_float32(int8_kernels, weights):
     g, reference = weights
     lin, w = _packed(g, ["w.F32"]), reference["w.F32"]

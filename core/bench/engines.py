@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -16,7 +18,8 @@ from ..errors import ConfigError, OutriderError
 from .costs import tensor_bytes
 from .results import RunResult, timed_stream
 
-ENGINES = ("outrider", "llama.cpp", "transformers")
+ENGINES = ("outrider", "llama.cpp", "llama-bench", "transformers")
+LLAMA_BENCH_VARIABLE = "LLAMA_BENCH"  # where llama-bench is, when --llama-bench does not say
 # `a+b` is one configuration combining drafters a and b (`--drafter a,b`): the list itself is comma-separated
 DRAFTERS = ("none", "lookup", "draft-model", "mtp", "lookup+mtp")
 SINGLE_DRAFTERS = ("none", "lookup", "draft-model", "mtp")
@@ -138,6 +141,45 @@ class LlamaCppEngine(Engine):
         self.llm = None
 
 
+class LlamaBenchEngine(Engine):
+    """llama.cpp's own C++ benchmark, `llama-bench`: the peer at its best build (native, or AVX2-only to
+    compare with an AVX2 build of Outrider), without llama-cpp-python's Python layer. It times prompt
+    processing of as many tokens as the cell's prompt and generation of the cell's new tokens after it,
+    on tokens of its own choosing: so its numbers are the same at every temperature and prompt text, and it
+    has no drafter. One run is one `llama-bench -r 1` call."""
+
+    engine = "llama-bench"
+    label = "llama-bench"
+
+    def __init__(self, model_path: str, threads: int, binary: str | None = None):
+        super().__init__(model_path, threads)
+        self.binary = binary or os.environ.get(LLAMA_BENCH_VARIABLE) or ""
+
+    def load(self):
+        if not self.binary:
+            raise FileNotFoundError(f"no llama-bench given: pass --llama-bench PATH or set {LLAMA_BENCH_VARIABLE}")
+        if not (os.path.isfile(self.binary) and os.access(self.binary, os.X_OK)):
+            raise FileNotFoundError(f"{self.binary}: not an executable llama-bench")
+
+    def run(self, prompt_ids, n_tokens, temperature, top_p, seed):
+        n_prompt, n_gen = len(prompt_ids), n_tokens - 1  # the first new token counts to prefill, as for the others
+        command = [self.binary, "-m", self.model_path, "-t", str(self.threads), "-p", str(n_prompt), "-n", str(n_gen),
+                   "-d", "0", "-r", "1", "-o", "json"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise OutriderError(f"llama-bench exited with {done.returncode}: {last}")
+        try:
+            tests = json.loads(done.stdout)
+            prefill = next(t for t in tests if t["n_prompt"] == n_prompt and t["n_gen"] == 0)
+            decode = next(t for t in tests if t["n_gen"] == n_gen and t["n_prompt"] == 0)
+        except (ValueError, StopIteration, KeyError, TypeError):
+            raise OutriderError(f"llama-bench printed no prompt and generation tests for -p {n_prompt} -n {n_gen}: "
+                                f"{done.stdout[:200]!r}") from None
+        return RunResult(prefill_s=n_prompt / prefill["avg_ts"], decode_s=n_gen / decode["avg_ts"], n_prompt=n_prompt,
+                         n_generated=n_tokens, n_first=1)
+
+
 def _counting(draft_class):
     """A subclass of a llama-cpp-python draft model that counts rounds and drafted tokens, which the library
     does not report (a subclass, so it still passes as a LlamaDraftModel)."""
@@ -257,13 +299,15 @@ class _TimingStreamer:
 
 
 def make_engines(engines: Iterable[str], drafters: Iterable[str], model_path: str, threads: int,
-                 draft_max: int | str = "auto") -> list[Engine]:
+                 draft_max: int | str = "auto", llama_bench: str | None = None) -> list[Engine]:
     made: list[Engine] = []
     for engine in engines:
         if engine == "outrider":
             made += [OutriderEngine(model_path, threads, d, draft_max) for d in drafters]
         elif engine == "llama.cpp":
             made += [LlamaCppEngine(model_path, threads, lookup) for lookup in (False, True)]
+        elif engine == "llama-bench":
+            made.append(LlamaBenchEngine(model_path, threads, llama_bench))
         elif engine == "transformers":
             made += [TransformersEngine(model_path, threads, lookup) for lookup in (False, True)]
         else:

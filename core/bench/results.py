@@ -97,12 +97,13 @@ def _references(config: str) -> dict[str, str]:
     """What an Outrider configuration is compared with: its own plain decoding, llama.cpp plain and with
     prompt lookup, and transformers with the same drafter (plain against plain, lookup against lookup)."""
     return {"vs_outrider_plain": "outrider", "vs_llama_cpp": "llama.cpp", "vs_llama_cpp_lookup": "llama.cpp+lookup",
-            "vs_transformers": config.replace("outrider", "transformers", 1)}
+            "vs_llama_bench": "llama-bench", "vs_transformers": config.replace("outrider", "transformers", 1)}
 
 
 PAIRED_COLUMNS = {"vs_outrider_plain": "vs Outrider plain", "vs_llama_cpp": "vs llama.cpp",
-                  "vs_llama_cpp_lookup": "vs llama.cpp+lookup", "vs_transformers": "vs transformers",
-                  "prefill_vs_llama_cpp": "prefill vs llama.cpp"}  # the keys of a cell's "paired"
+                  "vs_llama_cpp_lookup": "vs llama.cpp+lookup", "vs_llama_bench": "vs llama-bench",
+                  "vs_transformers": "vs transformers", "prefill_vs_llama_cpp": "prefill vs llama.cpp",
+                  "prefill_vs_llama_bench": "prefill vs llama-bench"}  # the keys of a cell's "paired"
 
 
 def add_ratios(cells: list[dict]) -> None:
@@ -124,3 +125,6 @@ def add_ratios(cells: list[dict]) -> None:
             c["paired"][name] = paired_ratio(c["runs"], peer["runs"]) if peer and peer is not c else None
         c["paired"]["prefill_vs_llama_cpp"] = (paired_ratio(c["runs"], base["runs"], "prefill_tokens_per_s")
                                                if base else None)
+        bench = by.get((*where(c), "llama-bench"))
+        c["paired"]["prefill_vs_llama_bench"] = (paired_ratio(c["runs"], bench["runs"], "prefill_tokens_per_s")
+                                                 if bench else None)

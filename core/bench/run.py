@@ -65,6 +65,7 @@ class BenchSettings:
     draft_max: int | str = "auto"
     bandwidth: bool = True
     cost_curve: bool = False
+    llama_bench: str = ""  # llama.cpp's llama-bench binary ("" = $LLAMA_BENCH, else the engine is skipped)
 
     def check(self) -> None:
         if self.tokens < 2:
@@ -116,7 +117,8 @@ def run_bench(settings: BenchSettings, echo: Callable[[str], None] = print) -> d
             note(f"{model}: no chat template; the prompts are fed as raw text")
 
         engines = []
-        for engine in make_engines(settings.engines, settings.drafters, path, threads, settings.draft_max):
+        for engine in make_engines(settings.engines, settings.drafters, path, threads, settings.draft_max,
+                                   settings.llama_bench or None):
             try:
                 engine.load()
                 engines.append(engine)
