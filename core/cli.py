@@ -252,6 +252,8 @@ def _split(values: tuple[str, ...]) -> list[str]:
 @click.option("--bandwidth/--no-bandwidth", default=True, show_default=True,
               help="Measure DRAM read bandwidth and print the bound it puts on decode speed.")
 @click.option("--cost-curve", is_flag=True, help="Also print Outrider's k-token forward cost curve.")
+@click.option("-o", "--option", "options", type=(str, str), multiple=True, metavar="KEY VALUE",
+              help="Plugin option for every Outrider configuration, e.g. `-o backend.activations float32`.")
 @click.option("--llama-bench", "llama_bench", default="", envvar="LLAMA_BENCH", type=click.Path(dir_okay=False),
               help="llama.cpp's llama-bench binary, run as the engine llama-bench beside llama-cpp-python "
                    "[$LLAMA_BENCH; skipped without one].")
@@ -261,7 +263,7 @@ def _split(values: tuple[str, ...]) -> list[str]:
               help="Where to draw the PNG chart ('' for none).")
 @friendly_errors
 def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafters, draft_max, seed, chat,
-          bandwidth, cost_curve, llama_bench, json_out, chart):
+          bandwidth, cost_curve, options, llama_bench, json_out, chart):
     """Outrider plain and with each drafter beside llama.cpp and transformers (plain and prompt lookup), on
     the same files, threads and prompt tokens; prints a markdown table, writes JSON and a PNG chart.
     Peers are optional (`pip install 'outrider[bench]'`, llama-cpp-python built by scripts/install-peers)."""
@@ -281,7 +283,7 @@ def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafter
         prompts=_split(prompts) or list(harness.PROMPTS), samplings=samplings,
         engines=_split(engines) or list(harness.ENGINES), drafters=_split(drafters) or list(harness.DRAFTERS),
         chat=chat, seed=seed, draft_max=draft_length, bandwidth=bandwidth, cost_curve=cost_curve,
-        llama_bench=llama_bench)
+        options=list(options), llama_bench=llama_bench)
     settings.check()
     # rebuilt from the parsed settings, so the committed table says exactly what produced it
     command = shlex.join([
@@ -290,7 +292,8 @@ def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafter
         "--temperatures", ",".join(str(s) for s in samplings), "--engines", ",".join(settings.engines),
         "--drafters", ",".join(settings.drafters), "--draft-max", str(draft_length), "--seed", str(seed),
         "--chat" if chat else "--no-chat", *([] if bandwidth else ["--no-bandwidth"]),
-        *(["--cost-curve"] if cost_curve else []), *(["--llama-bench", llama_bench] if llama_bench else []),
+        *(["--cost-curve"] if cost_curve else []), *[part for pair in options for part in ("-o", *pair)],
+        *(["--llama-bench", llama_bench] if llama_bench else []),
         "--json-out", json_out, "--chart", chart])
     click.echo(f"`{command}`\n")
     report = harness.run_bench(settings, echo=lambda line: click.echo(line, err=True))

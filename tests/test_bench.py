@@ -309,12 +309,22 @@ def test_cli_bench_puts_llama_bench_beside_outrider(tiny, short_prompts, tmp_pat
     result = CliRunner().invoke(main, ["bench", "--models", str(tiny), "--tokens", "3", "--runs", "1",
                                        "--prompts", "story", "--temperatures", "0", "--drafters", "none",
                                        "--engines", "outrider,llama-bench", "--llama-bench", str(path),
+                                       "-o", "backend.weights", "dense",
                                        "--no-bandwidth", "--json-out", str(out), "--chart", ""])
     assert result.exit_code == 0, result.output
-    assert f"--llama-bench {path}" in result.output.splitlines()[0]
+    assert f"-o backend.weights dense --llama-bench {path}" in result.output.splitlines()[0]
     cells = json.loads(out.read_text())["models"][str(tiny)]["cells"]
     assert [c["config"] for c in cells] == ["outrider", "llama-bench"]
     assert cells[1]["median"]["decode_tokens_per_s"] == pytest.approx(50.0)
     ours = cells[0]["runs"][0]["decode_tokens_per_s"]
     assert cells[0]["paired"]["vs_llama_bench"] == pytest.approx(ours / 50.0)
     assert "| vs llama-bench |" in result.output
+
+
+def test_cli_bench_options_reach_every_outrider_configuration(tiny, short_prompts, tmp_path):
+    result = CliRunner().invoke(main, ["bench", "--models", str(tiny), "--tokens", "3", "--runs", "1",
+                                       "--prompts", "story", "--temperatures", "0", "--drafters", "none,lookup",
+                                       "--engines", "outrider", "-o", "backend.weights", "sparse",
+                                       "--no-bandwidth", "--json-out", str(tmp_path / "b.json"), "--chart", ""])
+    for config in ("outrider", "outrider+lookup"):
+        assert f"{config} skipped: ConfigError: unknown weights mode 'sparse'" in result.output, result.output

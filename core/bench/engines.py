@@ -48,9 +48,10 @@ class Engine:
 class OutriderEngine(Engine):
     engine = "outrider"
 
-    def __init__(self, model_path: str, threads: int, drafter: str = "none", draft_max: int | str = "auto"):
+    def __init__(self, model_path: str, threads: int, drafter: str = "none", draft_max: int | str = "auto",
+                 options: Iterable[tuple[str, str]] = ()):
         super().__init__(model_path, threads)
-        self.drafter, self.draft_max = drafter, draft_max
+        self.drafter, self.draft_max, self.options = drafter, draft_max, list(options)
         self.label = "outrider" if drafter == "none" else f"outrider+{drafter}"
         if drafter == "draft-model":
             self.label += " (bf16 copy)"
@@ -66,7 +67,7 @@ class OutriderEngine(Engine):
                  "draft_model": self.model_path if "draft-model" in self.drafter.split("+") else ""}
         # no smaller model of either family exists: a bfloat16 copy of the float32 target drafts
         options = [("drafter.dtype", "bfloat16")] if self.drafter == "draft-model" else []
-        self.assembly = assemble(resolve_config(flags, None, {}, options))
+        self.assembly = assemble(resolve_config(flags, None, {}, options + self.options))
 
     def run(self, prompt_ids, n_tokens, temperature, top_p, seed):
         from ..sampling import SamplingParams
@@ -299,11 +300,12 @@ class _TimingStreamer:
 
 
 def make_engines(engines: Iterable[str], drafters: Iterable[str], model_path: str, threads: int,
-                 draft_max: int | str = "auto", llama_bench: str | None = None) -> list[Engine]:
+                 draft_max: int | str = "auto", llama_bench: str | None = None,
+                 options: Iterable[tuple[str, str]] = ()) -> list[Engine]:
     made: list[Engine] = []
     for engine in engines:
         if engine == "outrider":
-            made += [OutriderEngine(model_path, threads, d, draft_max) for d in drafters]
+            made += [OutriderEngine(model_path, threads, d, draft_max, options) for d in drafters]
         elif engine == "llama.cpp":
             made += [LlamaCppEngine(model_path, threads, lookup) for lookup in (False, True)]
         elif engine == "llama-bench":

@@ -65,6 +65,7 @@ class BenchSettings:
     draft_max: int | str = "auto"
     bandwidth: bool = True
     cost_curve: bool = False
+    options: list[tuple[str, str]] = field(default_factory=list)  # -o KEY VALUE for every Outrider configuration
     llama_bench: str = ""  # llama.cpp's llama-bench binary ("" = $LLAMA_BENCH, else the engine is skipped)
 
     def check(self) -> None:
@@ -118,7 +119,7 @@ def run_bench(settings: BenchSettings, echo: Callable[[str], None] = print) -> d
 
         engines = []
         for engine in make_engines(settings.engines, settings.drafters, path, threads, settings.draft_max,
-                                   settings.llama_bench or None):
+                                   settings.llama_bench or None, settings.options):
             try:
                 engine.load()
                 engines.append(engine)
