@@ -631,21 +631,38 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
   const __m256i ones16 = _mm256_set1_epi16(1);
   const int8_t* xcodes = xq.q.data() + r0 * k;
   const float* xd = xq.d.data() + r0 * groups;
+  // s_g * d_g per x row, for one weight row at a time: eight groups per multiply here, not one per group
+  // in the loop below (the same product either way)
+  std::vector<float> products(W::SCALES == 1 ? R * groups : 0);
   for (int64_t n = n0; n < n1; ++n) {
     const float* s = scales + n * groups * W::SCALES;
+    if constexpr (W::SCALES == 1) {
+      for (int r = 0; r < R; ++r) {
+        float* out = products.data() + r * groups;
+        const float* d = xd + r * groups;
+        int64_t g = 0;
+        for (; g + 8 <= groups; g += 8)
+          _mm256_storeu_ps(out + g, _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(d + g)));
+        for (; g < groups; ++g) out[g] = s[g] * d[g];
+      }
+    }
     __m256 acc[2][R];
     for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     auto step = [&](int64_t g, __m256* chain) __attribute__((always_inline)) {
       const __m256i wc = w.group(n, g);
       const __m256i wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
-      __m256 sw;  // the weight scales of the group's lanes (lanes 0-3: the first 16 weights, 4-7: the rest)
-      if constexpr (W::SCALES == 1) sw = _mm256_set1_ps(s[g]);
-      else sw = _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
       for (int r = 0; r < R; ++r) {
         __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xcodes + r * k + g * 32));
         if (W::SIGNED) qx = _mm256_sign_epi8(qx, wc);
         const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, qx), ones16));
-        chain[r] = _mm256_fmadd_ps(_mm256_mul_ps(sw, _mm256_set1_ps(xd[r * groups + g])), dot, chain[r]);
+        __m256 scale;  // per lane: lanes 0-3 hold the group's first 16 weights, 4-7 the rest
+        if constexpr (W::SCALES == 1) {
+          scale = _mm256_set1_ps(products[r * groups + g]);
+        } else {
+          const __m256 sw = _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
+          scale = _mm256_mul_ps(sw, _mm256_set1_ps(xd[r * groups + g]));
+        }
+        chain[r] = _mm256_fmadd_ps(scale, dot, chain[r]);
       }
     };
     int64_t g = 0;
