@@ -574,6 +574,7 @@ struct IntQ4 {
   static constexpr bool SIGNED = false;
   const uint8_t* codes;
   int64_t groups;
+  inline const void* row(int64_t n, int64_t& bytes) const { bytes = groups * 16; return codes + n * bytes; }
   inline __m256i group(int64_t n, int64_t g) const {
     __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (n * groups + g) * 16));
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
@@ -585,6 +586,7 @@ struct IntQ5 {
   static constexpr bool SIGNED = false;
   const uint8_t* codes;
   int64_t groups;
+  inline const void* row(int64_t n, int64_t& bytes) const { bytes = groups * 20; return codes + n * bytes; }
   inline __m256i group(int64_t n, int64_t g) const {
     const uint8_t* p = codes + (n * groups + g) * 20;
     __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -606,6 +608,7 @@ struct IntQ8 {
   static constexpr bool SIGNED = true;
   const int8_t* codes;
   int64_t k;
+  inline const void* row(int64_t n, int64_t& bytes) const { bytes = k; return codes + n * k; }
   inline __m256i group(int64_t n, int64_t g) const {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + n * k + g * 32));
   }
@@ -620,6 +623,8 @@ static inline float dot_f32(const float* a, const float* b, int64_t n) {
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
+
+constexpr int64_t INT8_PREFETCH_ROWS = 4;
 
 // R rows of x against weight rows n0..n1. Per (weight row, x row): even and odd groups in two chains of
 // multiply-adds (the chain's latency, not the arithmetic, bounds a one-row pass), then the zeros' term
@@ -636,6 +641,12 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
   std::vector<float> products(W::SCALES == 1 ? R * groups : 0);
   for (int64_t n = n0; n < n1; ++n) {
     const float* s = scales + n * groups * W::SCALES;
+    if (n + INT8_PREFETCH_ROWS < n1) {  // weight rows stream from memory once per token: ask ahead
+      int64_t bytes;
+      const char* ahead = static_cast<const char*>(w.row(n + INT8_PREFETCH_ROWS, bytes));
+      for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(ahead + i);
+      __builtin_prefetch(s + INT8_PREFETCH_ROWS * groups * W::SCALES);
+    }
     if constexpr (W::SCALES == 1) {
       for (int r = 0; r < R; ++r) {
         float* out = products.data() + r * groups;
