@@ -629,6 +629,7 @@ constexpr int64_t INT8_PREFETCH_ROWS = 4;
 // R rows of x against weight rows n0..n1. Per (weight row, x row): even and odd groups in two chains of
 // multiply-adds (the chain's latency, not the arithmetic, bounds a one-row pass), then the zeros' term
 // as one dot product of the row's zeros with x's block sums. The same steps for every R.
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__))
 template <class W, int R>
 static void int8_tile(const W& w, const float* scales, const float* zeros, const QuantizedRows& xq, int64_t r0,
                       float* y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -694,7 +695,125 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
   }
 }
 
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+// AVX512-VNNI: two groups (64 weights) per register, and `dpbusd` in place of maddubs + madd; the scale
+// products are picked per lane from the row's table. Otherwise the same steps as int8_tile, in the same
+// order for every tile size; a last odd group takes the 256-bit form.
+constexpr bool INT8_VNNI512 = true;
+
+static inline __m512i pair_codes(const IntQ4& w, int64_t n, int64_t g) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + (n * w.groups + g) * 16));
+  __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+  both = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));  // g low, g high, g+1 low, g+1 high
+  return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+}
+
+static inline __m512i pair_codes(const IntQ5& w, int64_t n, int64_t g) {
+  const uint8_t* p = w.codes + (n * w.groups + g) * 20;
+  const __m256i raw = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 20)),
+                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+  both = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(0x0F));
+  uint32_t first, second;
+  std::memcpy(&first, p + 16, 4);
+  std::memcpy(&second, p + 36, 4);
+  const __mmask64 top = static_cast<uint64_t>(first) | (static_cast<uint64_t>(second) << 32);  // bit j: code j's bit 4
+  return _mm512_or_si512(both, _mm512_maskz_mov_epi8(top, _mm512_set1_epi8(0x10)));
+}
+
+template <int G>
+static inline __m512i pair_codes(const IntQ8<G>& w, int64_t n, int64_t g) {
+  return _mm512_loadu_si512(w.codes + n * w.k + g * 32);
+}
+
+template <class W, int R>
+static void int8_tile(const W& w, const float* scales, const float* zeros, const QuantizedRows& xq, int64_t r0,
+                      float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int S = W::SCALES;
+  const int64_t groups = xq.groups, k = xq.k, count = groups * S;
+  const int8_t* xcodes = xq.q.data() + r0 * k;
+  const float* xd = xq.d.data() + r0 * groups;
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  // which product each lane takes: per group (8 lanes each) or per 16 weights (4 lanes each)
+  const __m512i lane_product = S == 1 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                                      : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m256i pairs_of = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  std::vector<float> products(R * count + 8);
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* s = scales + n * count;
+    if (n + INT8_PREFETCH_ROWS < n1) {
+      int64_t bytes;
+      const char* ahead = static_cast<const char*>(w.row(n + INT8_PREFETCH_ROWS, bytes));
+      for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(ahead + i);
+      __builtin_prefetch(s + INT8_PREFETCH_ROWS * count);
+    }
+    for (int r = 0; r < R; ++r) {  // s_j * d of j's group, per x row
+      float* out = products.data() + r * count;
+      const float* d = xd + r * groups;
+      int64_t j = 0;
+      if constexpr (S == 1) {
+        for (; j + 8 <= count; j += 8)
+          _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(d + j)));
+      } else {
+        for (; j + 8 <= count; j += 8) {
+          const __m256 dd = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(d + j / 2)), pairs_of);
+          _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), dd));
+        }
+      }
+      for (; j < count; ++j) out[j] = s[j] * d[j / S];
+    }
+    __m512 acc[2][R];
+    for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    auto pair = [&](int64_t g, __m512* chain) __attribute__((always_inline)) {
+      const __m512i wc = pair_codes(w, n, g);
+      const __m512i wu = W::SIGNED ? _mm512_abs_epi8(wc) : wc;
+      const __mmask64 negative = W::SIGNED ? _mm512_movepi8_mask(wc) : 0;
+      for (int r = 0; r < R; ++r) {
+        __m512i qx = _mm512_loadu_si512(xcodes + r * k + g * 32);
+        if (W::SIGNED) qx = _mm512_mask_sub_epi8(qx, negative, _mm512_setzero_si512(), qx);
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, qx));
+        const float* p = products.data() + r * count + g * S;
+        const __m128 four = S == 1 ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))) : _mm_loadu_ps(p);
+        chain[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(lane_product, _mm512_castps128_ps512(four)), dot, chain[r]);
+      }
+    };
+    int64_t g = 0;
+    for (; g + 4 <= groups; g += 4) {
+      pair(g, acc[0]);
+      pair(g + 2, acc[1]);
+    }
+    if (g + 2 <= groups) pair(g, acc[0]), g += 2;
+    float last[R] = {};
+    if (g < groups) {  // an odd last group
+      const __m256i wc = w.group(n, g);
+      const __m256i wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
+      for (int r = 0; r < R; ++r) {
+        __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xcodes + r * k + g * 32));
+        if (W::SIGNED) qx = _mm256_sign_epi8(qx, wc);
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, qx), ones16));
+        const float* p = products.data() + r * count + g * S;
+        const __m256 scale = S == 1 ? _mm256_set1_ps(p[0]) : _mm256_set_m128(_mm_set1_ps(p[1]), _mm_set1_ps(p[0]));
+        last[r] = hsum8(_mm256_mul_ps(scale, dot));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float out = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r])) + last[r];
+      if (zeros) {
+        const float* sums = S == 1 ? xq.sum32.data() + (r0 + r) * groups : xq.sum16.data() + (r0 + r) * 2 * groups;
+        out += dot_f32(zeros + n * count, sums, count);
+      }
+      y[r * ldy + n] = out;
+    }
+  }
+}
+
+constexpr int INT8_MAX_TILE = 8;  // 2 x 8 zmm accumulators of 32
+#else
+constexpr bool INT8_VNNI512 = false;
 constexpr int INT8_MAX_TILE = 4;  // rows of x per pass over a weight row: 4 accumulators and 4 x loads in 16 ymm
+#endif
 
 template <class W>
 static void int8_matmul(const W& w, const float* scales, const float* zeros, const QuantizedRows& xq, float* y,
@@ -705,6 +824,10 @@ static void int8_matmul(const W& w, const float* scales, const float* zeros, con
     for (; r + INT8_MAX_TILE <= rows; r += INT8_MAX_TILE)
       int8_tile<W, INT8_MAX_TILE>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1);
     switch (rows - r) {
+      case 7: if constexpr (INT8_MAX_TILE > 7) { int8_tile<W, 7>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); } break;
+      case 6: if constexpr (INT8_MAX_TILE > 6) { int8_tile<W, 6>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); } break;
+      case 5: if constexpr (INT8_MAX_TILE > 5) { int8_tile<W, 5>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); } break;
+      case 4: if constexpr (INT8_MAX_TILE > 4) { int8_tile<W, 4>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); } break;
       case 3: int8_tile<W, 3>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); break;
       case 2: int8_tile<W, 2>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); break;
       case 1: int8_tile<W, 1>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); break;
@@ -730,7 +853,7 @@ static bool run_int8_matmul(int64_t kind, const torch::Tensor& codes, const torc
   return true;
 }
 #else
-constexpr bool HAS_INT8_KERNELS = false;
+constexpr bool HAS_INT8_KERNELS = false, INT8_VNNI512 = false;
 static bool run_int8_matmul(int64_t, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, int64_t,
                             const float*, int64_t, int64_t, float*, int64_t) { return false; }
 #endif
@@ -1337,6 +1460,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // int8 activations: whether this build has the kernels, and whether they are this CPU's faster choice
   // (AVX2 without AVX-512, where the float kernels lack a table lookup and half the width).
   m.attr("HAS_INT8_KERNELS") = py::bool_(HAS_INT8_KERNELS);
+  m.attr("INT8_KERNELS") = py::str(!HAS_INT8_KERNELS ? "none" : INT8_VNNI512 ? "avx512-vnni" : "avx2");
   m.attr("PREFERS_INT8") = py::bool_(PREFERS_INT8);
   m.def("set_int8_activations", &set_int8_activations, "quantized weights meet int8 (true) or float32 activations");
   m.def("int8_activations", [] { return int8_activations; });
