@@ -569,28 +569,32 @@ static void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedRows
 
 // Each format gives a group's 32 codes as bytes for `maddubs` (unsigned), and the x codes to meet them
 // (signed; for signed weight codes, x takes their sign: |w| * (x * sign w) = w * x).
-struct IntQ4 {
+
+// 16 bytes of packed nibbles (byte j: code j low, code j + 16 high) as 32 code bytes in order
+static inline __m256i unpack_nibbles(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+// unsigned codes packed in BYTES per group of 32, one scale per group
+template <int BYTES>
+struct PackedGroups {
   static constexpr int SCALES = 1;
   static constexpr bool SIGNED = false;
   const uint8_t* codes;
   int64_t groups;
-  inline const void* row(int64_t n, int64_t& bytes) const { bytes = groups * 16; return codes + n * bytes; }
-  inline __m256i group(int64_t n, int64_t g) const {
-    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (n * groups + g) * 16));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
-  }
+  inline const void* row(int64_t n, int64_t& bytes) const { bytes = groups * BYTES; return codes + n * bytes; }
+  inline const uint8_t* at(int64_t n, int64_t g) const { return codes + (n * groups + g) * BYTES; }
 };
 
-struct IntQ5 {
-  static constexpr int SCALES = 1;
-  static constexpr bool SIGNED = false;
-  const uint8_t* codes;
-  int64_t groups;
-  inline const void* row(int64_t n, int64_t& bytes) const { bytes = groups * 20; return codes + n * bytes; }
+struct IntQ4 : PackedGroups<16> {
+  inline __m256i group(int64_t n, int64_t g) const { return unpack_nibbles(at(n, g)); }
+};
+
+struct IntQ5 : PackedGroups<20> {
   inline __m256i group(int64_t n, int64_t g) const {
-    const uint8_t* p = codes + (n * groups + g) * 20;
-    __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    __m256i low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+    const uint8_t* p = at(n, g);
+    const __m256i low = unpack_nibbles(p);
     uint32_t word;
     std::memcpy(&word, p + 16, 4);
     // byte j takes byte j / 8 of the word, then keeps bit j % 8 of it as 0x10
@@ -626,6 +630,14 @@ static inline float dot_f32(const float* a, const float* b, int64_t n) {
 
 constexpr int64_t INT8_PREFETCH_ROWS = 4;
 
+// A group's codes wc (wu: as maddubs takes them) against 32 codes of x: 8 int32 sums of 4 products, as float
+template <bool SIGNED>
+static inline __m256 group_dot(__m256i wc, __m256i wu, const int8_t* x) {
+  __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  if (SIGNED) qx = _mm256_sign_epi8(qx, wc);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, qx), _mm256_set1_epi16(1)));
+}
+
 // R rows of x against weight rows n0..n1. Per (weight row, x row): even and odd groups in two chains of
 // multiply-adds (the chain's latency, not the arithmetic, bounds a one-row pass), then the zeros' term
 // as one dot product of the row's zeros with x's block sums. The same steps for every R.
@@ -634,7 +646,6 @@ template <class W, int R>
 static void int8_tile(const W& w, const float* scales, const float* zeros, const QuantizedRows& xq, int64_t r0,
                       float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t groups = xq.groups, k = xq.k;
-  const __m256i ones16 = _mm256_set1_epi16(1);
   const int8_t* xcodes = xq.q.data() + r0 * k;
   const float* xd = xq.d.data() + r0 * groups;
   // s_g * d_g per x row, for one weight row at a time: eight groups per multiply here, not one per group
@@ -661,12 +672,9 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
     __m256 acc[2][R];
     for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     auto step = [&](int64_t g, __m256* chain) __attribute__((always_inline)) {
-      const __m256i wc = w.group(n, g);
-      const __m256i wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
+      const __m256i wc = w.group(n, g), wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
       for (int r = 0; r < R; ++r) {
-        __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xcodes + r * k + g * 32));
-        if (W::SIGNED) qx = _mm256_sign_epi8(qx, wc);
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, qx), ones16));
+        const __m256 dot = group_dot<W::SIGNED>(wc, wu, xcodes + r * k + g * 32);
         __m256 scale;  // per lane: lanes 0-3 hold the group's first 16 weights, 4-7 the rest
         if constexpr (W::SCALES == 1) {
           scale = _mm256_set1_ps(products[r * groups + g]);
@@ -703,19 +711,21 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
 // order for every tile size; a last odd group takes the 256-bit form.
 constexpr bool INT8_VNNI512 = true;
 
-static inline __m512i pair_codes(const IntQ4& w, int64_t n, int64_t g) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.codes + (n * w.groups + g) * 16));
+// two groups' packed nibbles (16 bytes each) as 64 code bytes in order
+static inline __m512i unpack_nibble_pair(__m256i raw) {
   __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
   both = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));  // g low, g high, g+1 low, g+1 high
   return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
 }
 
+static inline __m512i pair_codes(const IntQ4& w, int64_t n, int64_t g) {
+  return unpack_nibble_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.at(n, g))));
+}
+
 static inline __m512i pair_codes(const IntQ5& w, int64_t n, int64_t g) {
-  const uint8_t* p = w.codes + (n * w.groups + g) * 20;
-  const __m256i raw = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 20)),
-                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
-  both = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0)), _mm512_set1_epi8(0x0F));
+  const uint8_t* p = w.at(n, g);
+  const __m512i both = unpack_nibble_pair(_mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 20)),
+                                                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   uint32_t first, second;
   std::memcpy(&first, p + 16, 4);
   std::memcpy(&second, p + 36, 4);
@@ -735,7 +745,6 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
   const int64_t groups = xq.groups, k = xq.k, count = groups * S;
   const int8_t* xcodes = xq.q.data() + r0 * k;
   const float* xd = xq.d.data() + r0 * groups;
-  const __m256i ones16 = _mm256_set1_epi16(1);
   // which product each lane takes: per group (8 lanes each) or per 16 weights (4 lanes each)
   const __m512i lane_product = S == 1 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
                                       : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -787,12 +796,9 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
     if (g + 2 <= groups) pair(g, acc[0]), g += 2;
     float last[R] = {};
     if (g < groups) {  // an odd last group
-      const __m256i wc = w.group(n, g);
-      const __m256i wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
+      const __m256i wc = w.group(n, g), wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
       for (int r = 0; r < R; ++r) {
-        __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xcodes + r * k + g * 32));
-        if (W::SIGNED) qx = _mm256_sign_epi8(qx, wc);
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, qx), ones16));
+        const __m256 dot = group_dot<W::SIGNED>(wc, wu, xcodes + r * k + g * 32);
         const float* p = products.data() + r * count + g * S;
         const __m256 scale = S == 1 ? _mm256_set1_ps(p[0]) : _mm256_set_m128(_mm_set1_ps(p[1]), _mm_set1_ps(p[0]));
         last[r] = hsum8(_mm256_mul_ps(scale, dot));
@@ -845,8 +851,8 @@ static bool run_int8_matmul(int64_t kind, const torch::Tensor& codes, const torc
   quantize_rows(x, rows, k, xq);
   const float* s = held(scales);
   const float* z = held(zeros);
-  if (kind == KIND_Q4) int8_matmul(IntQ4{codes.data_ptr<uint8_t>(), k / 32}, s, z, xq, y, n_out);
-  else if (kind == KIND_Q5) int8_matmul(IntQ5{codes.data_ptr<uint8_t>(), k / 32}, s, z, xq, y, n_out);
+  if (kind == KIND_Q4) int8_matmul(IntQ4{{codes.data_ptr<uint8_t>(), k / 32}}, s, z, xq, y, n_out);
+  else if (kind == KIND_Q5) int8_matmul(IntQ5{{codes.data_ptr<uint8_t>(), k / 32}}, s, z, xq, y, n_out);
   else if (kind == KIND_Q8 && group == 32) int8_matmul(IntQ8<32>{codes.data_ptr<int8_t>(), k}, s, z, xq, y, n_out);
   else if (kind == KIND_Q8 && group == 16) int8_matmul(IntQ8<16>{codes.data_ptr<int8_t>(), k}, s, z, xq, y, n_out);
   else TORCH_CHECK(false, "int8 activations: unknown weight kind ", kind, " with group ", group);
