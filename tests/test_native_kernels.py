@@ -456,6 +456,26 @@ def test_int8_activations_match_float64_within_the_quantization_bound(int8_kerne
             assert (got - exact).abs().max() > 1e-4 * exact.abs().max()  # int8 did run: not float32's error
 
 
+@pytest.mark.parametrize("names", FUSED, ids=["+".join(n[2:] for n in names) for names in FUSED])
+def test_int8_activations_on_fused_tensors_of_different_types(int8_kernels, weights, names):
+    """The held forms only fused tensors take (int8 codes with zeros, per 32 and per 16): against float64
+    of the gguf references with x quantized by the rule, odd group counts included (96 columns: 3 groups)."""
+    g, reference = weights
+    gen = torch.Generator().manual_seed(len(names) + 50)
+    w = torch.cat([reference[name] for name in names])
+    lin = _packed(g, names)
+    # a float part makes the whole tensor float32, which keeps float activations
+    seen = (lambda x: x.double()) if any("F16" in name for name in names) else _as_the_int8_kernels_see_it
+    for t in (1, 5, 9):
+        x = torch.randn(t, COLS, generator=gen)
+        _assert_matmul_close(lin(x), seen(x) @ w.T)
+    small = [f"v.{name[2:]}" for name in names]
+    if all(name in reference for name in small):
+        w, lin = torch.cat([reference[name] for name in small]), _packed(g, small)
+        x = torch.randn(7, SMALL_COLS, generator=gen)
+        _assert_matmul_close(lin(x), seen(x) @ w.T)
+
+
 @pytest.mark.torch_threads(2)
 @pytest.mark.parametrize("name", ["w.Q4_0", "w.Q5_K", "w.Q8_0", "w.Q6_K"])
 def test_int8_rows_do_not_depend_on_the_thread_count(int8_kernels, weights, name):
