@@ -491,6 +491,19 @@ def test_int8_rows_do_not_depend_on_the_thread_count(int8_kernels, weights, name
     assert torch.equal(lin(x[:8]), two[:8])
 
 
+def test_int8_activations_carry_a_nan_to_its_row_only(int8_kernels, weights):
+    """A NaN among the activations makes its own row's outputs NaN, as float32 arithmetic would (the
+    block's maximum alone would drop it), and leaves the other rows exactly as they were."""
+    g, _ = weights
+    lin = _packed(g, ["w.Q4_0"])
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(4))
+    clean = lin(x)
+    x[1, 40] = float("nan")
+    got = lin(x)
+    assert torch.isnan(got[1]).all()
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[2], clean[2])
+
+
 def test_int8_activations_leave_float_weights_in_float32(int8_kernels, weights):
     g, reference = weights
     lin, w = _packed(g, ["w.F32"]), reference["w.F32"]

@@ -21,6 +21,8 @@
 #include <immintrin.h>
 #endif
 
+#include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -506,7 +508,7 @@ static void with_format(int64_t kind, const torch::Tensor& codes, const torch::T
 // combined scale s_g * d_g; the zero of a group adds z_g * d_g * sum(q). A row of x is quantized the same
 // way whatever other rows come with it, and each (weight row, x row) pair runs the same instructions in
 // the same order for every tile size: row independence holds as in the float kernels.
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
 constexpr bool HAS_INT8_KERNELS = true;
 
 // x's rows, quantized per 32-block: codes, the block's scale d, and d * sum(codes) per 32 and per 16 (what
@@ -538,17 +540,19 @@ static void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedRows
   for (int64_t b = 0; b < rows * groups; ++b) {
     const float* xb = x + b * 32;
     __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
+    __m256 amax = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
       v[i] = _mm256_loadu_ps(xb + 8 * i);
       amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const bool nan = _mm256_movemask_ps(unordered) != 0;  // max drops NaNs: a NaN in x must reach y
     const float m = _mm_cvtss_f32(m4);
-    const float d = m / 127.0f;
-    const __m256 inv = _mm256_set1_ps(m > 0.0f ? 127.0f / m : 0.0f);
+    const float d = nan ? NAN : m / 127.0f;
+    const __m256 inv = _mm256_set1_ps(nan || m <= 0.0f ? 0.0f : std::min(127.0f / m, FLT_MAX));
     __m256i i32[4];
     for (int i = 0; i < 4; ++i)
       i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -784,7 +788,7 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
         if (W::SIGNED) qx = _mm512_mask_sub_epi8(qx, negative, _mm512_setzero_si512(), qx);
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, qx));
         const float* p = products.data() + r * count + g * S;
-        const __m128 four = S == 1 ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))) : _mm_loadu_ps(p);
+        const __m128 four = S == 1 ? _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))) : _mm_loadu_ps(p);
         chain[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(lane_product, _mm512_castps128_ps512(four)), dot, chain[r]);
       }
     };
@@ -866,16 +870,16 @@ static bool run_int8_matmul(int64_t, const torch::Tensor&, const torch::Tensor&,
 
 // Whether quantized weights meet int8 activations (above) or float32 ones: one setting per process,
 // chosen by the CPU backend (`-o backend.activations`), read by every linear call.
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 constexpr bool PREFERS_INT8 = true;
 #else
 constexpr bool PREFERS_INT8 = false;
 #endif
-static bool int8_activations = PREFERS_INT8;
+static std::atomic<bool> int8_activations{PREFERS_INT8};
 
 static void set_int8_activations(bool on) {
   TORCH_CHECK(!on || HAS_INT8_KERNELS, "int8 activations need a CPU with AVX2 (this build has no int8 kernels)");
-  int8_activations = on;
+  int8_activations.store(on, std::memory_order_relaxed);
 }
 
 // Prompts: many rows of x. Four weight rows are dequantized once into a float panel (for every row of x,
@@ -989,7 +993,7 @@ static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Te
                        int64_t k, float* y, int64_t n_out, bool prompt) {
   // int8 activations take every row, prompt rows too: a prefill then gives each row the bits a single
   // step would, so replaying a sequence from scratch agrees with decoding it (as float32 nearly does)
-  if (int8_activations && run_int8_matmul(kind, codes, scales, zeros, group, x, rows, k, y, n_out)) return;
+  if (int8_activations.load(std::memory_order_relaxed) && run_int8_matmul(kind, codes, scales, zeros, group, x, rows, k, y, n_out)) return;
   with_format(kind, codes, scales, zeros, group, k, [&](const auto& w) {
 #if defined(__AVX512F__)
     if (prompt && rows >= PROMPT_PANEL_MIN_ROWS) return panel_matmul(w, groups, x, rows, k, y, n_out);
@@ -1144,7 +1148,7 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
   const float* keys = a.kc + g * d * k_len;
   // scores of 64 positions at a time: four chains per head, each a sum over e in order
   int64_t j = begin;
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   // GCC moved the 64-byte vectors of the loop below through the stack on AVX2 (a quarter of a decode
   // step, perf): the same sums, one head at a time, in eight ymm chains
   for (; j + KEY_BLOCK <= end; j += KEY_BLOCK) {
@@ -1203,7 +1207,7 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
     inv[c] = 1.0f / hsum(total);
   }
   const float* values = a.vc + g * a.v_len * d;
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   for (int c = 0; c < Q; ++c) {
     for (int64_t e0 = 0; e0 < d; e0 += 64) {
       const int64_t chunks = std::min<int64_t>(8, (d - e0) / 8);
@@ -1469,5 +1473,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("INT8_KERNELS") = py::str(!HAS_INT8_KERNELS ? "none" : INT8_VNNI512 ? "avx512-vnni" : "avx2");
   m.attr("PREFERS_INT8") = py::bool_(PREFERS_INT8);
   m.def("set_int8_activations", &set_int8_activations, "quantized weights meet int8 (true) or float32 activations");
-  m.def("int8_activations", [] { return int8_activations; });
+  m.def("int8_activations", [] { return int8_activations.load(); });
 }
