@@ -301,7 +301,9 @@ def _transformers_greedy(hf_model, ids, n):
 
 
 def _int8_model(path):
-    kernels = pytest.importorskip("outrider.native").load()
+    from outrider import native
+
+    kernels = native.load()
     if not kernels.HAS_INT8_KERNELS:
         pytest.skip("this build has no int8 kernels (no AVX2)")
     return load_model(GGUFFile(path), weights="compact")

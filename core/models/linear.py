@@ -5,7 +5,8 @@ how a weight is held decides the speed. Two forms:
 
 - `PackedLinear` (`weights = compact`, the CPU backend's default): the integers the GGUF file stores,
   with float32 scales and zeros, w = scale * code + zero, run by Outrider's own kernel
-  (`outrider.native`), which dequantizes in registers and keeps activations in float32. 4-bit types
+  (`outrider.native`), which dequantizes in registers against float32 activations, or meets int8
+  activations in integer dot products (`-o backend.activations`, see `outrider.native.use_activations`). 4-bit types
   (Q4_0, Q4_1, Q4_K) as packed nibbles, 5-bit types (Q5_0, Q5_1, Q5_K) as nibbles plus a word of high
   bits, Q6_K and Q8_0 as int8 codes, one scale (and zero) per 32 weights, per 16 for Q6_K; float tensors
   as float32.

@@ -26,6 +26,8 @@ import tempfile
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
+from ..errors import ConfigError
+
 SOURCE = Path(__file__).with_name("kernels.cpp")
 RETRY_VARIABLE = "OUTRIDER_NATIVE_RETRY"
 
@@ -122,19 +124,23 @@ def load():
 ACTIVATION_MODES = ("auto", "int8", "float32")
 
 
+def check_activations_mode(mode: str) -> None:
+    if mode not in ACTIVATION_MODES:
+        raise ConfigError(f"unknown activations mode '{mode}'; choose one of: {', '.join(ACTIVATION_MODES)}")
+
+
 def use_activations(mode: str) -> bool:
     """Sets how the kernels meet quantized weights, for the whole process: `int8` quantizes each row of
     activations per 32 values first and multiplies in integers (llama.cpp's design: the fast path on AVX2);
     `float32` dequantizes the weights and multiplies in float32 (exact weights and activations); `auto` is
     int8 where this build prefers it (AVX2 without AVX-512) and float32 elsewhere. Returns whether int8 is
-    on. Raises ValueError for an unknown mode or int8 on a build without the int8 kernels."""
-    if mode not in ACTIVATION_MODES:
-        raise ValueError(f"unknown activations mode '{mode}'; choose one of: {', '.join(ACTIVATION_MODES)}")
+    on. Raises ConfigError for an unknown mode or int8 on a build without the int8 kernels."""
+    check_activations_mode(mode)
     kernels = load()
     on = kernels.PREFERS_INT8 if mode == "auto" else mode == "int8"
     if on and not kernels.HAS_INT8_KERNELS:
-        raise ValueError("activations=int8 needs a CPU with AVX2 (these kernels were built without it); "
-                         "use activations=float32")
+        raise ConfigError("activations=int8 needs a CPU with AVX2 and FMA (these kernels were built without "
+                          "them); use -o backend.activations float32")
     kernels.set_int8_activations(on)
     return on
 

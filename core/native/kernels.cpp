@@ -634,6 +634,10 @@ static inline float dot_f32(const float* a, const float* b, int64_t n) {
 
 constexpr int64_t INT8_PREFETCH_ROWS = 4;
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define INT8_VNNI512 1  // the int8 tiles below take the AVX512-VNNI form
+#endif
+
 // A group's codes wc (wu: as maddubs takes them) against 32 codes of x: 8 int32 sums of 4 products, as float
 template <bool SIGNED>
 static inline __m256 group_dot(__m256i wc, __m256i wu, const int8_t* x) {
@@ -642,51 +646,71 @@ static inline __m256 group_dot(__m256i wc, __m256i wu, const int8_t* x) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, qx), _mm256_set1_epi16(1)));
 }
 
+// Weight rows stream from memory once per token: ask for the one INT8_PREFETCH_ROWS ahead of row n.
+template <class W>
+static inline void prefetch_ahead(const W& w, const float* scales, int64_t n, int64_t n1, int64_t count) {
+  if (n + INT8_PREFETCH_ROWS >= n1) return;
+  int64_t bytes;
+  const char* ahead = static_cast<const char*>(w.row(n + INT8_PREFETCH_ROWS, bytes));
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(ahead + i);
+  __builtin_prefetch(scales + (n + INT8_PREFETCH_ROWS) * count);
+}
+
+// products[r * count + j] = s[j] * d of j's group in x row r, for one weight row's S scales per group:
+// eight per multiply, once per weight row, not one per group and row in the tile's loop (same products)
+template <int S>
+static inline void scale_products(const float* s, const float* xd, int64_t groups, int rows, float* products) {
+  const int64_t count = groups * S;
+  const __m256i pairs_of = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+  for (int r = 0; r < rows; ++r) {
+    float* out = products + r * count;
+    const float* d = xd + r * groups;
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8) {
+      const __m256 dj = S == 1 ? _mm256_loadu_ps(d + j)
+                               : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(d + j / 2)), pairs_of);
+      _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), dj));
+    }
+    for (; j < count; ++j) out[j] = s[j] * d[j / S];
+  }
+}
+
+// a group's products spread over group_dot's lanes (0-3: the first 16 weights, 4-7: the rest)
+template <int S>
+static inline __m256 group_scale(const float* p) {
+  return S == 1 ? _mm256_set1_ps(p[0]) : _mm256_set_m128(_mm_set1_ps(p[1]), _mm_set1_ps(p[0]));
+}
+
+// what the zeros add to output (weight row n, x row `row`): the row's zeros against x's block sums
+template <int S>
+static inline float zeros_term(const float* zeros, const QuantizedRows& xq, int64_t row, int64_t n) {
+  if (!zeros) return 0.0f;
+  const int64_t count = xq.groups * S;
+  const float* sums = S == 1 ? xq.sum32.data() + row * xq.groups : xq.sum16.data() + row * 2 * xq.groups;
+  return dot_f32(zeros + n * count, sums, count);
+}
+
 // R rows of x against weight rows n0..n1. Per (weight row, x row): even and odd groups in two chains of
 // multiply-adds (the chain's latency, not the arithmetic, bounds a one-row pass), then the zeros' term
 // as one dot product of the row's zeros with x's block sums. The same steps for every R.
-#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__))
+#if !defined(INT8_VNNI512)
 template <class W, int R>
 static void int8_tile(const W& w, const float* scales, const float* zeros, const QuantizedRows& xq, int64_t r0,
                       float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t groups = xq.groups, k = xq.k;
+  constexpr int S = W::SCALES;
+  const int64_t groups = xq.groups, k = xq.k, count = groups * S;
   const int8_t* xcodes = xq.q.data() + r0 * k;
-  const float* xd = xq.d.data() + r0 * groups;
-  // s_g * d_g per x row, for one weight row at a time: eight groups per multiply here, not one per group
-  // in the loop below (the same product either way)
-  std::vector<float> products(W::SCALES == 1 ? R * groups : 0);
+  std::vector<float> products(R * count);
   for (int64_t n = n0; n < n1; ++n) {
-    const float* s = scales + n * groups * W::SCALES;
-    if (n + INT8_PREFETCH_ROWS < n1) {  // weight rows stream from memory once per token: ask ahead
-      int64_t bytes;
-      const char* ahead = static_cast<const char*>(w.row(n + INT8_PREFETCH_ROWS, bytes));
-      for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(ahead + i);
-      __builtin_prefetch(s + INT8_PREFETCH_ROWS * groups * W::SCALES);
-    }
-    if constexpr (W::SCALES == 1) {
-      for (int r = 0; r < R; ++r) {
-        float* out = products.data() + r * groups;
-        const float* d = xd + r * groups;
-        int64_t g = 0;
-        for (; g + 8 <= groups; g += 8)
-          _mm256_storeu_ps(out + g, _mm256_mul_ps(_mm256_loadu_ps(s + g), _mm256_loadu_ps(d + g)));
-        for (; g < groups; ++g) out[g] = s[g] * d[g];
-      }
-    }
+    prefetch_ahead(w, scales, n, n1, count);
+    scale_products<S>(scales + n * count, xq.d.data() + r0 * groups, groups, R, products.data());
     __m256 acc[2][R];
     for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     auto step = [&](int64_t g, __m256* chain) __attribute__((always_inline)) {
       const __m256i wc = w.group(n, g), wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
       for (int r = 0; r < R; ++r) {
         const __m256 dot = group_dot<W::SIGNED>(wc, wu, xcodes + r * k + g * 32);
-        __m256 scale;  // per lane: lanes 0-3 hold the group's first 16 weights, 4-7 the rest
-        if constexpr (W::SCALES == 1) {
-          scale = _mm256_set1_ps(products[r * groups + g]);
-        } else {
-          const __m256 sw = _mm256_set_m128(_mm_set1_ps(s[2 * g + 1]), _mm_set1_ps(s[2 * g]));
-          scale = _mm256_mul_ps(sw, _mm256_set1_ps(xd[r * groups + g]));
-        }
-        chain[r] = _mm256_fmadd_ps(scale, dot, chain[r]);
+        chain[r] = _mm256_fmadd_ps(group_scale<S>(products.data() + r * count + g * S), dot, chain[r]);
       }
     };
     int64_t g = 0;
@@ -695,25 +719,17 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
       step(g + 1, acc[1]);
     }
     if (g < groups) step(g, acc[0]);
-    for (int r = 0; r < R; ++r) {
-      float out = hsum8(_mm256_add_ps(acc[0][r], acc[1][r]));
-      if (zeros) {
-        const int64_t row = r0 + r, count = groups * W::SCALES;
-        const float* sums = W::SCALES == 1 ? xq.sum32.data() + row * groups : xq.sum16.data() + row * 2 * groups;
-        out += dot_f32(zeros + n * count, sums, count);
-      }
-      y[r * ldy + n] = out;
-    }
+    for (int r = 0; r < R; ++r)
+      y[r * ldy + n] = hsum8(_mm256_add_ps(acc[0][r], acc[1][r])) + zeros_term<S>(zeros, xq, r0 + r, n);
   }
 }
 
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#if defined(INT8_VNNI512)
 // AVX512-VNNI: two groups (64 weights) per register, and `dpbusd` in place of maddubs + madd; the scale
-// products are picked per lane from the row's table. Otherwise the same steps as int8_tile, in the same
-// order for every tile size; a last odd group takes the 256-bit form.
-constexpr bool INT8_VNNI512 = true;
+// products are picked per lane from the row's table. Otherwise the same steps as the AVX2 int8_tile, in
+// the same order for every tile size; a last odd group takes the 256-bit form.
 
 // two groups' packed nibbles (16 bytes each) as 64 code bytes in order
 static inline __m512i unpack_nibble_pair(__m256i raw) {
@@ -748,35 +764,13 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
   constexpr int S = W::SCALES;
   const int64_t groups = xq.groups, k = xq.k, count = groups * S;
   const int8_t* xcodes = xq.q.data() + r0 * k;
-  const float* xd = xq.d.data() + r0 * groups;
   // which product each lane takes: per group (8 lanes each) or per 16 weights (4 lanes each)
   const __m512i lane_product = S == 1 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
                                       : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const __m256i pairs_of = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-  std::vector<float> products(R * count + 8);
+  std::vector<float> products(R * count + 8);  // + 8: a pair's read of four products stays inside
   for (int64_t n = n0; n < n1; ++n) {
-    const float* s = scales + n * count;
-    if (n + INT8_PREFETCH_ROWS < n1) {
-      int64_t bytes;
-      const char* ahead = static_cast<const char*>(w.row(n + INT8_PREFETCH_ROWS, bytes));
-      for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(ahead + i);
-      __builtin_prefetch(s + INT8_PREFETCH_ROWS * count);
-    }
-    for (int r = 0; r < R; ++r) {  // s_j * d of j's group, per x row
-      float* out = products.data() + r * count;
-      const float* d = xd + r * groups;
-      int64_t j = 0;
-      if constexpr (S == 1) {
-        for (; j + 8 <= count; j += 8)
-          _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(d + j)));
-      } else {
-        for (; j + 8 <= count; j += 8) {
-          const __m256 dd = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(d + j / 2)), pairs_of);
-          _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), dd));
-        }
-      }
-      for (; j < count; ++j) out[j] = s[j] * d[j / S];
-    }
+    prefetch_ahead(w, scales, n, n1, count);
+    scale_products<S>(scales + n * count, xq.d.data() + r0 * groups, groups, R, products.data());
     __m512 acc[2][R];
     for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
     auto pair = [&](int64_t g, __m512* chain) __attribute__((always_inline)) {
@@ -803,25 +797,17 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
       const __m256i wc = w.group(n, g), wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
       for (int r = 0; r < R; ++r) {
         const __m256 dot = group_dot<W::SIGNED>(wc, wu, xcodes + r * k + g * 32);
-        const float* p = products.data() + r * count + g * S;
-        const __m256 scale = S == 1 ? _mm256_set1_ps(p[0]) : _mm256_set_m128(_mm_set1_ps(p[1]), _mm_set1_ps(p[0]));
-        last[r] = hsum8(_mm256_mul_ps(scale, dot));
+        last[r] = hsum8(_mm256_mul_ps(group_scale<S>(products.data() + r * count + g * S), dot));
       }
     }
-    for (int r = 0; r < R; ++r) {
-      float out = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r])) + last[r];
-      if (zeros) {
-        const float* sums = S == 1 ? xq.sum32.data() + (r0 + r) * groups : xq.sum16.data() + (r0 + r) * 2 * groups;
-        out += dot_f32(zeros + n * count, sums, count);
-      }
-      y[r * ldy + n] = out;
-    }
+    for (int r = 0; r < R; ++r)
+      y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r])) + last[r] +
+                       zeros_term<S>(zeros, xq, r0 + r, n);
   }
 }
 
 constexpr int INT8_MAX_TILE = 8;  // 2 x 8 zmm accumulators of 32
 #else
-constexpr bool INT8_VNNI512 = false;
 constexpr int INT8_MAX_TILE = 4;  // rows of x per pass over a weight row: 4 accumulators and 4 x loads in 16 ymm
 #endif
 
@@ -863,7 +849,7 @@ static bool run_int8_matmul(int64_t kind, const torch::Tensor& codes, const torc
   return true;
 }
 #else
-constexpr bool HAS_INT8_KERNELS = false, INT8_VNNI512 = false;
+constexpr bool HAS_INT8_KERNELS = false;
 static bool run_int8_matmul(int64_t, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, int64_t,
                             const float*, int64_t, int64_t, float*, int64_t) { return false; }
 #endif
@@ -1470,7 +1456,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // int8 activations: whether this build has the kernels, and whether they are this CPU's faster choice
   // (AVX2 without AVX-512, where the float kernels lack a table lookup and half the width).
   m.attr("HAS_INT8_KERNELS") = py::bool_(HAS_INT8_KERNELS);
-  m.attr("INT8_KERNELS") = py::str(!HAS_INT8_KERNELS ? "none" : INT8_VNNI512 ? "avx512-vnni" : "avx2");
   m.attr("PREFERS_INT8") = py::bool_(PREFERS_INT8);
   m.def("set_int8_activations", &set_int8_activations, "quantized weights meet int8 (true) or float32 activations");
   m.def("int8_activations", [] { return int8_activations.load(); });

@@ -1,15 +1,14 @@
 """The CPU backend. Weights stay compact, as the GGUF's own codes with float32 scales and zeros,
-and run through Outrider's kernels (`outrider.native`, built on first use) with float32 activations;
-`weights = dense` dequantizes everything to `dtype` and runs torch's ops instead. `activations` chooses
-whether the kernels quantize activations to int8 (the fast path on AVX2) or keep them float32."""
+and run through Outrider's kernels (`outrider.native`, built on first use); `activations` chooses whether
+the kernels quantize activations to int8 first (the fast path on AVX2) or keep them float32.
+`weights = dense` dequantizes everything to `dtype` and runs torch's ops instead."""
 
 from __future__ import annotations
 
 import torch
 
 from outrider.backend import DTYPES, Backend
-from outrider.errors import ConfigError
-from outrider.native import ACTIVATION_MODES
+from outrider.native import check_activations_mode
 from outrider.models.linear import WEIGHT_MODES
 from outrider.hookspecs import hookimpl
 
@@ -20,8 +19,7 @@ class CPUBackend(Backend):
     def __init__(self, dtype: str = "float32", weights: str = "compact", batch_invariant: bool = True,
                  threads: int = 0, activations: str = "auto"):
         super().__init__(dtype, weights, batch_invariant)
-        if activations not in ACTIVATION_MODES:
-            raise ConfigError(f"unknown activations mode '{activations}'; choose one of: {', '.join(ACTIVATION_MODES)}")
+        check_activations_mode(activations)  # before any file is read
         self.activations = activations
         if threads > 0:
             torch.set_num_threads(threads)
@@ -34,8 +32,6 @@ class CPUBackend(Backend):
                 native.use_activations(self.activations)  # one setting for the process's kernels
             except native.NativeUnavailable:
                 pass  # load_model warns and runs dense
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
         return super().load_model(g)
 
 
