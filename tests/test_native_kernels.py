@@ -37,7 +37,8 @@ QUANT_TYPES = NUMPY_QUANTIZABLE + K_QUANTS
 CODE_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8}
 ALL_TYPES = QUANT_TYPES + [Q.F16, Q.F32]
 ROWS, COLS = 96, 256  # the main test weight: [rows, cols], rows first as torch holds it
-SMALL_ROWS, SMALL_COLS = 40, 96  # rows not a multiple of 16, three groups of 32 (block-32 types only)
+SMALL_ROWS, SMALL_COLS = 40, 224  # rows not a multiple of 16; seven groups of 32 (block-32 types only): a
+# four-group step, a two-group step and a lone group in the AVX512-VNNI int8 tile
 
 
 def _ids(types):
@@ -458,7 +459,7 @@ def test_int8_activations_match_float64_within_the_quantization_bound(int8_kerne
 @pytest.mark.parametrize("names", FUSED, ids=["+".join(n[2:] for n in names) for names in FUSED])
 def test_int8_activations_on_fused_tensors_of_different_types(int8_kernels, weights, names):
     """The held forms only fused tensors take (int8 codes with zeros, per 32 and per 16): against float64
-    of the gguf references with x quantized by the rule, odd group counts included (96 columns: 3 groups)."""
+    of the gguf references with x quantized by the rule, odd group counts included (224 columns: 7 groups)."""
     g, reference = weights
     gen = torch.Generator().manual_seed(len(names) + 50)
     w = torch.cat([reference[name] for name in names])

@@ -517,6 +517,8 @@ struct QuantizedRows {
   int64_t rows = 0, k = 0, groups = 0;
   std::vector<int8_t> q;
   std::vector<float> d, sum32, sum16;
+  std::vector<uint8_t> stepped;  // AVX512-VNNI only (prepare_vnni_rows): rows x k
+  std::vector<float> d_lanes;    // AVX512-VNNI only: rows x groups x 8
 };
 
 static inline float hsum8(__m256 v) {
@@ -727,35 +729,78 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
 #endif
 
 #if defined(INT8_VNNI512)
-// AVX512-VNNI: two groups (64 weights) per register, and `dpbusd` in place of maddubs + madd; the scale
-// products are picked per lane from the row's table. Otherwise the same steps as the AVX2 int8_tile, in
-// the same order for every tile size; a last odd group takes the 256-bit form.
+// AVX512-VNNI: `dpbusd` in place of maddubs + madd, four groups (128 weights) per step. A step's two
+// registers hold the first 16 codes of each of the four groups (lo) and the last 16 (hi), so both meet
+// x in the same lanes: four lanes per group, and one conversion, scale and multiply-add per row and four
+// groups, where a register per group pair took two (the per-row float work is what a verify pass over
+// many rows pays for). x's codes are laid out the same way once per matmul (prepare_vnni_rows). Groups
+// left over take two-group and one-group steps; the same steps in the same order for every tile size.
 
-// two groups' packed nibbles (16 bytes each) as 64 code bytes in order
-static inline __m512i unpack_nibble_pair(__m256i raw) {
-  __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
-  both = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));  // g low, g high, g+1 low, g+1 high
-  return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+struct CodeQuad {
+  __m512i lo, hi;
+};
+
+static inline CodeQuad quad_codes(const IntQ4& w, int64_t n, int64_t g) {
+  const __m512i raw = _mm512_loadu_si512(w.at(n, g));  // byte j of a group: code j low, code j + 16 high
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  return {_mm512_and_si512(raw, nibble), _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble)};
 }
 
-static inline __m512i pair_codes(const IntQ4& w, int64_t n, int64_t g) {
-  return unpack_nibble_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.at(n, g))));
-}
-
-static inline __m512i pair_codes(const IntQ5& w, int64_t n, int64_t g) {
+static inline CodeQuad quad_codes(const IntQ5& w, int64_t n, int64_t g) {
   const uint8_t* p = w.at(n, g);
-  const __m512i both = unpack_nibble_pair(_mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 20)),
-                                                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  uint32_t first, second;
-  std::memcpy(&first, p + 16, 4);
-  std::memcpy(&second, p + 36, 4);
-  const __mmask64 top = static_cast<uint64_t>(first) | (static_cast<uint64_t>(second) << 32);  // bit j: code j's bit 4
-  return _mm512_or_si512(both, _mm512_maskz_mov_epi8(top, _mm512_set1_epi8(0x10)));
+  __m512i raw = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 20)), 1);
+  raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 40)), 2);
+  raw = _mm512_inserti32x4(raw, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 60)), 3);
+  uint64_t lo_top = 0, hi_top = 0;  // bit j of a group's word: code j's bit 4
+  for (int i = 0; i < 4; ++i) {
+    uint32_t word;
+    std::memcpy(&word, p + 20 * i + 16, 4);
+    lo_top |= static_cast<uint64_t>(word & 0xFFFF) << (16 * i);
+    hi_top |= static_cast<uint64_t>(word >> 16) << (16 * i);
+  }
+  const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  return {_mm512_or_si512(_mm512_and_si512(raw, nibble), _mm512_maskz_mov_epi8(lo_top, bit4)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble), _mm512_maskz_mov_epi8(hi_top, bit4))};
+}
+
+// 128 bytes of four groups in order as (first halves, last halves)
+static inline CodeQuad halves_of_quad(const void* p) {
+  const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(static_cast<const char*>(p) + 64);
+  return {_mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1))};
 }
 
 template <int G>
-static inline __m512i pair_codes(const IntQ8<G>& w, int64_t n, int64_t g) {
-  return _mm512_loadu_si512(w.codes + n * w.k + g * 32);
+static inline CodeQuad quad_codes(const IntQ8<G>& w, int64_t n, int64_t g) {
+  return halves_of_quad(w.codes + n * w.k + g * 32);
+}
+
+// What a VNNI tile reads of x beyond QuantizedRows' codes, made once per matmul and shared by every
+// weight row: the codes in the steps' layout (each full quad of groups as its first halves, then its last
+// halves; the groups after the last quad as they are), and, for signed weight codes, + 128 as bytes
+// (dpbusd multiplies unsigned by signed: with x unsigned the weights keep their sign, and the 128 * sum(w)
+// this adds is taken off by starting the sum at -128 * sum(w), once per weight step for all rows: the
+// integer sums stay exact); and each block's scale d spread over the lanes its group takes (four in a
+// quad, eight in a pair), so a lane's product s * d is one multiply.
+static void prepare_vnni_rows(QuantizedRows& xq, bool signed_weights) {
+  const int64_t rows = xq.rows, k = xq.k, groups = xq.groups, quads = groups / 4;
+  xq.stepped.resize(rows * k);
+  xq.d_lanes.assign(rows * groups * 8, 0.0f);
+  const __m512i bias = _mm512_set1_epi8(signed_weights ? static_cast<char>(0x80) : 0);  // x ^ 0x80 = x + 128
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* x = xq.q.data() + r * k;
+    uint8_t* out = xq.stepped.data() + r * k;
+    const float* d = xq.d.data() + r * groups;
+    float* lanes = xq.d_lanes.data() + r * groups * 8;
+    for (int64_t q = 0; q < quads; ++q) {
+      const CodeQuad h = halves_of_quad(x + q * 128);
+      _mm512_storeu_si512(out + q * 128, _mm512_xor_si512(h.lo, bias));
+      _mm512_storeu_si512(out + q * 128 + 64, _mm512_xor_si512(h.hi, bias));
+      for (int i = 0; i < 4; ++i) _mm_storeu_ps(lanes + q * 16 + 4 * i, _mm_set1_ps(d[4 * q + i]));
+    }
+    for (int64_t i = quads * 128; i < k; ++i) out[i] = static_cast<uint8_t>(x[i]) ^ (signed_weights ? 0x80 : 0);
+    for (int64_t g = quads * 4; g < groups; ++g) _mm256_storeu_ps(lanes + quads * 16 + (g - quads * 4) * 8, _mm256_set1_ps(d[g]));
+  }
 }
 
 template <class W, int R>
@@ -763,41 +808,75 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
                       float* y, int64_t ldy, int64_t n0, int64_t n1) {
   constexpr int S = W::SCALES;
   const int64_t groups = xq.groups, k = xq.k, count = groups * S;
-  const int8_t* xcodes = xq.q.data() + r0 * k;
-  // which product each lane takes: per group (8 lanes each) or per 16 weights (4 lanes each)
-  const __m512i lane_product = S == 1 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
-                                      : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  std::vector<float> products(R * count + 8);  // + 8: a pair's read of four products stays inside
+  const uint8_t* xs = xq.stepped.data() + r0 * k;
+  const float* d_lanes = xq.d_lanes.data() + r0 * groups * 8;
+  const __m512i quad_lane = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i pair_lane = S == 1 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0) : quad_lane;
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  // codes of x (as dpbusd takes them: unsigned when the weights are signed) against weight codes c
+  auto dot = [&](__m512i start, __m512i c, const uint8_t* x) __attribute__((always_inline)) {
+    const __m512i xv = _mm512_loadu_si512(x);
+    return W::SIGNED ? _mm512_dpbusd_epi32(start, xv, c) : _mm512_dpbusd_epi32(start, c, xv);
+  };
+  auto unbias = [&](__m512i c) __attribute__((always_inline)) {  // -128 * sum(c) per lane, or 0
+    return W::SIGNED ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, c))
+                     : _mm512_setzero_si512();
+  };
   for (int64_t n = n0; n < n1; ++n) {
     prefetch_ahead(w, scales, n, n1, count);
-    scale_products<S>(scales + n * count, xq.d.data() + r0 * groups, groups, R, products.data());
+    const float* s = scales + n * count;
     __m512 acc[2][R];
     for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm512_setzero_ps();
-    auto pair = [&](int64_t g, __m512* chain) __attribute__((always_inline)) {
-      const __m512i wc = pair_codes(w, n, g);
-      const __m512i wu = W::SIGNED ? _mm512_abs_epi8(wc) : wc;
-      const __mmask64 negative = W::SIGNED ? _mm512_movepi8_mask(wc) : 0;
-      for (int r = 0; r < R; ++r) {
-        __m512i qx = _mm512_loadu_si512(xcodes + r * k + g * 32);
-        if (W::SIGNED) qx = _mm512_mask_sub_epi8(qx, negative, _mm512_setzero_si512(), qx);
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, qx));
-        const float* p = products.data() + r * count + g * S;
-        const __m128 four = S == 1 ? _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))) : _mm_loadu_ps(p);
-        chain[r] = _mm512_fmadd_ps(_mm512_permutexvar_ps(lane_product, _mm512_castps128_ps512(four)), dot, chain[r]);
+    auto quad = [&](int64_t g, __m512* chain) __attribute__((always_inline)) {
+      const CodeQuad c = quad_codes(w, n, g);
+      if (S == 1) {
+        const __m512 ws = _mm512_permutexvar_ps(quad_lane, _mm512_castps128_ps512(_mm_loadu_ps(s + g)));
+        const __m512i start = W::SIGNED ? _mm512_add_epi32(unbias(c.lo), unbias(c.hi)) : _mm512_setzero_si512();
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* x = xs + r * k + g * 32;
+          const __m512i sums = dot(dot(start, c.lo, x), c.hi, x + 64);
+          const __m512 product = _mm512_mul_ps(ws, _mm512_loadu_ps(d_lanes + r * groups * 8 + g * 4));
+          chain[r] = _mm512_fmadd_ps(product, _mm512_cvtepi32_ps(sums), chain[r]);
+        }
+      } else {  // a scale per 16: lo and hi take their own
+        const __m512 both = _mm512_castps256_ps512(_mm256_loadu_ps(s + g * 2));
+        const __m512 ws_lo = _mm512_permutexvar_ps(_mm512_add_epi32(quad_lane, quad_lane), both);
+        const __m512 ws_hi = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_add_epi32(quad_lane, quad_lane), _mm512_set1_epi32(1)), both);
+        const __m512i start_lo = unbias(c.lo), start_hi = unbias(c.hi);
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* x = xs + r * k + g * 32;
+          const __m512 d = _mm512_loadu_ps(d_lanes + r * groups * 8 + g * 4);
+          chain[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws_lo, d), _mm512_cvtepi32_ps(dot(start_lo, c.lo, x)), chain[r]);
+          chain[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws_hi, d), _mm512_cvtepi32_ps(dot(start_hi, c.hi, x + 64)), chain[r]);
+        }
       }
     };
     int64_t g = 0;
-    for (; g + 4 <= groups; g += 4) {
-      pair(g, acc[0]);
-      pair(g + 2, acc[1]);
+    for (; g + 8 <= groups; g += 8) {
+      quad(g, acc[0]);
+      quad(g + 4, acc[1]);
     }
-    if (g + 2 <= groups) pair(g, acc[0]), g += 2;
+    if (g + 4 <= groups) quad(g, acc[0]), g += 4;
+    if (g + 2 <= groups) {  // two groups as they are, eight lanes each
+      const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(w.group(n, g)), w.group(n, g + 1), 1);
+      const __m128 own = S == 1 ? _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + g)))
+                                : _mm_loadu_ps(s + g * 2);
+      const __m512 ws = _mm512_permutexvar_ps(pair_lane, _mm512_castps128_ps512(own));
+      const __m512i start = unbias(c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 product = _mm512_mul_ps(ws, _mm512_loadu_ps(d_lanes + r * groups * 8 + g * 4));
+        acc[0][r] = _mm512_fmadd_ps(product, _mm512_cvtepi32_ps(dot(start, c, xs + r * k + g * 32)), acc[0][r]);
+      }
+      g += 2;
+    }
     float last[R] = {};
     if (g < groups) {  // an odd last group
       const __m256i wc = w.group(n, g), wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
       for (int r = 0; r < R; ++r) {
-        const __m256 dot = group_dot<W::SIGNED>(wc, wu, xcodes + r * k + g * 32);
-        last[r] = hsum8(_mm256_mul_ps(group_scale<S>(products.data() + r * count + g * S), dot));
+        const __m256 dot = group_dot<W::SIGNED>(wc, wu, xq.q.data() + (r0 + r) * k + g * 32);
+        const float d = xq.d[(r0 + r) * groups + g];
+        const float products[2] = {s[g * S] * d, S == 2 ? s[g * S + 1] * d : 0.0f};
+        last[r] = hsum8(_mm256_mul_ps(group_scale<S>(products), dot));
       }
     }
     for (int r = 0; r < R; ++r)
@@ -839,6 +918,9 @@ static bool run_int8_matmul(int64_t kind, const torch::Tensor& codes, const torc
   if (kind == KIND_F32) return false;
   QuantizedRows xq;
   quantize_rows(x, rows, k, xq);
+#if defined(INT8_VNNI512)
+  prepare_vnni_rows(xq, kind == KIND_Q8);
+#endif
   const float* s = held(scales);
   const float* z = held(zeros);
   if (kind == KIND_Q4) int8_matmul(IntQ4{{codes.data_ptr<uint8_t>(), k / 32}}, s, z, xq, y, n_out);
