@@ -133,8 +133,8 @@ def use_activations(mode: str) -> bool:
     """Sets how the kernels meet quantized weights, for the whole process: `int8` quantizes each row of
     activations per 32 values first and multiplies in integers (llama.cpp's design: the fast path on AVX2);
     `float32` dequantizes the weights and multiplies in float32 (exact weights and activations); `auto` is
-    int8 where this build prefers it (AVX2 without AVX-512) and float32 elsewhere. Returns whether int8 is
-    on. Raises ConfigError for an unknown mode or int8 on a build without the int8 kernels."""
+    int8 where this build prefers it (AVX2 without AVX-512, or AVX512-VNNI) and float32 elsewhere.
+    Returns whether int8 is on. Raises ConfigError for an unknown mode or int8 on a build without the int8 kernels."""
     check_activations_mode(mode)
     kernels = load()
     on = kernels.PREFERS_INT8 if mode == "auto" else mode == "int8"

@@ -803,6 +803,34 @@ static void prepare_vnni_rows(QuantizedRows& xq, bool signed_weights) {
   }
 }
 
+// The lane sums of R <= 8 registers, each in _mm512_reduce_add_ps's tree (the 256-bit halves, then
+// 128, 64, 32), so a row's sum has the same bits whatever R is; from three rows on, the registers are
+// summed together (a transpose as it goes: 24 instructions for 8 rows, not 8 x 9).
+template <int R>
+static inline void sum_lanes(const __m512* v, float* out) {
+  if constexpr (R < 3) {
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(v[r]);
+  } else {
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 half[4];  // rows 2i and 2i + 1: lanes j + (j + 8), eight each
+    for (int i = 0; i < 4; ++i) {
+      const __m512 a = 2 * i < R ? v[2 * i] : zero, b = 2 * i + 1 < R ? v[2 * i + 1] : zero;
+      half[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    __m512 quarter[2];  // 128-bit chunk j: row 4i + j, lanes j + (j + 4)
+    for (int i = 0; i < 2; ++i)
+      quarter[i] = _mm512_add_ps(_mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(half[2 * i], half[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    // per chunk j: rows j and j + 4, lanes j + (j + 2), then the two left
+    const __m512 eighth = _mm512_add_ps(_mm512_shuffle_ps(quarter[0], quarter[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                        _mm512_shuffle_ps(quarter[0], quarter[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 whole = _mm512_add_ps(eighth, _mm512_shuffle_ps(eighth, eighth, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i order = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 10, 6, 2, 12, 8, 4, 0);
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, whole)));
+  }
+}
+
 template <class W, int R>
 static void int8_tile(const W& w, const float* scales, const float* zeros, const QuantizedRows& xq, int64_t r0,
                       float* y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -879,9 +907,11 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
         last[r] = hsum8(_mm256_mul_ps(group_scale<S>(products), dot));
       }
     }
-    for (int r = 0; r < R; ++r)
-      y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r])) + last[r] +
-                       zeros_term<S>(zeros, xq, r0 + r, n);
+    __m512 both[R];
+    for (int r = 0; r < R; ++r) both[r] = _mm512_add_ps(acc[0][r], acc[1][r]);
+    float sums[8];
+    sum_lanes<R>(both, sums);
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = sums[r] + last[r] + zeros_term<S>(zeros, xq, r0 + r, n);
   }
 }
 
@@ -937,8 +967,10 @@ static bool run_int8_matmul(int64_t, const torch::Tensor&, const torch::Tensor&,
 #endif
 
 // Whether quantized weights meet int8 activations (above) or float32 ones: one setting per process,
-// chosen by the CPU backend (`-o backend.activations`), read by every linear call.
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// chosen by the CPU backend (`-o backend.activations`), read by every linear call. int8 is the default
+// where it was measured faster for every row count (1-512): AVX2 without AVX-512 (the float kernels lack
+// a table lookup and half the width) and AVX512-VNNI; AVX-512 without VNNI keeps float32.
+#if (defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)) || defined(INT8_VNNI512)
 constexpr bool PREFERS_INT8 = true;
 #else
 constexpr bool PREFERS_INT8 = false;
@@ -1536,7 +1568,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("KV_MODES") = kv_modes;
   m.attr("KEY_BLOCK") = py::int_(KEY_BLOCK);
   // int8 activations: whether this build has the kernels, and whether they are this CPU's faster choice
-  // (AVX2 without AVX-512, where the float kernels lack a table lookup and half the width).
+  // (AVX2 without AVX-512, and AVX512-VNNI).
   m.attr("HAS_INT8_KERNELS") = py::bool_(HAS_INT8_KERNELS);
   m.attr("PREFERS_INT8") = py::bool_(PREFERS_INT8);
   m.def("set_int8_activations", &set_int8_activations, "quantized weights meet int8 (true) or float32 activations");

@@ -45,6 +45,6 @@ def register_backends(register):
                             "compact kernels give the same bits by construction)"),
         "activations": (str, "auto", "with weights=compact: int8 quantizes each activation row per 32 values "
                         "and multiplies in integers (llama.cpp's design; the fast path on AVX2), float32 keeps "
-                        "them exact; auto = int8 on AVX2 without AVX-512, float32 elsewhere (see README, Numerics)"),
+                        "them exact; auto = int8 on AVX2 without AVX-512 and on AVX512-VNNI, float32 elsewhere (see README, Numerics)"),
         "threads": (int, 0, "torch intra-op threads; 0 keeps torch's default (one per core)"),
     })
