@@ -517,8 +517,10 @@ struct QuantizedRows {
   int64_t rows = 0, k = 0, groups = 0;
   std::vector<int8_t> q;
   std::vector<float> d, sum32, sum16;
-  std::vector<uint8_t> stepped;  // AVX512-VNNI only (prepare_vnni_rows): rows x k
-  std::vector<float> d_lanes;    // AVX512-VNNI only: rows x groups x 8
+  // x laid out for the tiles' four-group steps (prepare_vnni_rows, prepare_quad_rows): codes, rows x k,
+  // and each block's d spread over the lanes its group takes, rows x groups x 8
+  std::vector<uint8_t> stepped;
+  std::vector<float> d_lanes;
 };
 
 static inline float hsum8(__m256 v) {
@@ -692,30 +694,133 @@ static inline float zeros_term(const float* zeros, const QuantizedRows& xq, int6
   return dot_f32(zeros + n * count, sums, count);
 }
 
-// R rows of x against weight rows n0..n1. Per (weight row, x row): even and odd groups in two chains of
-// multiply-adds (the chain's latency, not the arithmetic, bounds a one-row pass), then the zeros' term
-// as one dot product of the row's zeros with x's block sums. The same steps for every R.
 #if !defined(INT8_VNNI512)
+// AVX2 four-group steps, for unsigned codes (Q4, Q5): the four groups' codes as four registers of eight
+// codes per group (64-bit chunk c holds group g, g + 2, g + 1, g + 3 for c = 0..3), each met by x's
+// codes in the same layout with `maddubs`; the four int16 results add without overflow (8 products of at
+// most 31 * 127 per lane: 31496 < 32767), so a row pays one `madd`, one conversion, one scale multiply
+// and one multiply-add per 128 weights, where one group at a time paid four of each. Signed codes (Q8)
+// could overflow that sum and keep one group per step.
+struct QuadCodes {
+  __m256i c[4];  // codes 0-7, 16-23, 8-15, 24-31 of each group
+};
+
+// 64 bytes of four groups' packed nibbles (byte j: code j low, code j + 16 high), chunks g, g+2, g+1, g+3
+static inline QuadCodes nibble_quad(__m256i first, __m256i second) {
+  const __m256i a = _mm256_unpacklo_epi64(first, second), b = _mm256_unpackhi_epi64(first, second);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  return {{_mm256_and_si256(a, nibble), _mm256_and_si256(_mm256_srli_epi16(a, 4), nibble),
+           _mm256_and_si256(b, nibble), _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble)}};
+}
+
+static inline QuadCodes quad_codes(const IntQ4& w, int64_t n, int64_t g) {
+  const uint8_t* p = w.at(n, g);
+  return nibble_quad(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+}
+
+// bit i of `bits` as byte i: 0x10 or 0
+static inline __m256i bit4_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), spread);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+static inline QuadCodes quad_codes(const IntQ5& w, int64_t n, int64_t g) {
+  const uint8_t* p = w.at(n, g);
+  auto nibbles = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 20 * i)); };
+  QuadCodes q = nibble_quad(_mm256_set_m128i(nibbles(1), nibbles(0)), _mm256_set_m128i(nibbles(3), nibbles(2)));
+  uint32_t top[4];  // bit j of a group's word: code j's bit 4
+  for (int i = 0; i < 4; ++i) std::memcpy(&top[i], p + 20 * i + 16, 4);
+  const int chunk_group[4] = {0, 2, 1, 3};
+  const int first_code[4] = {0, 16, 8, 24};  // of q.c[j]
+  for (int j = 0; j < 4; ++j) {
+    uint32_t bits = 0;
+    for (int c = 0; c < 4; ++c) bits |= ((top[chunk_group[c]] >> first_code[j]) & 0xFF) << (8 * c);
+    q.c[j] = _mm256_or_si256(q.c[j], bit4_bytes(bits));
+  }
+  return q;
+}
+
+// x's codes of each full four groups in quad_codes' layout (the groups after them are read from q), and
+// d spread over each group's lane pair
+static void prepare_quad_rows(QuantizedRows& xq) {
+  const int64_t rows = xq.rows, k = xq.k, groups = xq.groups, quads = groups / 4;
+  xq.stepped.resize(rows * k);
+  xq.d_lanes.assign(rows * groups * 8, 0.0f);
+  const int chunk_group[4] = {0, 2, 1, 3};
+  const int first_code[4] = {0, 16, 8, 24};
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* x = xq.q.data() + r * k;
+    uint8_t* out = xq.stepped.data() + r * k;
+    const float* d = xq.d.data() + r * groups;
+    for (int64_t q = 0; q < quads; ++q) {
+      for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < 4; ++c)
+          std::memcpy(out + q * 128 + j * 32 + c * 8, x + (4 * q + chunk_group[c]) * 32 + first_code[j], 8);
+      for (int c = 0; c < 4; ++c)
+        xq.d_lanes[r * groups * 8 + q * 8 + 2 * c] = xq.d_lanes[r * groups * 8 + q * 8 + 2 * c + 1] = d[4 * q + chunk_group[c]];
+    }
+  }
+}
+
+template <class W>
+constexpr bool AVX2_QUADS = !W::SIGNED;
+
+// R rows of x against weight rows n0..n1. Per (weight row, x row): four-group steps (unsigned codes) or
+// one group at a time, alternately in two chains of multiply-adds (the chain's latency, not the
+// arithmetic, bounds a one-row pass), then one group at a time for what is left, then the zeros' term as
+// one dot product of the row's zeros with x's block sums. The same steps for every R.
 template <class W, int R>
 static void int8_tile(const W& w, const float* scales, const float* zeros, const QuantizedRows& xq, int64_t r0,
                       float* y, int64_t ldy, int64_t n0, int64_t n1) {
   constexpr int S = W::SCALES;
+  constexpr bool QUADS = AVX2_QUADS<W>;
   const int64_t groups = xq.groups, k = xq.k, count = groups * S;
   const int8_t* xcodes = xq.q.data() + r0 * k;
-  std::vector<float> products(R * count);
+  const uint8_t* xs = QUADS ? xq.stepped.data() + r0 * k : nullptr;
+  const float* d_lanes = QUADS ? xq.d_lanes.data() + r0 * groups * 8 : nullptr;
+  const int64_t quad_end = QUADS ? groups / 4 * 4 : 0;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i chunk_scale = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
+  std::vector<float> products(QUADS ? 0 : R * count);
   for (int64_t n = n0; n < n1; ++n) {
     prefetch_ahead(w, scales, n, n1, count);
-    scale_products<S>(scales + n * count, xq.d.data() + r0 * groups, groups, R, products.data());
+    const float* s = scales + n * count;
+    if (!QUADS) scale_products<S>(s, xq.d.data() + r0 * groups, groups, R, products.data());
     __m256 acc[2][R];
     for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     auto step = [&](int64_t g, __m256* chain) __attribute__((always_inline)) {
       const __m256i wc = w.group(n, g), wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
       for (int r = 0; r < R; ++r) {
         const __m256 dot = group_dot<W::SIGNED>(wc, wu, xcodes + r * k + g * 32);
-        chain[r] = _mm256_fmadd_ps(group_scale<S>(products.data() + r * count + g * S), dot, chain[r]);
+        const __m256 scale = QUADS ? _mm256_set1_ps(s[g] * xq.d[(r0 + r) * groups + g])
+                                   : group_scale<S>(products.data() + r * count + g * S);
+        chain[r] = _mm256_fmadd_ps(scale, dot, chain[r]);
+      }
+    };
+    auto quad = [&](int64_t g, __m256* chain) __attribute__((always_inline)) {
+      if constexpr (QUADS) {
+        const QuadCodes q = quad_codes(w, n, g);
+        const __m256 ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + g)), chunk_scale);
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* x = xs + r * k + g * 32;
+          auto part = [&](int j) __attribute__((always_inline)) {
+            return _mm256_maddubs_epi16(q.c[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * j)));
+          };
+          const __m256i pairs = _mm256_add_epi16(_mm256_add_epi16(part(0), part(1)), _mm256_add_epi16(part(2), part(3)));
+          const __m256 product = _mm256_mul_ps(ws, _mm256_loadu_ps(d_lanes + r * groups * 8 + g * 2));
+          chain[r] = _mm256_fmadd_ps(product, _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), chain[r]);
+        }
       }
     };
     int64_t g = 0;
+    for (; g + 8 <= quad_end; g += 8) {
+      quad(g, acc[0]);
+      quad(g + 4, acc[1]);
+    }
+    if (g < quad_end) quad(g, acc[0]), g += 4;
     for (; g + 2 <= groups; g += 2) {
       step(g, acc[0]);
       step(g + 1, acc[1]);
@@ -950,6 +1055,8 @@ static bool run_int8_matmul(int64_t kind, const torch::Tensor& codes, const torc
   quantize_rows(x, rows, k, xq);
 #if defined(INT8_VNNI512)
   prepare_vnni_rows(xq, kind == KIND_Q8);
+#else
+  if (kind != KIND_Q8) prepare_quad_rows(xq);
 #endif
   const float* s = held(scales);
   const float* z = held(zeros);
