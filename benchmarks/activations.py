@@ -3,6 +3,7 @@ a prompt chunk) after a fixed prefix, with the CPU backend's compact kernels in 
 modes alternated within every repetition, in one run.
 
     python benchmarks/activations.py MODEL.gguf [MODEL.gguf ...] [--rows 1 2 4 8] [--reps 15] [--threads 1]
+    python benchmarks/activations.py MODEL.gguf --prompt --prefix 0 --rows 512 --reps 3    # prefill
 
 For each model and mode it prints the median time per k in ms, and int8's time over float32's for the
 same k (below 1: int8 is faster). This is what `-o backend.activations auto` is chosen from
@@ -31,6 +32,8 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=128, help="tokens in the cache before each forward")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompt", action="store_true",
+                        help="forwards as a prompt: logits of the last row only (llama-bench -p compares with this)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for path in args.models:
@@ -46,10 +49,11 @@ def main() -> None:
                 with native.activations(mode):
                     for k in args.rows:
                         start = time.perf_counter()
-                        model.forward(blocks[k], args.prefix, cache)
+                        model.forward(blocks[k], args.prefix, cache, last_only=args.prompt)
                         seconds[mode, k].append(time.perf_counter() - start)
                         cache.truncate(args.prefix)
-        print(f"{path}: {args.threads} thread(s), median of {args.reps}, ms per forward")
+        kind = "prompt forward (last row's logits)" if args.prompt else "forward"
+        print(f"{path}: {args.threads} thread(s), median of {args.reps}, ms per {kind}")
         print("rows     " + "".join(f"{k:>10}" for k in args.rows))
         median = {key: statistics.median(times) * 1e3 for key, times in seconds.items()}
         for mode in MODES:

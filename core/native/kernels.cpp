@@ -521,6 +521,7 @@ struct QuantizedRows {
   // and each block's d spread over the lanes its group takes, rows x groups x 8
   std::vector<uint8_t> stepped;
   std::vector<float> d_lanes;
+  std::vector<float> sum_lanes;  // d * sum(codes) per 32 in one lane of its group's (the zeros' term)
 };
 
 static inline float hsum8(__m256 v) {
@@ -694,6 +695,14 @@ static inline float zeros_term(const float* zeros, const QuantizedRows& xq, int6
   return dot_f32(zeros + n * count, sums, count);
 }
 
+// the zeros' term of groups g0.. only (the tiles' four-group steps carry the others in their lanes)
+static inline float zeros_after(const float* zeros, const QuantizedRows& xq, int64_t row, int64_t n, int64_t g0) {
+  float sum = 0.0f;
+  if (zeros)
+    for (int64_t g = g0; g < xq.groups; ++g) sum += zeros[n * xq.groups + g] * xq.sum32[row * xq.groups + g];
+  return sum;
+}
+
 #if !defined(INT8_VNNI512)
 // AVX2 four-group steps, for unsigned codes (Q4, Q5): the four groups' codes as four registers of eight
 // codes per group (64-bit chunk c holds group g, g + 2, g + 1, g + 3 for c = 0..3), each met by x's
@@ -743,12 +752,13 @@ static inline QuadCodes quad_codes(const IntQ5& w, int64_t n, int64_t g) {
   return q;
 }
 
-// x's codes of each full four groups in quad_codes' layout (the groups after them are read from q), and
-// d spread over each group's lane pair
+// x's codes of each full four groups in quad_codes' layout (the groups after them are read from q), d
+// spread over each group's lane pair, and the block sums in the first lane of each pair
 static void prepare_quad_rows(QuantizedRows& xq) {
   const int64_t rows = xq.rows, k = xq.k, groups = xq.groups, quads = groups / 4;
   xq.stepped.resize(rows * k);
   xq.d_lanes.assign(rows * groups * 8, 0.0f);
+  xq.sum_lanes.assign(rows * groups * 8, 0.0f);
   const int chunk_group[4] = {0, 2, 1, 3};
   const int first_code[4] = {0, 16, 8, 24};
   for (int64_t r = 0; r < rows; ++r) {
@@ -759,8 +769,11 @@ static void prepare_quad_rows(QuantizedRows& xq) {
       for (int j = 0; j < 4; ++j)
         for (int c = 0; c < 4; ++c)
           std::memcpy(out + q * 128 + j * 32 + c * 8, x + (4 * q + chunk_group[c]) * 32 + first_code[j], 8);
-      for (int c = 0; c < 4; ++c)
-        xq.d_lanes[r * groups * 8 + q * 8 + 2 * c] = xq.d_lanes[r * groups * 8 + q * 8 + 2 * c + 1] = d[4 * q + chunk_group[c]];
+      for (int c = 0; c < 4; ++c) {
+        float* lanes = xq.d_lanes.data() + r * groups * 8 + q * 8 + 2 * c;
+        lanes[0] = lanes[1] = d[4 * q + chunk_group[c]];
+        xq.sum_lanes[r * groups * 8 + q * 8 + 2 * c] = xq.sum32[r * groups + 4 * q + chunk_group[c]];
+      }
     }
   }
 }
@@ -770,8 +783,9 @@ constexpr bool AVX2_QUADS = !W::SIGNED;
 
 // R rows of x against weight rows n0..n1. Per (weight row, x row): four-group steps (unsigned codes) or
 // one group at a time, alternately in two chains of multiply-adds (the chain's latency, not the
-// arithmetic, bounds a one-row pass), then one group at a time for what is left, then the zeros' term as
-// one dot product of the row's zeros with x's block sums. The same steps for every R.
+// arithmetic, bounds a one-row pass), then one group at a time for what is left. The zeros' term (the
+// row's zeros against x's block sums) rides in the four-group steps' lanes, one multiply-add per row and
+// step; groups outside them, or all of a row without such steps, add it after. The same steps for every R.
 template <class W, int R>
 static void int8_tile(const W& w, const float* scales, const float* zeros, const QuantizedRows& xq, int64_t r0,
                       float* y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -781,6 +795,7 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
   const int8_t* xcodes = xq.q.data() + r0 * k;
   const uint8_t* xs = QUADS ? xq.stepped.data() + r0 * k : nullptr;
   const float* d_lanes = QUADS ? xq.d_lanes.data() + r0 * groups * 8 : nullptr;
+  const float* sum_lanes = QUADS ? xq.sum_lanes.data() + r0 * groups * 8 : nullptr;
   const int64_t quad_end = QUADS ? groups / 4 * 4 : 0;
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i chunk_scale = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
@@ -813,6 +828,11 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
           const __m256 product = _mm256_mul_ps(ws, _mm256_loadu_ps(d_lanes + r * groups * 8 + g * 2));
           chain[r] = _mm256_fmadd_ps(product, _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), chain[r]);
         }
+        if (zeros) {  // each group's zero times its block sum, in the first lane of its pair
+          const __m256 wz = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(zeros + n * count + g)), chunk_scale);
+          for (int r = 0; r < R; ++r)
+            chain[r] = _mm256_fmadd_ps(wz, _mm256_loadu_ps(sum_lanes + r * groups * 8 + g * 2), chain[r]);
+        }
       }
     };
     int64_t g = 0;
@@ -827,7 +847,8 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
     }
     if (g < groups) step(g, acc[0]);
     for (int r = 0; r < R; ++r)
-      y[r * ldy + n] = hsum8(_mm256_add_ps(acc[0][r], acc[1][r])) + zeros_term<S>(zeros, xq, r0 + r, n);
+      y[r * ldy + n] = hsum8(_mm256_add_ps(acc[0][r], acc[1][r])) +
+                       (QUADS ? zeros_after(zeros, xq, r0 + r, n, quad_end) : zeros_term<S>(zeros, xq, r0 + r, n));
   }
 }
 
@@ -891,20 +912,29 @@ static void prepare_vnni_rows(QuantizedRows& xq, bool signed_weights) {
   const int64_t rows = xq.rows, k = xq.k, groups = xq.groups, quads = groups / 4;
   xq.stepped.resize(rows * k);
   xq.d_lanes.assign(rows * groups * 8, 0.0f);
+  xq.sum_lanes.assign(rows * groups * 8, 0.0f);  // a group's block sum in its first lane
   const __m512i bias = _mm512_set1_epi8(signed_weights ? static_cast<char>(0x80) : 0);  // x ^ 0x80 = x + 128
   for (int64_t r = 0; r < rows; ++r) {
     const int8_t* x = xq.q.data() + r * k;
     uint8_t* out = xq.stepped.data() + r * k;
     const float* d = xq.d.data() + r * groups;
+    const float* sum = xq.sum32.data() + r * groups;
     float* lanes = xq.d_lanes.data() + r * groups * 8;
+    float* sum_lanes = xq.sum_lanes.data() + r * groups * 8;
     for (int64_t q = 0; q < quads; ++q) {
       const CodeQuad h = halves_of_quad(x + q * 128);
       _mm512_storeu_si512(out + q * 128, _mm512_xor_si512(h.lo, bias));
       _mm512_storeu_si512(out + q * 128 + 64, _mm512_xor_si512(h.hi, bias));
-      for (int i = 0; i < 4; ++i) _mm_storeu_ps(lanes + q * 16 + 4 * i, _mm_set1_ps(d[4 * q + i]));
+      for (int i = 0; i < 4; ++i) {
+        _mm_storeu_ps(lanes + q * 16 + 4 * i, _mm_set1_ps(d[4 * q + i]));
+        sum_lanes[q * 16 + 4 * i] = sum[4 * q + i];
+      }
     }
     for (int64_t i = quads * 128; i < k; ++i) out[i] = static_cast<uint8_t>(x[i]) ^ (signed_weights ? 0x80 : 0);
-    for (int64_t g = quads * 4; g < groups; ++g) _mm256_storeu_ps(lanes + quads * 16 + (g - quads * 4) * 8, _mm256_set1_ps(d[g]));
+    for (int64_t g = quads * 4; g < groups; ++g) {
+      _mm256_storeu_ps(lanes + quads * 16 + (g - quads * 4) * 8, _mm256_set1_ps(d[g]));
+      sum_lanes[quads * 16 + (g - quads * 4) * 8] = sum[g];
+    }
   }
 }
 
@@ -912,7 +942,7 @@ static void prepare_vnni_rows(QuantizedRows& xq, bool signed_weights) {
 // 128, 64, 32), so a row's sum has the same bits whatever R is; from three rows on, the registers are
 // summed together (a transpose as it goes: 24 instructions for 8 rows, not 8 x 9).
 template <int R>
-static inline void sum_lanes(const __m512* v, float* out) {
+static inline void reduce_lanes(const __m512* v, float* out) {
   if constexpr (R < 3) {
     for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(v[r]);
   } else {
@@ -943,6 +973,8 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
   const int64_t groups = xq.groups, k = xq.k, count = groups * S;
   const uint8_t* xs = xq.stepped.data() + r0 * k;
   const float* d_lanes = xq.d_lanes.data() + r0 * groups * 8;
+  const float* sum_lanes = xq.sum_lanes.data() + r0 * groups * 8;
+  const bool lane_zeros = zeros && S == 1;  // per-16 zeros keep their own term (zeros_term)
   const __m512i quad_lane = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const __m512i pair_lane = S == 1 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0) : quad_lane;
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -970,6 +1002,11 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
           const __m512i sums = dot(dot(start, c.lo, x), c.hi, x + 64);
           const __m512 product = _mm512_mul_ps(ws, _mm512_loadu_ps(d_lanes + r * groups * 8 + g * 4));
           chain[r] = _mm512_fmadd_ps(product, _mm512_cvtepi32_ps(sums), chain[r]);
+        }
+        if (lane_zeros) {  // each group's zero times its block sum, in the first of its lanes
+          const __m512 wz = _mm512_permutexvar_ps(quad_lane, _mm512_castps128_ps512(_mm_loadu_ps(zeros + n * count + g)));
+          for (int r = 0; r < R; ++r)
+            chain[r] = _mm512_fmadd_ps(wz, _mm512_loadu_ps(sum_lanes + r * groups * 8 + g * 4), chain[r]);
         }
       } else {  // a scale per 16: lo and hi take their own
         const __m512 both = _mm512_castps256_ps512(_mm256_loadu_ps(s + g * 2));
@@ -1000,6 +1037,12 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
         const __m512 product = _mm512_mul_ps(ws, _mm512_loadu_ps(d_lanes + r * groups * 8 + g * 4));
         acc[0][r] = _mm512_fmadd_ps(product, _mm512_cvtepi32_ps(dot(start, c, xs + r * k + g * 32)), acc[0][r]);
       }
+      if (lane_zeros) {
+        const __m128 z = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zeros + n * count + g)));
+        const __m512 wz = _mm512_permutexvar_ps(pair_lane, _mm512_castps128_ps512(z));
+        for (int r = 0; r < R; ++r)
+          acc[0][r] = _mm512_fmadd_ps(wz, _mm512_loadu_ps(sum_lanes + r * groups * 8 + g * 4), acc[0][r]);
+      }
       g += 2;
     }
     float last[R] = {};
@@ -1015,8 +1058,10 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
     __m512 both[R];
     for (int r = 0; r < R; ++r) both[r] = _mm512_add_ps(acc[0][r], acc[1][r]);
     float sums[8];
-    sum_lanes<R>(both, sums);
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = sums[r] + last[r] + zeros_term<S>(zeros, xq, r0 + r, n);
+    reduce_lanes<R>(both, sums);
+    for (int r = 0; r < R; ++r)
+      y[r * ldy + n] = sums[r] + last[r] +
+                       (lane_zeros ? zeros_after(zeros, xq, r0 + r, n, g) : zeros_term<S>(zeros, xq, r0 + r, n));
   }
 }
 
