@@ -661,25 +661,6 @@ static inline void prefetch_ahead(const W& w, const float* scales, int64_t n, in
   __builtin_prefetch(scales + (n + INT8_PREFETCH_ROWS) * count);
 }
 
-// products[r * count + j] = s[j] * d of j's group in x row r, for one weight row's S scales per group:
-// eight per multiply, once per weight row, not one per group and row in the tile's loop (same products)
-template <int S>
-static inline void scale_products(const float* s, const float* xd, int64_t groups, int rows, float* products) {
-  const int64_t count = groups * S;
-  const __m256i pairs_of = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-  for (int r = 0; r < rows; ++r) {
-    float* out = products + r * count;
-    const float* d = xd + r * groups;
-    int64_t j = 0;
-    for (; j + 8 <= count; j += 8) {
-      const __m256 dj = S == 1 ? _mm256_loadu_ps(d + j)
-                               : _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(d + j / 2)), pairs_of);
-      _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), dj));
-    }
-    for (; j < count; ++j) out[j] = s[j] * d[j / S];
-  }
-}
-
 // a group's products spread over group_dot's lanes (0-3: the first 16 weights, 4-7: the rest)
 template <int S>
 static inline __m256 group_scale(const float* p) {
@@ -704,12 +685,13 @@ static inline float zeros_after(const float* zeros, const QuantizedRows& xq, int
 }
 
 #if !defined(INT8_VNNI512)
-// AVX2 four-group steps, for unsigned codes (Q4, Q5): the four groups' codes as four registers of eight
-// codes per group (64-bit chunk c holds group g, g + 2, g + 1, g + 3 for c = 0..3), each met by x's
-// codes in the same layout with `maddubs`; the four int16 results add without overflow (8 products of at
-// most 31 * 127 per lane: 31496 < 32767), so a row pays one `madd`, one conversion, one scale multiply
-// and one multiply-add per 128 weights, where one group at a time paid four of each. Signed codes (Q8)
-// could overflow that sum and keep one group per step.
+// AVX2 four-group steps: the four groups' codes as four registers of eight codes per group (each 64-bit
+// chunk holds one group's: g, g + 2, g + 1, g + 3 for unsigned codes, g .. g + 3 for signed), each met
+// by x's codes in the same layout with `maddubs`. For 4- and 5-bit codes the four int16 results add
+// without overflow (8 products of at most 31 * 127 per lane: 31496 < 32767), then one `madd`; signed
+// 8-bit codes could overflow that, so each takes its `madd` and the int32 results add. Either way a row
+// pays one conversion, one scale multiply and one multiply-add per 128 weights, where one group at a
+// time paid four of each.
 struct QuadCodes {
   __m256i c[4];  // codes 0-7, 16-23, 8-15, 24-31 of each group
 };
@@ -736,6 +718,18 @@ static inline __m256i bit4_bytes(uint32_t bits) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
 }
 
+// four groups of 32 signed codes, as (codes 0-7, 16-23, 8-15, 24-31) of groups g .. g + 3
+template <int G>
+static inline QuadCodes quad_codes(const IntQ8<G>& w, int64_t n, int64_t g) {
+  const __m256i* p = reinterpret_cast<const __m256i*>(w.codes + n * w.k + g * 32);
+  const __m256i g0 = _mm256_loadu_si256(p), g1 = _mm256_loadu_si256(p + 1);
+  const __m256i g2 = _mm256_loadu_si256(p + 2), g3 = _mm256_loadu_si256(p + 3);
+  const __m256i lo01 = _mm256_unpacklo_epi64(g0, g1), lo23 = _mm256_unpacklo_epi64(g2, g3);
+  const __m256i hi01 = _mm256_unpackhi_epi64(g0, g1), hi23 = _mm256_unpackhi_epi64(g2, g3);
+  return {{_mm256_permute2x128_si256(lo01, lo23, 0x20), _mm256_permute2x128_si256(lo01, lo23, 0x31),
+           _mm256_permute2x128_si256(hi01, hi23, 0x20), _mm256_permute2x128_si256(hi01, hi23, 0x31)}};
+}
+
 static inline QuadCodes quad_codes(const IntQ5& w, int64_t n, int64_t g) {
   const uint8_t* p = w.at(n, g);
   auto nibbles = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 20 * i)); };
@@ -754,12 +748,12 @@ static inline QuadCodes quad_codes(const IntQ5& w, int64_t n, int64_t g) {
 
 // x's codes of each full four groups in quad_codes' layout (the groups after them are read from q), d
 // spread over each group's lane pair, and the block sums in the first lane of each pair
-static void prepare_quad_rows(QuantizedRows& xq) {
+static void prepare_quad_rows(QuantizedRows& xq, bool signed_weights) {
   const int64_t rows = xq.rows, k = xq.k, groups = xq.groups, quads = groups / 4;
   xq.stepped.resize(rows * k);
   xq.d_lanes.assign(rows * groups * 8, 0.0f);
   xq.sum_lanes.assign(rows * groups * 8, 0.0f);
-  const int chunk_group[4] = {0, 2, 1, 3};
+  const int chunk_group[4] = {0, signed_weights ? 1 : 2, signed_weights ? 2 : 1, 3};
   const int first_code[4] = {0, 16, 8, 24};
   for (int64_t r = 0; r < rows; ++r) {
     const int8_t* x = xq.q.data() + r * k;
@@ -778,46 +772,42 @@ static void prepare_quad_rows(QuantizedRows& xq) {
   }
 }
 
-template <class W>
-constexpr bool AVX2_QUADS = !W::SIGNED;
-
-// R rows of x against weight rows n0..n1. Per (weight row, x row): four-group steps (unsigned codes) or
-// one group at a time, alternately in two chains of multiply-adds (the chain's latency, not the
-// arithmetic, bounds a one-row pass), then one group at a time for what is left. The zeros' term (the
-// row's zeros against x's block sums) rides in the four-group steps' lanes, one multiply-add per row and
-// step; groups outside them, or all of a row without such steps, add it after. The same steps for every R.
+// R rows of x against weight rows n0..n1. Per (weight row, x row): four-group steps, alternately in two
+// chains of multiply-adds (the chain's latency, not the arithmetic, bounds a one-row pass), then one
+// group at a time for what is left. The zeros' term (the row's zeros against x's block sums) rides in
+// the four-group steps' lanes, one multiply-add per row and step, and groups after them add it after;
+// per-16 zeros are one dot product per row. The same steps for every R.
 template <class W, int R>
 static void int8_tile(const W& w, const float* scales, const float* zeros, const QuantizedRows& xq, int64_t r0,
                       float* y, int64_t ldy, int64_t n0, int64_t n1) {
   constexpr int S = W::SCALES;
-  constexpr bool QUADS = AVX2_QUADS<W>;
   const int64_t groups = xq.groups, k = xq.k, count = groups * S;
   const int8_t* xcodes = xq.q.data() + r0 * k;
-  const uint8_t* xs = QUADS ? xq.stepped.data() + r0 * k : nullptr;
-  const float* d_lanes = QUADS ? xq.d_lanes.data() + r0 * groups * 8 : nullptr;
-  const float* sum_lanes = QUADS ? xq.sum_lanes.data() + r0 * groups * 8 : nullptr;
-  const int64_t quad_end = QUADS ? groups / 4 * 4 : 0;
+  const uint8_t* xs = xq.stepped.data() + r0 * k;
+  const float* d_lanes = xq.d_lanes.data() + r0 * groups * 8;
+  const float* sum_lanes = xq.sum_lanes.data() + r0 * groups * 8;
+  const int64_t quad_end = groups / 4 * 4;
+  const bool lane_zeros = zeros && S == 1;
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i chunk_scale = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
-  std::vector<float> products(QUADS ? 0 : R * count);
+  // the scale of lane pair c: group g + c (signed codes) or g, g + 2, g + 1, g + 3 (nibble codes)
+  const __m256i chunk_scale = W::SIGNED ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3) : _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
   for (int64_t n = n0; n < n1; ++n) {
     prefetch_ahead(w, scales, n, n1, count);
     const float* s = scales + n * count;
-    if (!QUADS) scale_products<S>(s, xq.d.data() + r0 * groups, groups, R, products.data());
     __m256 acc[2][R];
     for (int r = 0; r < R; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
     auto step = [&](int64_t g, __m256* chain) __attribute__((always_inline)) {
       const __m256i wc = w.group(n, g), wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
       for (int r = 0; r < R; ++r) {
         const __m256 dot = group_dot<W::SIGNED>(wc, wu, xcodes + r * k + g * 32);
-        const __m256 scale = QUADS ? _mm256_set1_ps(s[g] * xq.d[(r0 + r) * groups + g])
-                                   : group_scale<S>(products.data() + r * count + g * S);
-        chain[r] = _mm256_fmadd_ps(scale, dot, chain[r]);
+        const float d = xq.d[(r0 + r) * groups + g];
+        const float products[2] = {s[g * S] * d, S == 2 ? s[g * S + 1] * d : 0.0f};
+        chain[r] = _mm256_fmadd_ps(group_scale<S>(products), dot, chain[r]);
       }
     };
     auto quad = [&](int64_t g, __m256* chain) __attribute__((always_inline)) {
-      if constexpr (QUADS) {
-        const QuadCodes q = quad_codes(w, n, g);
+      const QuadCodes q = quad_codes(w, n, g);
+      if constexpr (!W::SIGNED) {
         const __m256 ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + g)), chunk_scale);
         for (int r = 0; r < R; ++r) {
           const uint8_t* x = xs + r * k + g * 32;
@@ -828,11 +818,32 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
           const __m256 product = _mm256_mul_ps(ws, _mm256_loadu_ps(d_lanes + r * groups * 8 + g * 2));
           chain[r] = _mm256_fmadd_ps(product, _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), chain[r]);
         }
-        if (zeros) {  // each group's zero times its block sum, in the first lane of its pair
-          const __m256 wz = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(zeros + n * count + g)), chunk_scale);
-          for (int r = 0; r < R; ++r)
-            chain[r] = _mm256_fmadd_ps(wz, _mm256_loadu_ps(sum_lanes + r * groups * 8 + g * 2), chain[r]);
+      } else {
+        __m256i magnitude[4];
+        for (int j = 0; j < 4; ++j) magnitude[j] = _mm256_sign_epi8(q.c[j], q.c[j]);
+        const __m256 own = S == 1 ? _mm256_castps128_ps256(_mm_loadu_ps(s + g)) : _mm256_loadu_ps(s + g * 2);
+        const __m256 ws_lo = _mm256_permutevar8x32_ps(own, S == 1 ? chunk_scale : _mm256_add_epi32(chunk_scale, chunk_scale));
+        const __m256 ws_hi = S == 1 ? ws_lo : _mm256_permutevar8x32_ps(own, _mm256_add_epi32(_mm256_add_epi32(chunk_scale, chunk_scale), _mm256_set1_epi32(1)));
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* x = xs + r * k + g * 32;
+          auto part = [&](int j) __attribute__((always_inline)) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * j));
+            return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[j], _mm256_sign_epi8(xv, q.c[j])), ones);
+          };
+          const __m256 d = _mm256_loadu_ps(d_lanes + r * groups * 8 + g * 2);
+          if (S == 1) {
+            const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(part(0), part(1)), _mm256_add_epi32(part(2), part(3)));
+            chain[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_lo, d), _mm256_cvtepi32_ps(sums), chain[r]);
+          } else {  // codes 0-15 (registers 0 and 2) and 16-31 (1 and 3) have their own scales
+            chain[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_lo, d), _mm256_cvtepi32_ps(_mm256_add_epi32(part(0), part(2))), chain[r]);
+            chain[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_hi, d), _mm256_cvtepi32_ps(_mm256_add_epi32(part(1), part(3))), chain[r]);
+          }
         }
+      }
+      if (lane_zeros) {  // each group's zero times its block sum, in the first lane of its pair
+        const __m256 wz = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(zeros + n * count + g)), chunk_scale);
+        for (int r = 0; r < R; ++r)
+          chain[r] = _mm256_fmadd_ps(wz, _mm256_loadu_ps(sum_lanes + r * groups * 8 + g * 2), chain[r]);
       }
     };
     int64_t g = 0;
@@ -848,7 +859,7 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
     if (g < groups) step(g, acc[0]);
     for (int r = 0; r < R; ++r)
       y[r * ldy + n] = hsum8(_mm256_add_ps(acc[0][r], acc[1][r])) +
-                       (QUADS ? zeros_after(zeros, xq, r0 + r, n, quad_end) : zeros_term<S>(zeros, xq, r0 + r, n));
+                       (lane_zeros ? zeros_after(zeros, xq, r0 + r, n, quad_end) : zeros_term<S>(zeros, xq, r0 + r, n));
   }
 }
 
@@ -1101,7 +1112,7 @@ static bool run_int8_matmul(int64_t kind, const torch::Tensor& codes, const torc
 #if defined(INT8_VNNI512)
   prepare_vnni_rows(xq, kind == KIND_Q8);
 #else
-  if (kind != KIND_Q8) prepare_quad_rows(xq);
+  prepare_quad_rows(xq, kind == KIND_Q8);
 #endif
   const float* s = held(scales);
   const float* z = held(zeros);
