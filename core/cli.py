@@ -82,8 +82,10 @@ def _read_prompt(prompt: str) -> str:
 @click.option("--backend", "-b", help="Backend plugin [cpu].")
 @click.option("--draft-model", help="Draft model for the draft-model drafter: catalog name or .gguf path.")
 @click.option("--draft-max", help="Tokens drafted per round: a number, or auto (chosen each round) [auto].")
-@click.option("--draft-min", type=int, help="Drop proposals shorter than this [0].")
-@click.option("--draft-p-min", type=float, help="Drafter-side stop below this draft probability [0].")
+@click.option("--draft-min", type=int, help="Drop proposals shorter than this, except drafts sampled from q, "
+                                            "whose length depends on their tokens (dropping them would bias the output) [0].")
+@click.option("--draft-p-min", type=float, help="Drafter-side stop: end the draft at a position where the drafter's "
+                                                "largest probability is below this, decided before its token is drawn [0].")
 @click.option("--context", type=int, help="KV cache length in tokens [4096].")
 @click.option("-o", "--option", "options", type=(str, str), multiple=True, metavar="KEY VALUE",
               help="Plugin option, e.g. `-o drafter.max_n 5` or `-o p_min 0.2`.")

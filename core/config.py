@@ -60,8 +60,8 @@ SETTINGS: dict[str, Setting] = {
     "draft_model": Setting(str, "", "draft model for the draft-model drafter: a catalog name or a .gguf path"),
     "draft_max": Setting(object, "auto", "tokens drafted per round: a number, or auto (chosen each round from "
                          "measured verify cost and acceptance)", parse_draft_max),
-    "draft_min": Setting(int, 0, "drop proposals shorter than this"),
-    "draft_p_min": Setting(float, 0.0, "drafter-side stop: do not draft a token whose draft probability is below this"),
+    "draft_min": Setting(int, 0, "drop proposals shorter than this (not drafts sampled from q, which stay lossless only whole)"),
+    "draft_p_min": Setting(float, 0.0, "drafter-side stop: end the draft where the drafter's largest probability is below this"),
     "max_tokens": Setting(int, 128, "most tokens to generate", minimum=1),
     "temperature": Setting(float, 0.0, "0 = greedy"),
     "top_k": Setting(int, 0, "0 = off"),

@@ -19,7 +19,7 @@ exactly positions [0, start+m) then. The cache is the target's own: read it, nev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -106,16 +106,30 @@ def reads_the_target(drafter: Any) -> bool:
     return bool(set(getattr(drafter, "needs", ())) & {NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV})
 
 
-def choose_draft_token(logits: torch.Tensor, params: SamplingParams, sample: bool, generator: torch.Generator,
-                       p_min: float) -> tuple[int, torch.Tensor | None, float]:
-    """One draft token from a draft model's logits row [vocab] (float32, CPU): with `sample` at a temperature
-    above 0, drawn from q = warp(logits, params) and returned with q (the sampled acceptor's q row, which
-    must be the law the token was drawn from); otherwise the argmax and no q. The third value is the
-    token's probability, which `--draft-p-min` compares (1.0 when p_min is off and nothing was sampled)."""
-    if sample and not params.greedy:
-        q = warp(logits, params)
-        token = int(torch.multinomial(q, 1, generator=generator))
-        return token, q, float(q[token])
-    token = int(logits.argmax())
-    confidence = float(torch.softmax(logits, -1)[token]) if p_min > 0 else 1.0
-    return token, None, confidence
+def draft_loop(k: int, next_logits: Callable[[list[int]], torch.Tensor], params: SamplingParams, controls: DraftControls,
+               sample: bool, generator: torch.Generator) -> Draft:
+    """The draft loop of every drafter that drafts position by position from a model (draft-model, mtp,
+    gemma-assistant; a third-party drafter may use it too). `next_logits(drafted)` returns the logits row
+    [vocab] (float32, CPU) for the position after the tokens drafted so far (first with []).
+
+    Each position: q = warp(logits, params) when `sample` at a temperature above 0, else the softmax; the
+    round stops *before* a token is drawn when q's largest probability is below `controls.draft_p_min`
+    (llama.cpp's rule), so whether a position is drafted depends on what came before it, never on the token
+    drawn there, and the sampled acceptor's min(1, p/q) stays exact; then the token is drawn from q (returned
+    as its row) or is q's argmax (no rows: the acceptor uses the one-hot rule)."""
+    drafted: list[int] = []
+    rows: list[torch.Tensor] = []
+    sampled = sample and not params.greedy
+    for _ in range(k):
+        logits = next_logits(drafted)
+        q = warp(logits, params) if sampled else None
+        if controls.draft_p_min > 0:
+            largest = float(q.max()) if q is not None else float(torch.softmax(logits, -1).max())
+            if largest < controls.draft_p_min:
+                break
+        if q is not None:
+            drafted.append(int(torch.multinomial(q, 1, generator=generator)))
+            rows.append(q)
+        else:
+            drafted.append(int(logits.argmax()))
+    return Draft(drafted, torch.stack(rows) if rows else None)

@@ -192,7 +192,10 @@ class Runner:
             if not 0 <= x < self.vocab_size:
                 ids = ids[:i]
                 break
-        if len(ids) < max(self.controls.draft_min, 1):
+        # --draft-min drops short drafts whose tokens the context fixes (argmax, lookup); a draft sampled from q
+        # is kept whatever its length: its length depends on the tokens drawn, so dropping it would too
+        shortest = max(self.controls.draft_min, 1) if draft.probs is None else 1
+        if len(ids) < shortest:
             return Draft()
         probs = draft.probs
         if probs is not None:

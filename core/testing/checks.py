@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from outrider.drafting import Draft, DraftControls, reads_the_target
+from outrider.drafting import NEEDS_DRAFT_MODEL, Draft, DraftControls, reads_the_target
 from outrider.errors import OutriderError
 from outrider.gguf_file import GGUFFile
 from outrider.hookspecs import PLUGIN_KINDS
@@ -392,6 +392,35 @@ def lossless_with_its_draft_probabilities(subject: Subject) -> None:
 
     Seeded generations on a toy target that copies its context (a drafter that reads the target's hidden states:
     the tiny model it drafts for), chi-square against the exact law of the first tokens (p > 1e-4 per statistic)."""
+    _q_law(subject, DraftControls(), Q_LAW_GENERATIONS)
+
+
+# The drafter-side controls must keep the law too: a stop or a drop decided from a token already drawn from q
+# biases which tokens are proposed (with q = (.9, .1), p = (.5, .5) and a stop below .5 on the drawn token's q,
+# the first token comes out with probability .55). More generations: the bias is a few points of mass.
+Q_LAW_CONTROL_GENERATIONS = 2000
+
+
+@_check("drafter")
+def lossless_with_draft_p_min(subject: Subject) -> None:
+    """Statistical, with q and --draft-p-min 0.5: the drafter's stop keeps the output distributed as plain sampling.
+
+    As lossless_with_its_draft_probabilities, with DraftControls(draft_p_min=0.5): whether position i is drafted
+    may depend on q_i (llama.cpp stops when q_i's largest probability is below p_min), never on the token drawn."""
+    _q_law(subject, DraftControls(draft_p_min=0.5), Q_LAW_CONTROL_GENERATIONS)
+
+
+@_check("drafter")
+def lossless_with_draft_min(subject: Subject) -> None:
+    """Statistical, with q and --draft-min 2 --draft-p-min 0.5: dropping short drafts keeps the output's law.
+
+    As lossless_with_its_draft_probabilities, with DraftControls(draft_min=2, draft_p_min=0.5): a sampled draft's
+    length depends on its tokens, so dropping it for being short must not (the runner keeps q-drafts whatever their
+    length; README, Speculation controls)."""
+    _q_law(subject, DraftControls(draft_min=2, draft_p_min=0.5), Q_LAW_CONTROL_GENERATIONS)
+
+
+def _q_law(subject: Subject, controls: DraftControls, generations: int) -> None:
     from dataclasses import replace
 
     from outrider.drafting import Target
@@ -401,9 +430,9 @@ def lossless_with_its_draft_probabilities(subject: Subject) -> None:
     if not subject.capability("gives_draft_probs", drafter, False):
         raise CheckSkipped("gives_draft_probs is False: without q the output is plain sampling's token for token, "
                            "which seeded_sampling_equals_plain_sampling checks")
-    if reads_the_target(drafter):
-        # it drafts from the target's hidden states: the tiny model it drafts for, whose law costs a forward
-        # per prefix (13 with top-k 3)
+    if reads_the_target(drafter) or NEEDS_DRAFT_MODEL in subject.capability("needs", drafter, frozenset()):
+        # it drafts from the target's hidden states, or with a draft model made for the tiny target: the tiny
+        # model it drafts for, whose law costs a forward per prefix (13 with top-k 3)
         target = subject.fixtures.target(_arch(subject))
         law = exact_law(lambda context: model_next_logits(target.model, context), PROMPT, Q_LAW_TOKENS,
                         Q_LAW_PARAMS)
@@ -413,10 +442,10 @@ def lossless_with_its_draft_probabilities(subject: Subject) -> None:
         target = Target(model=toy, tokenizer=base.tokenizer, gguf=base.gguf, backend=base.backend)
         law = toy.law(PROMPT, Q_LAW_TOKENS, Q_LAW_PARAMS)
     drafter.setup(target)
-    runner = Runner(target, drafter, SampledAcceptor(), draft_max=3, context=64)
+    runner = Runner(target, drafter, SampledAcceptor(), draft_max=3, controls=controls, context=64)
     counts: dict[tuple[int, ...], int] = {}
     drafted = accepted = 0
-    for s in range(Q_LAW_GENERATIONS):
+    for s in range(generations):
         out = tuple(runner.generate(list(PROMPT), Q_LAW_TOKENS + 1, replace(Q_LAW_PARAMS, seed=1000 + s)))
         counts[out[:Q_LAW_TOKENS]] = counts.get(out[:Q_LAW_TOKENS], 0) + 1
         drafted, accepted = drafted + runner.stats.drafted, accepted + runner.stats.accepted
@@ -432,13 +461,15 @@ def lossless_with_its_draft_probabilities(subject: Subject) -> None:
         observed = np.array([got.get(c, 0) for c in cells])
         expected = np.array([want.get(c, 0.0) for c in cells])
         stat, df, pval, forbidden = chi2_test(observed, expected)
-        detail = (f"with the sampled acceptor, over {Q_LAW_GENERATIONS} seeded generations on a seeded tiny target "
-                  f"(temperature {Q_LAW_PARAMS.temperature}, top_k {Q_LAW_PARAMS.top_k}, draft_max 3) the first "
-                  f"{n} tokens are not distributed as plain sampling from the target: chi2={stat:.1f} df={df} "
-                  f"p={pval:.2g} (threshold {P_THRESHOLD}), TV distance {tv_distance(observed, expected):.3f}, "
-                  f"acceptance rate {rate}. A drafter that gives q must draw each draft x from the q row it "
-                  "returns (x ~ q, q warped with the run's params); a q for tokens picked another way (argmax, "
-                  "lookup) breaks losslessness: give probs=None for those")
+        detail = (f"with the sampled acceptor, over {generations} seeded generations on a seeded tiny target "
+                  f"(temperature {Q_LAW_PARAMS.temperature}, top_k {Q_LAW_PARAMS.top_k}, draft_max 3, draft_min "
+                  f"{controls.draft_min}, draft_p_min {controls.draft_p_min}) the first {n} tokens are not "
+                  f"distributed as plain sampling from the target: chi2={stat:.1f} df={df} p={pval:.2g} "
+                  f"(threshold {P_THRESHOLD}), TV distance {tv_distance(observed, expected):.3f}, acceptance rate "
+                  f"{rate}. A drafter that gives q must draw each draft x from the q row it returns (x ~ q, q warped "
+                  "with the run's params); a q for tokens picked another way (argmax, lookup) breaks losslessness: "
+                  "give probs=None for those. Whether a position is drafted may depend on its q row, never on the "
+                  "token drawn from it (outrider.drafting.draft_loop)")
         assert forbidden == 0, f"{detail}; {forbidden} outputs the target cannot produce were emitted"
         assert pval > P_THRESHOLD, detail
 

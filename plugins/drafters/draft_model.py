@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from outrider.catalog import resolve_model
-from outrider.drafting import NEEDS_DRAFT_MODEL, Draft, DrafterBase, DraftControls, Target, choose_draft_token
+from outrider.drafting import NEEDS_DRAFT_MODEL, Draft, DrafterBase, DraftControls, Target, draft_loop
 from outrider.errors import ConfigError
 from outrider.gguf_file import GGUFFile
 from outrider.hookspecs import hookimpl
@@ -65,30 +65,21 @@ class DraftModelDrafter(DrafterBase):
     def rollback(self, length: int) -> None:
         self.cache.truncate(min(self.cache.length, length))
 
-    def _next(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
-        logits = logits[: self.vocab_size].float().cpu()
-        return choose_draft_token(logits, self.params, self.sample, self.generator, self.controls.draft_p_min)
-
     def propose(self, tokens: list[int], k: int) -> Draft:
         room = self.cache.max_len - len(tokens)
         k = min(k, room)
         if k <= 0 or not tokens:  # nothing to condition on (found by the contract suite: it used to raise)
             return Draft()
         start = self.cache.length
-        pending = torch.tensor(tokens[start:], device=self.device)
-        drafted, rows = [], []
-        for _ in range(k):
-            logits = self.model.forward(pending, start, self.cache, last_only=True)[-1]
-            start += pending.shape[0]
-            token, q, confidence = self._next(logits)
-            if confidence < self.controls.draft_p_min:
-                break
-            drafted.append(token)
-            if q is not None:
-                rows.append(q)
-            pending = torch.tensor([token], device=self.device)
-        probs = torch.stack(rows) if rows and len(rows) == len(drafted) else None
-        return Draft(drafted, probs)
+
+        def next_logits(drafted: list[int]) -> torch.Tensor:
+            nonlocal start
+            pending = tokens[start:] if not drafted else drafted[-1:]
+            logits = self.model.forward(torch.tensor(pending, device=self.device), start, self.cache, last_only=True)[-1]
+            start += len(pending)
+            return logits[: self.vocab_size].float().cpu()
+
+        return draft_loop(k, next_logits, self.params, self.controls, self.sample, self.generator)
 
 
 @hookimpl

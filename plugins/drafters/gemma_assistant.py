@@ -19,7 +19,7 @@ import torch
 
 from outrider.catalog import resolve_model
 from outrider.drafting import (NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, Draft, DraftControls, DrafterBase, Target,
-                               choose_draft_token)
+                               draft_loop)
 from outrider.errors import ConfigError, ModelFileError
 from outrider.gguf_file import GGUFFile
 from outrider.hookspecs import hookimpl
@@ -102,29 +102,22 @@ class GemmaAssistantDrafter(DrafterBase):
         if length < self.end:  # the observed row is no longer the one before t0
             self.hidden = None
 
-    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
-        logits = logits[: self.vocab_size].float().cpu()
-        return choose_draft_token(logits, self.params, self.sample, self.generator, self.controls.draft_p_min)
-
     def propose(self, tokens: list[int], k: int) -> Draft:
         pos = len(tokens) - 1  # t0's position: the target has cached exactly the positions before it
         if k <= 0 or self.hidden is None or self.end != pos or self.cache is None or self.cache.length < pos:
             return Draft()
         kv = {kind: self.cache.read(layer, pos) for kind, layer in self.kv_layers.items()}
         embed = self.target.model.embed
-        token, h = tokens[-1], self.hidden
-        drafted, rows = [], []
-        for _ in range(k):
+        h = self.hidden
+
+        def next_logits(drafted: list[int]) -> torch.Tensor:
+            nonlocal h
+            token = drafted[-1] if drafted else tokens[-1]
             inputs = self.assistant.input_rows(embed(torch.tensor([token], device=self.device)), h)
             logits, h = self.assistant.forward(inputs, pos, kv)
-            token, q, confidence = self._choose(logits[0])
-            if confidence < self.controls.draft_p_min:
-                break
-            drafted.append(token)
-            if q is not None:
-                rows.append(q)
-        probs = torch.stack(rows) if rows and len(rows) == len(drafted) else None
-        return Draft(drafted, probs)
+            return logits[0][: self.vocab_size].float().cpu()
+
+        return draft_loop(k, next_logits, self.params, self.controls, self.sample, self.generator)
 
 
 @hookimpl

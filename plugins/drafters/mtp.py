@@ -30,7 +30,7 @@ import torch
 
 from outrider.catalog import outrider_home, resolve_model
 from outrider.drafting import (NEEDS_MTP_HEAD, NEEDS_TARGET_HIDDEN, Draft, DrafterBase, DraftControls, DraftKind,
-                               Target, choose_draft_token)
+                               Target, draft_loop)
 from outrider.errors import ConfigError, ModelFileError
 from outrider.gguf_file import GGUFFile
 from outrider.hookspecs import hookimpl
@@ -194,10 +194,6 @@ class MTPDrafter(DrafterBase):
             logits, hidden = head.forward(ids, h, head.cache.length)
         return logits, hidden[-1:]
 
-    def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
-        logits = logits.float()
-        return choose_draft_token(logits, self.params, self.sample, self.generator, self.controls.draft_p_min)
-
     def propose(self, tokens: list[int], k: int) -> Draft:
         k = min(k, self.max_len - len(tokens))
         if k <= 0 or not self._ready(tokens):
@@ -207,23 +203,23 @@ class MTPDrafter(DrafterBase):
             head.cache.truncate(min(head.cache.length, n))
         seeds = [self._catch_up(head, tokens, n + 1) for head in self.heads]
         logits, hidden = seeds[0]
-        drafted, rows, chain = [], [], [hidden]  # chain[m]: the hidden that made draft m + 1
-        for i in range(k):
+        chain = [hidden]  # chain[m]: the hidden that made draft m + 1
+
+        def next_logits(drafted: list[int]) -> torch.Tensor:
+            nonlocal logits
+            i = len(drafted)
             head = self.heads[min(i, len(self.heads) - 1)]
             if i > 0:  # rows n+1..n+i of this head: draft m at n+m with chain[m-1], those it lacks
                 first = head.cache.length
                 ids = torch.tensor(drafted[first - n - 1:i], device=self.device)
                 logits, h = head.forward(ids, torch.cat(chain[first - n - 1:i]), first)
                 chain.append(h[-1:])
-            token, q, confidence = self._pick(head.full_logits(logits, self.vocab))
-            if confidence < self.controls.draft_p_min:
-                break
-            drafted.append(token)
-            if q is not None:
-                rows.append(q)
+            return head.full_logits(logits, self.vocab).float().cpu()
+
+        draft = draft_loop(k, next_logits, self.params, self.controls, self.sample, self.generator)
         for head in self.heads:  # drafted rows are not the target's: only rows up to t0's stay
             head.cache.truncate(n + 1)
-        return Draft(drafted, torch.stack(rows) if rows else None)
+        return draft
 
 
 @hookimpl
