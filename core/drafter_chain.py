@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .drafting import DEFAULT_KIND, Draft, DraftControls, DraftKind, Target, reads_the_target
+from .drafting import DEFAULT_KIND, Draft, DraftControls, DraftKind, Target, may_give_draft_probs, reads_the_target
 from .registry import PluginSpec
 from .sampling import SamplingParams
 
@@ -29,7 +29,10 @@ class DrafterChain:
     def __init__(self, drafters: list[Any], names: list[str]):
         self.drafters, self.names = drafters, names
         self.needs = frozenset().union(*(getattr(d, "needs", frozenset()) for d in drafters))
+        # what its rounds give: q in every round (what an acceptor that needs q asks), or in some rounds
+        # (what makes a seeded run's tokens depend on the draft lengths, so `auto` must not time them)
         self.gives_draft_probs = all(getattr(d, "gives_draft_probs", False) for d in drafters)
+        self.may_give_draft_probs = any(may_give_draft_probs(d) for d in drafters)
         self._kinds: dict[tuple[int, DraftKind], DraftKind] = {}
         if reads_the_target(self):
             self.observe = self._observe
@@ -76,7 +79,7 @@ class DrafterChain:
 
 def chain_spec(specs: list[PluginSpec]) -> PluginSpec:
     """One drafter spec for the members `specs`: their options merged (an option goes to every member that
-    declares it), needs united, draft probabilities only if every member gives them."""
+    declares it), needs united, draft probabilities always if every member gives them, sometimes if any does."""
     options: dict[str, Any] = {}
     for spec in specs:
         for name, option in spec.options.items():
@@ -90,6 +93,9 @@ def chain_spec(specs: list[PluginSpec]) -> PluginSpec:
     capabilities = {
         "needs": frozenset().union(*(spec.capabilities.get("needs", frozenset()) for spec in specs)),
         "gives_draft_probs": all(spec.capabilities.get("gives_draft_probs", False) for spec in specs),
+        "may_give_draft_probs": any(spec.capabilities.get("may_give_draft_probs",
+                                                          spec.capabilities.get("gives_draft_probs", False))
+                                    for spec in specs),
     }
     return PluginSpec("drafter", ",".join(names), factory, (), options, capabilities,
                       " + ".join(sorted({spec.package for spec in specs})))

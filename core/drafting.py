@@ -101,6 +101,12 @@ class DrafterBase:
         return DEFAULT_KIND
 
 
+def may_give_draft_probs(drafter: Any) -> bool:
+    """Whether some of `drafter`'s rounds may carry q rows: `may_give_draft_probs` where it says (a chain
+    whose members differ), else `gives_draft_probs`."""
+    return bool(getattr(drafter, "may_give_draft_probs", getattr(drafter, "gives_draft_probs", False)))
+
+
 def reads_the_target(drafter: Any) -> bool:
     """Whether the runner must show `drafter` the target's hidden states and KV cache (`observe`)."""
     return bool(set(getattr(drafter, "needs", ())) & {NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV})

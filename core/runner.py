@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from .draft_length import AdaptiveDraftLength, FixedDraftLength
-from .drafting import DEFAULT_KIND, Draft, DraftControls, Target, reads_the_target
+from .drafting import DEFAULT_KIND, Draft, DraftControls, Target, may_give_draft_probs, reads_the_target
 from .errors import OutriderError
 from .sampling import PositionRandom, SamplingParams
 from .verify import VerifyRound, as_acceptor
@@ -182,7 +182,7 @@ class Runner:
         Leviathan rule, an undrafted one by plain sampling; a lossy acceptor keeps what was drafted."""
         if params.seed is None and not params.greedy:
             return False  # not reproducible anyway
-        gives_q = bool(getattr(self.drafter, "gives_draft_probs", False)) and not params.greedy
+        gives_q = may_give_draft_probs(self.drafter) and not params.greedy
         return gives_q or not getattr(self.acceptor, "lossless", True)
 
     def _clean(self, draft: Draft, k: int) -> Draft:

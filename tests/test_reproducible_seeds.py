@@ -78,3 +78,32 @@ def test_two_cli_runs_with_the_same_seed_a_q_drafter_and_auto_are_identical(outr
     outs = [json.loads(CliRunner().invoke(main, args).stdout) for _ in range(2)]
     assert outs[0]["stats"]["drafted"] > 0
     assert outs[0]["tokens"] == outs[1]["tokens"]
+
+
+def test_a_chain_with_a_q_member_under_auto_reproduces_whatever_the_timings(outrider_contract_fixtures, monkeypatch):
+    """`lookup,draft-model` gives q in the rounds its draft-model member drafts: its draft lengths change
+    the tokens, so `auto` must not take them from timings, even though its lookup rounds give no q."""
+    from outrider.drafter_chain import DrafterChain
+
+    path = str(outrider_contract_fixtures.tiny_draft_llama_path)
+    chain = lambda: DrafterChain([LookupDrafter(min_n=2), DraftModelDrafter(model=path, sample=True)],  # noqa: E731
+                                 ["lookup", "draft-model"])
+    runs = [_run(outrider_contract_fixtures, chain(), verify, monkeypatch) for verify in (STEEP, FLAT)]
+    (tokens_a, lengths_a), (tokens_b, lengths_b) = runs
+    assert lengths_a == lengths_b, "the chosen draft lengths followed the timings"
+    assert tokens_a == tokens_b
+    assert chain().may_give_draft_probs and not chain().gives_draft_probs
+
+
+def test_a_seeded_lookup_mtp_chain_gives_the_same_tokens_at_one_and_two_threads(outrider_contract_fixtures):
+    fx = outrider_contract_fixtures
+    base = ["generate", "-m", str(fx.tiny_llama_path), "--drafter", "lookup,mtp", "--draft-model",
+            str(fx.tiny_mtp_sidecar_path), "--draft-max", "auto", "-t", "0.7", "--seed", "1", "-n", "40", "--json",
+            "one two one two one two one two"]
+    outs = []
+    for threads in ("1", "2", "1"):
+        result = CliRunner().invoke(main, base + ["-o", "backend.threads", threads])
+        assert result.exit_code == 0, result.output
+        outs.append(json.loads(result.stdout))
+    assert outs[0]["stats"]["drafted"] > 0
+    assert outs[0]["tokens"] == outs[1]["tokens"] == outs[2]["tokens"]

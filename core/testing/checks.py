@@ -199,16 +199,23 @@ def ids_inside_the_vocabulary(subject: Subject) -> None:
             assert not bad, f"{r.where()} proposed ids outside the vocabulary [0, {vocab}): {bad}"
 
 
+def _may_give_q(subject: Subject, drafter: Any) -> bool:
+    """Whether some of the drafter's rounds may carry q (a chain with one sampling member: only its rounds)."""
+    may = subject.capability("may_give_draft_probs", drafter, None)
+    return bool(subject.capability("gives_draft_probs", drafter, False) if may is None else may)
+
+
 @_check("drafter")
 def probability_rows_sum_to_one(subject: Subject) -> None:
     """When it gives draft probabilities: one row per token, non-negative, summing to 1, q(x) > 0."""
     probe = subject.new()
-    if not subject.capability("gives_draft_probs", probe, False):
+    if not _may_give_q(subject, probe):
         raise CheckSkipped("gives_draft_probs is False: the drafter gives no probabilities")
+    always = subject.capability("gives_draft_probs", probe, False)
     vocab = _vocab(subject)
     for r in _session(subject, SAMPLED):
         n, q = len(r.draft.tokens), r.draft.probs
-        if n == 0:
+        if n == 0 or (q is None and not always):
             continue
         assert q is not None, f"{r.where()} drafted {n} tokens at temperature {SAMPLED.temperature} but gave no " \
                               "probabilities, though gives_draft_probs is True"
@@ -233,7 +240,7 @@ def same_proposal_for_the_same_state(subject: Subject) -> None:
                 f"two fresh instances given the same calls (temperature {params.temperature}, seed {params.seed}) " \
                 f"differ at {ra.where()}: {list(ra.draft.tokens)} vs {list(rb.draft.tokens)}"
     probe = subject.new()
-    if subject.capability("gives_draft_probs", probe, False):
+    if _may_give_q(subject, probe):
         return  # a sampling drafter's repeat draws from the next part of its random stream
     drafter, feed = _fed_drafter(subject)
     tokens = PROMPT + [7]
@@ -272,7 +279,7 @@ def consistent_after_rollback(subject: Subject) -> None:
 
     A drafter that gives q is run seeded; its tokens may come from a stream the rolled-back drafts advanced,
     so what must match is q: the first row, and every row while the two proposals agree."""
-    gives_q = subject.capability("gives_draft_probs", subject.new(), False)
+    gives_q = _may_give_q(subject, subject.new())
     params = SAMPLED if gives_q else GREEDY  # seeded: a sampling drafter's draws are reproducible
     vocab = _vocab(subject)
     for keep in (0, 1, 3):
@@ -371,7 +378,7 @@ def seeded_sampling_equals_plain_sampling(subject: Subject) -> None:
     got, _ = _run(fx.target(_arch(subject)), drafter, SampledAcceptor(), SAMPLED)
     vocab = _vocab(subject)
     assert len(got) == E2E_TOKENS and all(0 <= t < vocab for t in got), f"bad output {got}"
-    if subject.capability("gives_draft_probs", drafter, False):
+    if _may_give_q(subject, drafter):
         raise CheckSkipped("gives_draft_probs is True: a sampling drafter preserves the distribution, not the tokens")
     want = fx.plain_sampled(_arch(subject), PROMPT, E2E_TOKENS, SAMPLED)
     assert got == want, f"seed {SAMPLED.seed}: speculative output {got} differs from plain sampling {want} " \
@@ -427,7 +434,7 @@ def _q_law(subject: Subject, controls: DraftControls, generations: int) -> None:
     from outrider.plugins.acceptors.sampled import SampledAcceptor
 
     drafter = subject.new()
-    if not subject.capability("gives_draft_probs", drafter, False):
+    if not _may_give_q(subject, drafter):
         raise CheckSkipped("gives_draft_probs is False: without q the output is plain sampling's token for token, "
                            "which seeded_sampling_equals_plain_sampling checks")
     if reads_the_target(drafter) or NEEDS_DRAFT_MODEL in subject.capability("needs", drafter, frozenset()):
