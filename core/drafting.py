@@ -23,7 +23,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from .sampling import SamplingParams, warp
+from .sampling import PositionRandom, SamplingParams, sample_at, warp
 
 # What a drafter may need from the target, declared in its `needs` capability.
 NEEDS_DRAFT_MODEL = "draft_model"
@@ -93,6 +93,8 @@ class DrafterBase:
 
     def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
         self.params, self.controls = params, controls
+        # a sampling drafter's own stream (never the acceptor's two); seeded runs repeat their drafts
+        self.draws = PositionRandom(params.seed if params.seed is not None else 0)
 
     def rollback(self, length: int) -> None:
         pass
@@ -113,7 +115,7 @@ def reads_the_target(drafter: Any) -> bool:
 
 
 def draft_loop(k: int, next_logits: Callable[[list[int]], torch.Tensor], params: SamplingParams, controls: DraftControls,
-               sample: bool, generator: torch.Generator) -> Draft:
+               sample: bool, draws: PositionRandom, position: int) -> Draft:
     """The draft loop of every drafter that drafts position by position from a model (draft-model, mtp,
     gemma-assistant; a third-party drafter may use it too). `next_logits(drafted)` returns the logits row
     [vocab] (float32, CPU) for the position after the tokens drafted so far (first with []).
@@ -121,8 +123,9 @@ def draft_loop(k: int, next_logits: Callable[[list[int]], torch.Tensor], params:
     Each position: q = warp(logits, params) when `sample` at a temperature above 0, else the softmax; the
     round stops *before* a token is drawn when q's largest probability is below `controls.draft_p_min`
     (llama.cpp's rule), so whether a position is drafted depends on what came before it, never on the token
-    drawn there, and the sampled acceptor's min(1, p/q) stays exact; then the token is drawn from q (returned
-    as its row) or is q's argmax (no rows: the acceptor uses the one-hot rule)."""
+    drawn there, and the sampled acceptor's min(1, p/q) stays exact; then the token is drawn from q with the
+    drafter stream's draw for its absolute position (`draws.uniform_draft`; the first draft stands at
+    `position`) and q is returned as its row, or it is the argmax (no rows: the acceptor's one-hot rule)."""
     drafted: list[int] = []
     rows: list[torch.Tensor] = []
     sampled = sample and not params.greedy
@@ -134,7 +137,7 @@ def draft_loop(k: int, next_logits: Callable[[list[int]], torch.Tensor], params:
             if largest < controls.draft_p_min:
                 break
         if q is not None:
-            drafted.append(int(torch.multinomial(q, 1, generator=generator)))
+            drafted.append(sample_at(q, draws.uniform_draft(position + len(drafted))))
             rows.append(q)
         else:
             drafted.append(int(logits.argmax()))

@@ -24,8 +24,8 @@ from .verify import VerifyRound, as_acceptor
 
 @dataclass
 class GenerationStats:
-    """Counters for one generation; names and definitions follow the team's acceptance spec
-    (../shared/specs/acceptance.md, outside this repository): a round is one verify forward, `drafted` and
+    """Counters for one generation; names and definitions follow docs/acceptance.md
+    (Metrics): a round is one verify forward, `drafted` and
     `accepted` count draft tokens (the recovered or bonus token is in neither), acceptance_rate =
     accepted / drafted, mean_acceptance_length = 1 + accepted / rounds (tokens emitted per round)."""
 

@@ -1,7 +1,6 @@
 """Sampling: warpers, position-coupled randomness and inverse-CDF sampling.
 
-The rules follow the team's acceptance spec (../shared/specs/acceptance.md, outside this repository);
-what it fixes for this module:
+The rules are docs/acceptance.md's; what they fix for this module:
 
 * :func:`warp` turns raw logits into the distribution that is actually sampled from (temperature, then
   top-k, then top-p). The same function is applied to the target (p) and to the drafter (q).
@@ -200,8 +199,9 @@ class PositionRandom:
     ``uniform(pos)`` is draw number ``pos`` of ``numpy.random.default_rng(seed).random(...)``; it is what
     plain decoding and the emitted/recovered/bonus tokens of the acceptors use. ``uniform_aux(pos)`` is an
     independent stream (``default_rng([seed, 1])``) for the Leviathan acceptance test. ``uniform_draft(pos)``
-    is a third independent stream (``default_rng([seed, 2])``) for drafters that sample: a drafter must NOT
-    sample its proposals with ``uniform``/``uniform_aux``, or the guarantee of the acceptance rule is lost.
+    is a third independent stream (``default_rng([seed, 2])``) for drafters that sample (the built-in ones draw
+    through ``outrider.drafting.draft_loop``): a drafter must NOT sample its proposals with
+    ``uniform``/``uniform_aux``, or the guarantee of the acceptance rule is lost.
     Draws do not depend on the order in which positions are asked for.
     """
 
@@ -293,12 +293,3 @@ def _sample_row(row: np.ndarray, u: float) -> int:
 def sample_at(probs: torch.Tensor, u: float) -> int:
     """Inverse-CDF sample of ``probs`` [V] with the uniform ``u`` in [0, 1) (see :func:`sample_rows`)."""
     return sample_rows(probs.reshape(1, -1), [u])[0]
-
-
-def __getattr__(name: str):
-    # AcceptResult and Acceptor live in outrider.verify (which imports this module); old imports still work
-    if name in ("AcceptResult", "Acceptor"):
-        from . import verify
-
-        return getattr(verify, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,8 +4,8 @@ lossless rules built-in and third-party acceptors share.
 A round is one target forward over [t0, x1..xk]: row i of its logits is the target's p_{i+1}, the
 distribution at the position where draft x_{i+1} stands (row k: the bonus position after x_k). The acceptor
 keeps a prefix of the drafts and emits one more token: the *recovered* token where the first rejected draft
-stood, or the *bonus* token when every draft was kept. The rules (the team's acceptance spec,
-../shared/specs/acceptance.md, restated): at temperature 0 keep x_i while it is the argmax of p_i; above
+stood, or the *bonus* token when every draft was kept. The rules (docs/acceptance.md,
+restated): at temperature 0 keep x_i while it is the argmax of p_i; above
 it, with a deterministic drafter keep x_i iff the token sampled from p_i with the position's own draw
 (``rng.uniform(pos)``) is x_i, and with a drafter that gives q keep x_i with probability
 min(1, p_i(x_i) / q_i(x_i)) (``rng.uniform_aux(pos)``), recovering from norm(max(0, p_i - q_i)).
@@ -17,13 +17,13 @@ Modelled on vLLM's SpecDecodeMetadata: one object instead of six positional argu
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .errors import ConfigError
 from .sampling import PositionRandom, SamplingParams, argmax_token, sample_at, warp
 
 __all__ = ["VerifyRound", "AcceptResult", "Acceptor", "greedy_round", "sampled_round", "as_acceptor"]
@@ -149,28 +149,6 @@ def sampled_round(verify: VerifyRound, force: Callable[[int], bool] | None = Non
     return verify.bonus(sample_at(p(verify.k), rng.uniform(pos + verify.k)))
 
 
-# ------------------------------------------------------------------------------------------------------
-# Acceptors written for the positional signature (outrider <= 0.1: accept(target_logits, draft_tokens,
-# draft_probs, params, rng, position)) keep working through an adapter, with a DeprecationWarning.
-
-
-class PositionalAcceptor:
-    """Adapts an acceptor whose ``accept`` takes the six positional arguments to :class:`Acceptor`."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def accept(self, verify: VerifyRound) -> AcceptResult:
-        return self.inner.accept(verify.target_logits, verify.draft_tokens, verify.draft_probs, verify.params,
-                                 verify.rng, verify.position)
-
-    def __getattr__(self, name: str) -> Any:  # capabilities (lossless, needs_draft_probs, ...) are the inner's
-        return getattr(self.inner, name)
-
-    def __repr__(self) -> str:
-        return repr(self.inner)
-
-
 def takes_positional_arguments(acceptor: Any) -> bool:
     """Whether ``acceptor.accept`` is the old six-argument form (it needs more than one argument)."""
     try:
@@ -182,11 +160,9 @@ def takes_positional_arguments(acceptor: Any) -> bool:
 
 
 def as_acceptor(acceptor: Any) -> Any:
-    """The acceptor itself, or for the old positional ``accept`` signature, an adapter (with a warning)."""
-    if isinstance(acceptor, PositionalAcceptor) or not takes_positional_arguments(acceptor):
-        return acceptor
-    warnings.warn(f"{type(acceptor).__name__}.accept takes (target_logits, draft_tokens, draft_probs, params, rng, "
-                  "position); acceptors now take one outrider.verify.VerifyRound with those fields: "
-                  "accept(self, verify). The positional form will stop working in a later version",
-                  DeprecationWarning, stacklevel=2)
-    return PositionalAcceptor(acceptor)
+    """The acceptor itself; one whose ``accept`` takes several arguments (a signature Outrider never
+    shipped a release with) is refused in one line that names the fix."""
+    if takes_positional_arguments(acceptor):
+        raise ConfigError(f"{type(acceptor).__name__}.accept takes several arguments; an acceptor takes one "
+                          "outrider.verify.VerifyRound: write accept(self, verify) (see docs/plugins.md)")
+    return acceptor

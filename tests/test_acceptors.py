@@ -409,38 +409,25 @@ def test_registered_with_capabilities_and_options():
     assert registry.get("acceptor", "p-min").options["p_min"].default == 0.1
 
 
-# ------------------------------------------------------------------------------------------------ the old signature
+# ------------------------------------------------------------------------------------------------ a wrong signature
 
 
 class PositionalGreedy:
-    """An acceptor written for the positional accept(target_logits, draft_tokens, draft_probs, params, rng,
-    position) that outrider 0.1 called."""
+    """An acceptor whose accept takes (target_logits, draft_tokens, draft_probs, params, rng, position)."""
 
     lossless, needs_draft_probs = True, False
 
     def accept(self, target_logits, draft_tokens, draft_probs, params, rng, position):
-        top = [int(t) for t in target_logits.argmax(-1)]
-        n = 0
-        while n < len(draft_tokens) and draft_tokens[n] == top[n]:
-            n += 1
-        return AcceptResult(list(draft_tokens[:n]) + [top[n]], n)
+        return AcceptResult([int(target_logits[0].argmax())], 0)
 
 
-def test_an_acceptor_with_the_positional_signature_keeps_working_with_a_deprecation_warning(outrider_contract_fixtures):
+def test_an_acceptor_with_a_positional_signature_is_refused_in_one_line(outrider_contract_fixtures):
+    from outrider.errors import ConfigError
     from outrider.plugins.drafters.lookup import LookupDrafter
     from outrider.runner import Runner
-    from outrider.testing.checks import greedy_is_the_argmax_chain, Subject
 
-    fx = outrider_contract_fixtures
-    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]  # repeats: the lookup drafter drafts, so rounds have k > 0
-    with pytest.warns(DeprecationWarning, match=r"accept\(self, verify\)"):
-        runner = Runner(fx.target("llama"), LookupDrafter(), PositionalGreedy(), draft_max=4, context=256)
-    assert runner.acceptor.lossless is True  # capabilities read through the adapter
-    out = list(runner.generate(prompt, 24, SamplingParams(0.0)))
-    assert out == fx.plain_greedy("llama", prompt, 24)
-    assert runner.stats.drafted > 0
-    with pytest.warns(DeprecationWarning):
-        greedy_is_the_argmax_chain(Subject("acceptor", "positional", PositionalGreedy, {}, fx))
+    with pytest.raises(ConfigError, match=r"write accept\(self, verify\)"):
+        Runner(outrider_contract_fixtures.target("llama"), LookupDrafter(), PositionalGreedy(), draft_max=4, context=256)
 
 
 def test_acceptors_taking_one_round_are_used_as_they_are():

@@ -1,6 +1,6 @@
 """The `mtp` drafter on sidecars this test writes itself in llama.cpp's nextn layout, with known random weights.
 
-Oracles: the MTP equations of shared/specs/mtp-drafters.md (b.3, c.1, c.2) written out below in plain torch over
+Oracles: the MTP equations (llama.cpp's nextn blocks: input norms, eh_proj, one decoder block, shared head) written out below in plain torch over
 weights read back with the `gguf` package's own reader (not Outrider's), attention recomputed over every row
 each step (no cache); plain decoding written as the obvious loop; exact target distributions for chi-square.
 """

@@ -148,12 +148,14 @@ def real_target(request):
 @pytest.mark.parametrize("draft_max", [1, 4, 8])
 def test_real_lookup_greedy_equals_plain(real_target, draft_max):
     _, target = real_target
+    drafted = {}
     for text in (ECHO_PROMPT, OPEN_PROMPT):
         prompt = target.tokenizer.encode(text)
         plain, _ = run(target, NoDrafter(), GreedyAcceptor(), prompt, 40)
         spec, stats = run(target, LookupDrafter(), SampledAcceptor(), prompt, 40, draft_max=draft_max)
         assert spec == plain
-    assert stats.drafted > 0
+        drafted[text] = stats.drafted
+    assert drafted[ECHO_PROMPT] > 0  # the echo is what lookup drafts (open text may repeat nothing in 40 tokens)
 
 
 @pytest.mark.slow

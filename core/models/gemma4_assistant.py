@@ -5,8 +5,8 @@ over its last global layer). Its input row is the target's scaled token embeddin
 the target's width (the target's final-normed hidden, then its own projected output when chaining), and its
 output is logits plus the next such hidden state.
 
-Follows llama.cpp's `src/models/gemma4-assistant.cpp` and `conversion/gemma.py` (`Gemma4AssistantModel`);
-see shared/specs/mtp-drafters.md part (a). The E2B/E4B centroid-masked head (transformers'
+Follows llama.cpp's `src/models/gemma4-assistant.cpp` and `conversion/gemma.py` (`Gemma4AssistantModel`).
+The E2B/E4B centroid-masked head (transformers'
 `Gemma4AssistantMaskedEmbedder`) is computed when the file carries it, unless the dense head is asked for
 (llama.cpp ignores those tensors and always computes the dense tied head).
 """

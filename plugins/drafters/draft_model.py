@@ -59,8 +59,6 @@ class DraftModelDrafter(DrafterBase):
     def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
         super().begin(prompt, params, controls)
         self.cache.truncate(0)
-        seed = params.seed if params.seed is not None else 0
-        self.generator = torch.Generator().manual_seed(seed ^ 0x5EED)
 
     def rollback(self, length: int) -> None:
         self.cache.truncate(min(self.cache.length, length))
@@ -79,7 +77,7 @@ class DraftModelDrafter(DrafterBase):
             start += len(pending)
             return logits[: self.vocab_size].float().cpu()
 
-        return draft_loop(k, next_logits, self.params, self.controls, self.sample, self.generator)
+        return draft_loop(k, next_logits, self.params, self.controls, self.sample, self.draws, len(tokens))
 
 
 @hookimpl

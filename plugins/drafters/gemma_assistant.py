@@ -91,8 +91,6 @@ class GemmaAssistantDrafter(DrafterBase):
     def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
         super().begin(prompt, params, controls)
         self.hidden, self.end, self.cache = None, 0, None
-        seed = params.seed if params.seed is not None else 0
-        self.generator = torch.Generator().manual_seed(seed ^ 0xA551)
 
     def observe(self, hidden: torch.Tensor, start: int, cache) -> None:
         # only the last certain row matters: it is the target hidden that predicted the next t0
@@ -117,7 +115,7 @@ class GemmaAssistantDrafter(DrafterBase):
             logits, h = self.assistant.forward(inputs, pos, kv)
             return logits[0][: self.vocab_size].float().cpu()
 
-        return draft_loop(k, next_logits, self.params, self.controls, self.sample, self.generator)
+        return draft_loop(k, next_logits, self.params, self.controls, self.sample, self.draws, len(tokens))
 
 
 @hookimpl

@@ -154,8 +154,6 @@ class MTPDrafter(DrafterBase):
         self.observed = 0  # target hidden rows held for positions [0, observed)
         for head in self.heads:
             head.cache.truncate(0)
-        seed = params.seed if params.seed is not None else 0
-        self.generator = torch.Generator().manual_seed(seed ^ 0x3717)
 
     def observe(self, hidden: torch.Tensor, start: int, cache) -> None:
         if start > self.observed:  # rows before these were never shown: keep only the contiguous ones
@@ -216,7 +214,7 @@ class MTPDrafter(DrafterBase):
                 chain.append(h[-1:])
             return head.full_logits(logits, self.vocab).float().cpu()
 
-        draft = draft_loop(k, next_logits, self.params, self.controls, self.sample, self.generator)
+        draft = draft_loop(k, next_logits, self.params, self.controls, self.sample, self.draws, len(tokens))
         for head in self.heads:  # drafted rows are not the target's: only rows up to t0's stay
             head.cache.truncate(n + 1)
         return draft
