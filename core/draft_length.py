@@ -6,7 +6,10 @@
 - the verify cost curve: seconds for a target forward over n = k + 1 tokens (a running average per n;
   an n not yet seen is interpolated linearly from the ones that were, or extrapolated with a small
   slope, which is optimistic so that longer drafts get tried);
-- the drafter's cost per drafted token (a running average);
+- the drafter's cost per drafted token (a running average per kind of draft: in a chain a lookup draft is
+  nearly free and an MTP draft costs head forwards; a kind not yet timed takes the average over all kinds).
+  What a drafter spends keeping up with the target rather than drafting (the MTP head's catch-up of rows
+  accepted in other rounds, reported as its `upkeep_s`) does not grow with k and is not billed per token;
 - the per-position conditional acceptance a_j = P(draft j accepted | draft j-1 accepted), as running
   averages over the rounds that reached position j; a position no round has reached yet is assumed to
   do as well as the deepest one measured, so a drafter that is always right gets to draft further.
@@ -77,7 +80,8 @@ class AdaptiveDraftLength:
     untimed_draft_cost: float = 0.1  # a drafted token's cost in one-token verifies, when not timed
     rounds: int = 0
     verify_s: dict[int, float] = field(default_factory=dict)
-    draft_s_per_token: float | None = None
+    draft_s_per_token: float | None = None  # over every kind: for a kind not yet timed
+    draft_s_per_token_by_kind: dict[DraftKind, float] = field(default_factory=dict)
     kinds: dict[DraftKind, KindAcceptance] = field(default_factory=dict)
 
     def estimates(self, kind: DraftKind = DEFAULT_KIND) -> KindAcceptance:
@@ -121,7 +125,10 @@ class AdaptiveDraftLength:
         return 1.0 if k == 0 else next(islice(self._expected_by_length(kind), k - 1, None))
 
     def choose(self, kind: DraftKind = DEFAULT_KIND) -> int:
-        draft_cost = (self.draft_s_per_token or 0.0) if self.timed else self.untimed_draft_cost
+        if self.timed:
+            draft_cost = self.draft_s_per_token_by_kind.get(kind, self.draft_s_per_token or 0.0)
+        else:
+            draft_cost = self.untimed_draft_cost
         best_k, best_rate = 0, 1.0 / self.verify_cost(1)
         for k, expected in enumerate(self._expected_by_length(kind), start=1):
             rate = expected / (self.verify_cost(k + 1) + k * draft_cost)
@@ -146,6 +153,8 @@ class AdaptiveDraftLength:
             return
         if self.timed:
             self.draft_s_per_token = self._average(self.draft_s_per_token, draft_s / drafted)
+            by_kind = self.draft_s_per_token_by_kind
+            by_kind[kind] = self._average(by_kind.get(kind), draft_s / drafted)
         for j in range(min(drafted, accepted + 1)):
             est.reached[j] += 1
             hit = 1.0 if j < accepted else 0.0

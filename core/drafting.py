@@ -87,6 +87,9 @@ class DrafterBase:
 
     gives_draft_probs = False
     needs: frozenset[str] = frozenset()
+    # seconds of the last propose spent keeping up with the target rather than drafting (an MTP head's
+    # catch-up): `--draft-max auto` does not bill it per drafted token
+    upkeep_s = 0.0
 
     def setup(self, target: Target) -> None:
         self.target = target

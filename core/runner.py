@@ -42,6 +42,7 @@ class GenerationStats:
     accepted_at: list[int] = field(default_factory=list)  # rounds that accepted draft position j+1
     draft_lengths: list[int] = field(default_factory=list)  # tokens drafted, per round
     chosen_lengths: list[int] = field(default_factory=list)  # tokens asked of the drafter, per round
+    chosen_by_kind: dict[str, list[int]] = field(default_factory=dict)  # the same, per kind of draft
     stop_reason: str = ""
 
     def record_round(self, drafted: int, accepted: int) -> None:
@@ -74,6 +75,7 @@ class GenerationStats:
             "draft_s": round(self.draft_s, 6),
             "verify_s": round(self.verify_s, 6),
             "chosen_draft_lengths": _histogram(self.chosen_lengths),
+            "chosen_draft_lengths_by_kind": {name: _histogram(v) for name, v in sorted(self.chosen_by_kind.items())},
             "stop_reason": self.stop_reason,
         }
 
@@ -112,6 +114,7 @@ class Runner:
         if isinstance(self.draft_length, AdaptiveDraftLength):  # verify costs carry over; acceptance does not
             self.draft_length = AdaptiveDraftLength(verify_s=self.draft_length.verify_s,
                                                     draft_s_per_token=self.draft_length.draft_s_per_token,
+                                                    draft_s_per_token_by_kind=self.draft_length.draft_s_per_token_by_kind,
                                                     timed=not self.lengths_change_the_output(params))
         rng = PositionRandom(params.seed)
         model, cache, acceptor = self.target.model, self.cache, self.acceptor
@@ -147,6 +150,7 @@ class Runner:
             k = min(chosen, max_tokens - stats.generated_tokens - 1, self.context - len(tokens))
             draft = self._clean(self.drafter.propose(tokens, k) if k > 0 else Draft(), k)
             t_drafted = time.perf_counter()
+            upkeep = min(float(getattr(self.drafter, "upkeep_s", 0.0) or 0.0), t_drafted - t) if k > 0 else 0.0
             batch = torch.tensor([tokens[-1], *draft.tokens], device=self.device)
             out = model.forward(batch, n, cache, hidden=observe is not None)
             logits, hidden = out if observe is not None else (out, None)
@@ -157,7 +161,11 @@ class Runner:
             stats.verify_s += t_verified - t_drafted
             stats.record_round(len(draft.tokens), result.accepted)
             stats.chosen_lengths.append(chosen)
-            self.draft_length.update(len(draft.tokens), result.accepted, t_drafted - t, t_verified - t_drafted, kind)
+            if kind is not None:
+                stats.chosen_by_kind.setdefault(kind.name, []).append(chosen)
+            # a draft's price is what drafting it took, less what the drafter spent keeping up with the target
+            self.draft_length.update(len(draft.tokens), result.accepted, t_drafted - t - upkeep, t_verified - t_drafted,
+                                     kind)
             cache.truncate(n + 1 + result.accepted)
             self.drafter.rollback(n + 1 + result.accepted)
             if observe is not None:  # t0 and the accepted drafts: the rows whose tokens are now certain

@@ -102,3 +102,19 @@ def test_a_round_with_nothing_to_draft_teaches_nothing_about_acceptance():
     assert p.estimates().acceptance == before
     p.update(0, 0, 0.0, 1.0)  # a round that could have drafted and did not: drift towards the prior 0.6
     assert p.estimates().acceptance[0] == before[0] + p.recovery * (0.6 - before[0])
+
+
+def test_each_kind_of_draft_has_its_own_cost():
+    """A chain's lookup drafts are nearly free and its MTP drafts cost head forwards: priced apart, lookup
+    drafts long and MTP short at the same acceptance (one running cost for both priced them alike)."""
+    cheap, dear = DraftKind("lookup:4", prior=0.8), DraftKind("mtp", prior=0.8)
+    p = AdaptiveDraftLength(cap=8, verify_s={n: 1.0 for n in range(1, 10)})
+    for kind in (cheap, dear):
+        p.estimates(kind).acceptance = [0.8] * 8
+        p.estimates(kind).reached = [1] * 8
+    p.update(4, 3, 0.0, 1.0, cheap)  # 0 s per drafted token
+    p.update(4, 3, 2.0, 1.0, dear)  # 0.5 s per drafted token: best k = 2 (test_draft_cost_counts_against_long_drafts)
+    p.estimates(cheap).acceptance = p.estimates(dear).acceptance = [0.8] * 8
+    p.rounds = 0  # not an exploring round
+    assert p.choose(cheap) == 8
+    assert p.choose(dear) == 2

@@ -308,3 +308,11 @@ def test_a_distilled_head_drafts_what_the_spec_equations_give(fx, distilled):
     want = torch.softmax(Oracle("llama", fx.model_path("llama"), distilled.sidecar).draft_logits(
         tokens, hidden, draft.tokens[:-1]), -1)
     torch.testing.assert_close(draft.probs, want, atol=2e-5, rtol=1e-4)
+
+
+def test_a_gemma4_target_is_refused_in_one_line(fx):
+    """The mtp drafter runs nextn blocks of the trunk's own kind; Gemma 4 has its assistant instead."""
+    from outrider.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="gemma-assistant"):
+        MTPDrafter().setup(fx.target("gemma4"))

@@ -80,7 +80,8 @@ class OutriderEngine(Engine):
         if self.drafter != "none":
             result.drafted, result.accepted, result.rounds = stats.drafted, stats.accepted, stats.rounds
             result.extra = {key: value for key, value in stats.as_dict().items()
-                            if key in ("chosen_draft_lengths", "per_position", "draft_s", "verify_s")}
+                            if key in ("chosen_draft_lengths", "chosen_draft_lengths_by_kind", "per_position", "draft_s",
+                                       "verify_s")}
         return result
 
     def held_bytes(self) -> int:

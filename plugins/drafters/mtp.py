@@ -23,6 +23,7 @@ tokens outside it get draft probability 0, which the acceptors handle losslessly
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -140,6 +141,10 @@ class MTPDrafter(DrafterBase):
 
     def setup(self, target: Target) -> None:
         super().setup(target)
+        if not callable(getattr(target.model, "block", None)):  # an MTP block is a decoder block of the trunk's kind
+            raise ConfigError(f"drafter 'mtp' runs nextn blocks of llama and gemma3 targets; a "
+                              f"{target.gguf.architecture} target has none: for Gemma 4 use --drafter "
+                              "gemma-assistant with its assistant file")
         g = find_head_file(target, self.model_name)
         self.max_len = min(self.context, target.model.config.context_length)
         first = trunk_layers(g)
@@ -193,13 +198,18 @@ class MTPDrafter(DrafterBase):
         return logits, hidden[-1:]
 
     def propose(self, tokens: list[int], k: int) -> Draft:
+        self.upkeep_s = 0.0
         k = min(k, self.max_len - len(tokens))
         if k <= 0 or not self._ready(tokens):
             return Draft()
         n = len(tokens) - 1  # t0's position: its row (t0, h_{n-1}) is made from the target and seeds the draft
         for head in self.heads:
             head.cache.truncate(min(head.cache.length, n))
+        start = time.perf_counter()
         seeds = [self._catch_up(head, tokens, n + 1) for head in self.heads]
+        # keeping the heads' caches up with the target: its size follows the rows accepted since the last
+        # MTP round (in a chain, lookup's), not the draft length, so `auto` does not bill it per drafted token
+        self.upkeep_s = time.perf_counter() - start
         logits, hidden = seeds[0]
         chain = [hidden]  # chain[m]: the hidden that made draft m + 1
 
