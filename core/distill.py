@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
+from .models.gemma3 import local_layers
 
 PROMPTS = (
     "Explain how a hash table works, with a short example in Python.",
@@ -192,8 +193,7 @@ class TrainableHead(torch.nn.Module):
         if self.arch == "gemma3":
             for name in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
                 self.w[name] = param(load(name))
-            b = cfg.n_layers
-            local = cfg.sliding_window > 0 and b % 6 < 5
+            local = local_layers(g, cfg.n_layers + 1)[cfg.n_layers]  # block n_layers, as the drafter reads it
             self.rotary = model.local_rotary if local else model.global_rotary
             self.window = cfg.sliding_window if local else None
             self.scale = cfg.attention_scale
@@ -235,7 +235,11 @@ class TrainableHead(torch.nn.Module):
             f = self.rms(x, "ffn_norm")
             x = x + (self.act(f @ w["ffn_gate"].T) * (f @ w["ffn_up"].T)) @ w["ffn_down"].T
         h = self.rms(x, "shared_head_norm")
-        return h @ w["shared_head_head"].T, h
+        logits = h @ w["shared_head_head"].T
+        softcap = float(getattr(self.cfg, "final_logit_softcap", 0.0) or 0.0)
+        if softcap:  # as the drafter's head applies it
+            logits = softcap * torch.tanh(logits / softcap)
+        return logits, h
 
 
 def shifted(hidden: torch.Tensor) -> torch.Tensor:

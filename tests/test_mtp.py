@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from outrider.drafting import DraftControls
+from outrider.gguf_file import GGUFFile
 from outrider.native import activations as native_activations
 from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.plugins.acceptors.sampled import SampledAcceptor
@@ -316,3 +317,43 @@ def test_a_gemma4_target_is_refused_in_one_line(fx):
 
     with pytest.raises(ConfigError, match="gemma-assistant"):
         MTPDrafter().setup(fx.target("gemma4"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma3-period-4-softcap"])
+def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, arch):
+    """distill trains `TrainableHead` (plain torch, gradients) and the drafter runs `MTPHead` (the backend's
+    kernels, a KV cache): on the same weights (the trained head rounded to the sidecar's float16, then
+    written as a sidecar), positions and an empty cache, both give the same logits and hidden rows. The
+    third case has 7 layers listed local-local-local-global-..., so the head's block 7 is global by the
+    file's period (not by a period of 6), and a final logit softcap both must apply."""
+    from outrider.distill import TrainableHead, shifted, write_sidecar as write_trained
+    from outrider.plugins.drafters.mtp import MTPHead
+    from outrider.testing.fixtures import cpu_target
+    from outrider.testing.tiny_models import write_tiny_gemma3
+
+    if arch == "gemma3-period-4-softcap":
+        target = cpu_target(write_tiny_gemma3(tmp_path / "p4.gguf", n_layers=7, window=4, final_softcap=3.0,
+                                              pattern=[True, True, True, False, True, True, True]))
+        arch = "gemma3"
+    else:
+        target = fx.target(arch)
+    model, g = target.model, target.gguf
+    vocab_ids = torch.arange(0, model.config.vocab_size, 3)  # a reduced draft vocabulary, as distill keeps
+    head = TrainableHead(model, g, vocab_ids)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in head.w.values():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))  # not the trunk's last layer any more
+            if p.dim() == 2:
+                p.copy_(p.half().float())
+    path = tmp_path / f"{arch}.mtp.gguf"
+    write_trained(path, head, g, vocab_ids)
+    tokens = [5, 17, 42, 8, 99, 3, 64, 7, 21, 11]
+    hidden = _target_hidden(target, tokens).float()
+    with native_activations("float32"), torch.no_grad():
+        want_logits, want_h = head(torch.tensor(tokens), shifted(hidden))
+        drafting = MTPHead(GGUFFile(path), model.config.n_layers, target, 64)
+        for end in range(1, len(tokens) + 1):  # row by row through the cache, as the drafter feeds it
+            logits, h = drafting.forward(torch.tensor(tokens[end - 1:end]), shifted(hidden)[end - 1:end], end - 1)
+            torch.testing.assert_close(h[-1].float(), want_h[end - 1], atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(logits, want_logits[end - 1], atol=2e-4, rtol=1e-4)

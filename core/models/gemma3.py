@@ -25,7 +25,10 @@ def local_layers(g: GGUFFile, n: int) -> tuple[bool, ...]:
     if int(g.arch_key("attention.sliding_window", 0)) <= 0:
         return (False,) * n
     if isinstance(pattern, list):
-        return tuple(bool(p) for p in pattern[:n])
+        # blocks past the list (an MTP block after the trunk's) continue its period: up to its first global
+        listed = [bool(p) for p in pattern[:n]]
+        period = next((i + 1 for i, p in enumerate(listed) if not p), DEFAULT_SWA_PERIOD)
+        return tuple(listed) + tuple(i % period < period - 1 for i in range(len(listed), n))
     period = int(pattern or DEFAULT_SWA_PERIOD)
     return tuple(i % period < period - 1 for i in range(n))
 

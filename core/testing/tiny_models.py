@@ -95,8 +95,9 @@ def write_tiny_llama(path: str | Path, seed: int = 0, n_layers: int = 2, hidden:
 
 def write_tiny_gemma3(path: str | Path, seed: int = 0, n_layers: int = 6, hidden: int = 64, heads: int = 4,
                       kv_heads: int = 1, head_dim: int = 32, ffn: int = 128, window: int = 8, context: int = 256,
-                      quantize: bool = True) -> Path:
-    """A gemma3 GGUF (five local layers with a small window, then a global one) with an SPM-style vocab."""
+                      quantize: bool = True, pattern: list[bool] | None = None, final_softcap: float = 0.0) -> Path:
+    """A gemma3 GGUF (five local layers with a small window, then a global one) with an SPM-style vocab;
+    `pattern` writes which layers are local as a list, `final_softcap` the final logit softcapping."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -119,6 +120,10 @@ def write_tiny_gemma3(path: str | Path, seed: int = 0, n_layers: int = 6, hidden
     w.add_rope_freq_base(1_000_000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_sliding_window(window)
+    if pattern is not None:
+        w.add_array("gemma3.attention.sliding_window_pattern", [bool(p) for p in pattern])
+    if final_softcap:
+        w.add_float32("gemma3.final_logit_softcapping", final_softcap)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
