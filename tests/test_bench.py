@@ -328,3 +328,11 @@ def test_cli_bench_options_reach_every_outrider_configuration(tiny, short_prompt
                                        "--no-bandwidth", "--json-out", str(tmp_path / "b.json"), "--chart", ""])
     for config in ("outrider", "outrider+lookup"):
         assert f"{config} skipped: ConfigError: unknown weights mode 'sparse'" in result.output, result.output
+
+
+def test_the_report_shows_the_lengths_auto_chose_per_kind_of_draft():
+    from outrider.bench.report import _lengths_by_kind
+
+    cell = {"runs": [{"extra": {"chosen_draft_lengths_by_kind": {"lookup:4-gram": {"8": 2}, "mtp:mtp": {"2": 3}}}},
+                     {"extra": {"chosen_draft_lengths_by_kind": {"lookup:4-gram": {"8": 1, "6": 1}}}}, {"extra": {}}]}
+    assert _lengths_by_kind(cell) == {"lookup:4-gram": {"8": 3, "6": 1}, "mtp:mtp": {"2": 3}}

@@ -76,6 +76,18 @@ def markdown(report: dict[str, Any]) -> str:
             for c in paired:
                 lines.append(f"| {c['prompt']} | {_sampling(c)} | {c['config']} | "
                              + " | ".join(_fmt(c["paired"][key], ".2f", "x") for key in PAIRED_COLUMNS) + " |")
+        by_kind = [(c, kinds) for c in entry["cells"] for kinds in [_lengths_by_kind(c)] if len(kinds) > 1]
+        if by_kind:
+            lines.append("")
+            lines.append("Draft lengths `--draft-max auto` chose, per kind of draft (each kind has its own acceptance "
+                         "and cost), over all runs: length x rounds:")
+            lines.append("")
+            lines.append("| prompt | T | engine | kind | lengths chosen |")
+            lines.append("|---|---|---|---|---|")
+            for c, kinds in by_kind:
+                for kind, hist in kinds.items():
+                    shown = ", ".join(f"{k}x{n}" for k, n in sorted(hist.items(), key=lambda kv: int(kv[0])))
+                    lines.append(f"| {c['prompt']} | {_sampling(c)} | {c['config']} | {kind} | {shown} |")
         if entry.get("forward_cost_curve"):
             lines.append("")
             lines.append("Outrider: cost of a k-token forward relative to a 1-token forward (median of 5):")
@@ -88,6 +100,16 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("")
         lines += [f"- {n}" for n in report["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _lengths_by_kind(cell: dict) -> dict[str, dict[str, int]]:
+    """The draft lengths chosen per kind of draft, summed over a cell's runs (from the runs' extra)."""
+    total: dict[str, dict[str, int]] = {}
+    for run in cell.get("runs", []):
+        for kind, hist in ((run.get("extra") or {}).get("chosen_draft_lengths_by_kind") or {}).items():
+            for length, n in hist.items():
+                total.setdefault(kind, {})[str(length)] = total.get(kind, {}).get(str(length), 0) + int(n)
+    return total
 
 
 def write_json(report: dict[str, Any], path: str | os.PathLike) -> None:
