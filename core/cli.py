@@ -161,8 +161,13 @@ _NOT_SERVED = {"prompt", "chat", "as_json", "verbose"}
 @click.option("--port", type=int, default=8080, show_default=True, help="Port to listen on.")
 @click.option("--queue-size", type=click.IntRange(min=0), default=16, show_default=True,
               help="Requests that may wait while one generates; more are answered 503 with Retry-After.")
+@click.option("--api-key", "api_key", multiple=True, envvar="OUTRIDER_API_KEY",
+              help="Require `Authorization: Bearer KEY` on every /v1 route (repeat for several keys; also "
+                   "$OUTRIDER_API_KEY, keys separated by spaces). /health and /metrics stay open, as vLLM's do.")
+@click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
+              help="Read API keys from this file, one a line (blank lines and # comments skipped).")
 @friendly_errors
-def serve(host, port, queue_size, options, config_file, **flags):
+def serve(host, port, queue_size, api_key, api_key_file, options, config_file, **flags):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
 
     Takes every setting `generate` takes; the model is assembled once. Sampling settings given here are
@@ -171,17 +176,51 @@ def serve(host, port, queue_size, options, config_file, **flags):
     from .config import resolve_config
     from .serve import create_app, run_server
 
+    keys = api_keys(api_key, api_key_file)
     config = resolve_config(flags, config_file, option_flags=list(options))
     assembly = assemble(config)
     for warning in assembly.warnings:
         click.echo(f"warning: {warning}", err=True)
-    app = create_app(assembly, config, queue_size=queue_size)
+    if not keys and not is_loopback(host):
+        click.echo(f"warning: serving on {host} without an API key: anyone who can reach the port can use it; "
+                   "pass --api-key or --api-key-file", err=True)
+    app = create_app(assembly, config, queue_size=queue_size, api_keys=keys)
     click.echo(f"serving {app.state.model_id} ({', '.join(f'{k} {s.name}' for k, s in assembly.plugins.items())}) "
                f"on http://{host}:{port}/v1", err=True)
     run_server(app, host, port)
 
 
 serve.params.extend(p for p in generate.params if p.name not in _NOT_SERVED)
+
+
+def api_keys(given: tuple[str, ...], key_file: str | None) -> list[str]:
+    """The keys of --api-key / $OUTRIDER_API_KEY and of --api-key-file (one a line); never echoed anywhere."""
+    from pathlib import Path
+
+    from .errors import ConfigError
+
+    keys = [key.strip() for key in given if key.strip()]
+    if key_file:
+        try:
+            lines = Path(key_file).read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --api-key-file {key_file}: {exc.strerror}; give a readable file "
+                              "with one key a line") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not keys:
+            raise ConfigError(f"--api-key-file {key_file} holds no key; write one key a line")
+    return keys
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _summary(stats: dict) -> str:

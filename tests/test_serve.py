@@ -43,14 +43,15 @@ LONG = dict(prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", max_tokens=4000, temperatur
 
 
 class Server:
-    def __init__(self, model_path, context: int, cli_args: tuple = (), draft_max=None):
+    def __init__(self, model_path, context: int, cli_args: tuple = (), draft_max=None, api_keys=None):
         self.model_path, self.cli_args = model_path, cli_args
         options = [(cli_args[i + 1], cli_args[i + 2]) for i in range(0, len(cli_args), 3)]
         flags = {"model": str(model_path), "context": context, "max_tokens": 8}
         if draft_max is not None:
             flags["draft_max"] = draft_max
         config = resolve_config(flags, option_flags=options)
-        self.app = create_app(assemble(config), config, queue_size=QUEUE_SIZE)
+        keys = {"api_keys": api_keys} if api_keys is not None else {}
+        self.app = create_app(assemble(config), config, queue_size=QUEUE_SIZE, **keys)
         self.model_id = self.app.state.model_id
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -91,9 +92,9 @@ class Server:
             assert time.monotonic() < deadline, "the server did not become idle"
             time.sleep(0.05)
 
-    def post(self, path: str, body: bytes | None, method="POST") -> tuple[int, dict, dict]:
-        request = urllib.request.Request(self.base + path, data=body, method=method,
-                                         headers={"Content-Type": "application/json"})
+    def post(self, path: str, body: bytes | None, method="POST", key: str | None = None) -> tuple[int, dict, dict]:
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+        request = urllib.request.Request(self.base + path, data=body, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request) as response:
                 return response.status, dict(response.headers), json.loads(response.read())
@@ -310,6 +311,15 @@ def test_a_full_queue_answers_503_with_retry_after(server):
      "logprobs", None),
     # the tiny model's file has no chat template
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}]}', 400, "messages", None),
+    # client mistakes that were 500s or silently ignored (issue 29)
+    ("/v1/completions", b'{"prompt": "\\ud800"}', 400, "prompt", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udc00b"}]}', 400, "messages", None),
+    ("/v1/completions", b'{"prompt": "hi", "user": ' + b"[" * 100 + b"]" * 100 + b"}", 400, "user", None),
+    ("/v1/completions", b'{"prompt": "hi", "user": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None, None),
+    ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": 10}}', 400, "logit_bias", None),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}', 400,
+     "top_logprobs", None),
+    ("/v1/completions", b'{"prompt": "hi", "frobnicate": 1}', 400, "frobnicate", None),
 ])
 def test_a_bad_request_gets_openai_error_json(server, path, body, status, param, code):
     got, _, answer = server.post(path, body)
@@ -317,6 +327,27 @@ def test_a_bad_request_gets_openai_error_json(server, path, body, status, param,
     error = answer["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
     assert error["param"] == param and error["code"] == code
+
+
+def test_a_temperature_too_small_to_sample_with_is_greedy(server):
+    greedy = server.post("/v1/completions", b'{"prompt": "the cat", "max_tokens": 6, "temperature": 0}')
+    tiny = server.post("/v1/completions", b'{"prompt": "the cat", "max_tokens": 6, "temperature": 1e-39}')
+    assert greedy[0] == tiny[0] == 200, tiny
+    assert tiny[2]["choices"][0]["text"] == greedy[2]["choices"][0]["text"]
+
+
+def test_a_client_gone_while_sending_its_body_costs_no_traceback_and_counts_as_aborted(server, capfd):
+    before = server.metrics().get(("outrider:request_success_total", (("finished_reason", "abort"),)), 0.0)
+    host, port = server.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": \"hi")
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while server.metrics().get(("outrider:request_success_total", (("finished_reason", "abort"),)), 0.0) < before + 1:
+        assert time.monotonic() < deadline, "the hang-up mid-body was not counted as aborted"
+        time.sleep(0.05)
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_wrong_method_and_path_get_error_json_and_the_client_raises(server):
@@ -417,3 +448,58 @@ def test_serve_takes_every_setting_generate_takes_and_refuses_a_bad_one_in_one_l
     assert result.exit_code == 1
     assert result.output.startswith("error: ") and "missing.gguf" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+# -- API keys -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    s = Server(write_tiny_llama(tmp_path_factory.mktemp("keyed") / "tiny.gguf", context=TINY_CONTEXT),
+               TINY_CONTEXT, DENSE, draft_max=4, api_keys=["first-key", "second-key"])
+    yield s
+    s.stop()
+
+
+def test_with_api_keys_every_v1_route_answers_401_without_one_and_health_stays_open(keyed):
+    body = b'{"prompt": "the cat", "max_tokens": 2}'
+    for path, data, method in [("/v1/completions", body, "POST"), ("/v1/models", None, "GET"),
+                               ("/v1/chat/completions", b'{"messages": []}', "POST")]:
+        for key in (None, "wrong-key", "first-key-but-longer"):
+            status, headers, answer = keyed.post(path, data, method=method, key=key)
+            assert status == 401, (path, key, answer)
+            assert headers.get("www-authenticate", headers.get("WWW-Authenticate")) == "Bearer"
+            assert answer["error"]["code"] == "invalid_api_key" and "first-key" not in json.dumps(answer)
+    for key in ("first-key", "second-key"):
+        assert keyed.post("/v1/completions", body, key=key)[0] == 200
+    assert keyed.post("/v1/models", None, method="GET", key="second-key")[0] == 200
+    with urllib.request.urlopen(keyed.base + "/health") as response:
+        assert response.status == 200
+    with urllib.request.urlopen(keyed.base + "/metrics") as response:
+        assert b"first-key" not in response.read()
+    with pytest.raises(openai.AuthenticationError):
+        keyed.client.completions.create(model=keyed.model_id, prompt="hi", max_tokens=2)
+
+
+def test_api_keys_come_from_flags_the_environment_and_a_file(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from outrider.cli import api_keys, is_loopback, serve
+    from outrider.errors import ConfigError
+
+    key_file = tmp_path / "keys"
+    key_file.write_text("# ops keys\nfile-one\n\n  file-two  \n")
+    assert api_keys(("flag-key",), str(key_file)) == ["flag-key", "file-one", "file-two"]
+    assert api_keys((), None) == []
+    with pytest.raises(ConfigError, match="holds no key"):
+        (tmp_path / "empty").write_text("# nothing\n")
+        api_keys((), str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match="cannot read"):
+        api_keys((), str(tmp_path / "missing"))
+    seen = {}
+    monkeypatch.setattr("outrider.cli.api_keys", lambda given, key_file: seen.setdefault("keys", given) and [])
+    monkeypatch.setenv("OUTRIDER_API_KEY", "env-one env-two")
+    CliRunner().invoke(serve, ["--model", str(tmp_path / "none.gguf")])
+    assert seen["keys"] == ("env-one", "env-two")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("example.com")

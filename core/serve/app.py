@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import uuid
@@ -17,7 +18,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -31,6 +32,28 @@ from .requests import APIError, ServerDefaults, chat_request, completion_request
 
 DEFAULT_QUEUE_SIZE = 16
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
+MAX_JSON_DEPTH = 64  # OpenAI bodies nest ~10 deep (a tool's JSON schema); deeper is a mistake or an attack
+
+
+def checked_body(value: Any, where: str = "", depth: int = 0) -> None:
+    """Raise a 400 naming the field for what JSON allows but a request cannot carry: nesting deeper than
+    MAX_JSON_DEPTH, and strings that are not Unicode (a lone UTF-16 surrogate such as "\\ud800")."""
+    if depth > MAX_JSON_DEPTH:
+        field = where.split(".")[0].split("[")[0] or None
+        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels (in '{field}')", param=field)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"'{where or 'body'}' holds a string that is not valid Unicode (a lone surrogate "
+                                "such as \\ud800); send UTF-8 text", param=where.split(".")[0].split("[")[0] or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            checked_body(key, where or "body", depth + 1)
+            checked_body(item, f"{where}.{key}" if where else str(key), depth + 1)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            checked_body(item, f"{where}[{i}]", depth + 1)
 
 
 def llama_timings(stats: GenerationStats) -> dict[str, Any]:
@@ -119,8 +142,30 @@ def served_model_id(config: Config) -> str:
     return str(config["model"])
 
 
-def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUEUE_SIZE) -> Starlette:
-    """An ASGI app over an assembled runner; `config` gives the defaults for what requests leave out."""
+def key_check(api_keys: list[str] | None):
+    """A check of a request's `Authorization: Bearer KEY` against `api_keys` (None or empty: every request
+    passes), comparing with every key in constant time, so the answer's timing tells nothing about a key."""
+    keys = [key.encode() for key in api_keys or [] if key]
+
+    def check(request: Request) -> None:
+        if not keys:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        given_bytes = given.strip().encode(errors="replace")
+        matched = False
+        for key in keys:
+            matched |= hmac.compare_digest(key, given_bytes)
+        if scheme.lower() != "bearer" or not matched:
+            raise APIError(401, "a valid API key is required: send Authorization: Bearer <key>",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUEUE_SIZE,
+               api_keys: list[str] | None = None) -> Starlette:
+    """An ASGI app over an assembled runner; `config` gives the defaults for what requests leave out. With
+    `api_keys`, every /v1 route requires one of them as a bearer token; /health and /metrics stay open."""
     model_id = served_model_id(config)
     defaults = ServerDefaults(model_id=model_id, context=assembly.runner.context, max_tokens=config["max_tokens"],
                               temperature=config["temperature"], top_k=config["top_k"], top_p=config["top_p"],
@@ -130,12 +175,16 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
     started = int(time.time())
 
     async def read_json(request: Request) -> Any:
-        raw = await request.body()
+        raw = await request.body()  # a client gone mid-body raises ClientDisconnect: answered 499 below
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"the request body is not valid JSON ({exc}); send a JSON object with "
                                 "Content-Type: application/json") from None
+        except RecursionError:
+            raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+        checked_body(body)
+        return body
 
     def enqueue(generation) -> Job:
         job = Job(generation, asyncio.get_running_loop())
@@ -211,13 +260,18 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
             return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
         return JSONResponse(fmt.whole(text, outcome))
 
+    authorized = key_check(api_keys)
+
     async def completions(request: Request) -> Response:
+        authorized(request)
         return await generate(request, chat=False)
 
     async def chat_completions(request: Request) -> Response:
+        authorized(request)
         return await generate(request, chat=True)
 
     async def models(request: Request) -> Response:
+        authorized(request)
         return JSONResponse({"object": "list", "data": [
             {"id": model_id, "object": "model", "created": started, "owned_by": "outrider",
              "meta": {"context": defaults.context, "plugins": {k: s.name for k, s in assembly.plugins.items()}}}]})
@@ -239,6 +293,11 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
     async def server_error(request: Request, exc: Exception) -> Response:
         return _error_response(_as_api_error(exc))
 
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # it hung up while its body was being read: nothing to answer, nothing to log but the count
+        metrics.request_success.labels(model_id, "abort").inc()
+        return Response(status_code=499)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
@@ -255,7 +314,8 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
         Route("/metrics", metrics_page, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
+                    exception_handlers={APIError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
+                                        Exception: server_error})
     app.state.engine, app.state.metrics, app.state.model_id = engine, metrics, model_id
     return app
 

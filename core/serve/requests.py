@@ -1,8 +1,10 @@
 """OpenAI request bodies -> what one generation needs, or an `APIError` naming the bad field.
 
 Settings a request leaves out take the server's (`outrider serve -t 0.7 ...`); fields OpenAI defines but
-Outrider does not implement (n > 1, logprobs, penalties, tools) are refused rather than ignored, so a
-client never gets something other than what it asked for without knowing.
+Outrider does not implement (n > 1, logprobs, logit_bias, penalties, tools) are refused rather than ignored,
+and so is a field neither OpenAI nor llama-server defines, so a client never gets something other than
+what it asked for without knowing. A temperature below GREEDY_BELOW samples greedily (vLLM's rule): no
+float32 softmax can sample at, say, 1e-40.
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ from ..sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+GREEDY_BELOW = 1e-5  # a temperature in (0, this) is greedy, as vLLM's _SAMPLING_EPS
+# Fields a request may carry. Implemented, or refused below with their own message when set to what is not
+# implemented; `user`, `metadata`, `store` and `service_tier` change nothing a server computes.
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
+                 "stream_options", "frequency_penalty", "presence_penalty", "logit_bias", "user", "metadata",
+                 "store", "service_tier"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                               "functions", "tool_choice", "function_call", "parallel_tool_calls",
+                               "response_format"}
 
 
 class APIError(Exception):
@@ -110,9 +122,10 @@ def _common(body: Any, defaults: ServerDefaults, prompt_ids: list[int], max_toke
             break
     else:
         max_tokens = defaults.max_tokens
+    temperature = float(_number(body, "temperature", defaults.temperature, 0, 2))
     try:
         params = SamplingParams(
-            temperature=float(_number(body, "temperature", defaults.temperature, 0, 2)),
+            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
             top_p=float(_number(body, "top_p", defaults.top_p, 0, 1, low_open=True)),
             top_k=_number(body, "top_k", defaults.top_k, 0, math.inf, integer=True),
             seed=_number(body, "seed", defaults.seed, 0, 2**63 - 1, integer=True))
@@ -121,6 +134,7 @@ def _common(body: Any, defaults: ServerDefaults, prompt_ids: list[int], max_toke
     _number(body, "n", 1, 1, 1, integer=True)
     for name in ("frequency_penalty", "presence_penalty"):
         _unsupported(body, name, (None, 0, 0.0))
+    _unsupported(body, "logit_bias", (None, {}))
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -138,15 +152,18 @@ def _common(body: Any, defaults: ServerDefaults, prompt_ids: list[int], max_toke
                              bool(options.get("include_usage", False)))
 
 
-def _object(body: Any) -> dict:
+def _object(body: Any, fields: set[str]) -> dict:
     if not isinstance(body, dict):
         raise _bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise _bad(unknown[0], f"unknown field '{unknown[0]}'; this endpoint takes {', '.join(sorted(fields))}")
     return body
 
 
 def completion_request(body: Any, defaults: ServerDefaults, tokenizer) -> GenerationRequest:
     """POST /v1/completions: `prompt` is a string or a list of token ids (a batch of one is accepted)."""
-    body = _object(body)
+    body = _object(body, COMPLETION_FIELDS)
     _check_model(body, defaults)
     _unsupported(body, "echo", (None, False))
     _unsupported(body, "logprobs", (None,))
@@ -182,11 +199,15 @@ def _message_text(content: Any, index: int) -> str:
 
 def chat_request(body: Any, defaults: ServerDefaults, tokenizer, gguf) -> GenerationRequest:
     """POST /v1/chat/completions: `messages` rendered with the model's chat template."""
-    body = _object(body)
+    body = _object(body, CHAT_FIELDS)
     _check_model(body, defaults)
     _unsupported(body, "logprobs", (None, False))
+    _unsupported(body, "top_logprobs", (None,))  # only with logprobs, which is refused above
     for name in ("tools", "functions"):
         _unsupported(body, name, (None, []))
+    for name in ("tool_choice", "function_call"):
+        _unsupported(body, name, (None, "none"))
+    _unsupported(body, "parallel_tool_calls", (None, True, False))
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise _bad("response_format", "only response_format {\"type\": \"text\"} is supported")
