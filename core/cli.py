@@ -166,8 +166,16 @@ _NOT_SERVED = {"prompt", "chat", "as_json", "verbose"}
                    "$OUTRIDER_API_KEY, keys separated by spaces). /health and /metrics stay open, as vLLM's do.")
 @click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
               help="Read API keys from this file, one a line (blank lines and # comments skipped).")
+@click.option("--stall-timeout", type=click.FloatRange(min=0), default=None,
+              help="Fail a generation that makes no progress for this many seconds (a stuck plugin): its client "
+                   "gets a 503, /health answers 503 until it returns, waiting requests get 503 with Retry-After. "
+                   "0: off. [default: max(120, context / 10): a whole-context prefill at 10 tokens/s]")
+@click.option("--request-timeout", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="End a request after this many seconds with its text so far and finish_reason \"timeout\". "
+                   "0: off.")
 @friendly_errors
-def serve(host, port, queue_size, api_key, api_key_file, options, config_file, **flags):
+def serve(host, port, queue_size, api_key, api_key_file, stall_timeout, request_timeout, options, config_file,
+          **flags):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
 
     Takes every setting `generate` takes; the model is assembled once. Sampling settings given here are
@@ -184,7 +192,8 @@ def serve(host, port, queue_size, api_key, api_key_file, options, config_file, *
     if not keys and not is_loopback(host):
         click.echo(f"warning: serving on {host} without an API key: anyone who can reach the port can use it; "
                    "pass --api-key or --api-key-file", err=True)
-    app = create_app(assembly, config, queue_size=queue_size, api_keys=keys)
+    app = create_app(assembly, config, queue_size=queue_size, api_keys=keys, stall_timeout=stall_timeout,
+                     request_timeout=request_timeout)
     click.echo(f"serving {app.state.model_id} ({', '.join(f'{k} {s.name}' for k, s in assembly.plugins.items())}) "
                f"on http://{host}:{port}/v1", err=True)
     run_server(app, host, port)

@@ -43,7 +43,7 @@ LONG = dict(prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", max_tokens=4000, temperatur
 
 
 class Server:
-    def __init__(self, model_path, context: int, cli_args: tuple = (), draft_max=None, api_keys=None):
+    def __init__(self, model_path, context: int, cli_args: tuple = (), draft_max=None, api_keys=None, **app_kwargs):
         self.model_path, self.cli_args = model_path, cli_args
         options = [(cli_args[i + 1], cli_args[i + 2]) for i in range(0, len(cli_args), 3)]
         flags = {"model": str(model_path), "context": context, "max_tokens": 8}
@@ -51,7 +51,7 @@ class Server:
             flags["draft_max"] = draft_max
         config = resolve_config(flags, option_flags=options)
         keys = {"api_keys": api_keys} if api_keys is not None else {}
-        self.app = create_app(assemble(config), config, queue_size=QUEUE_SIZE, **keys)
+        self.app = create_app(assemble(config), config, queue_size=QUEUE_SIZE, **keys, **app_kwargs)
         self.model_id = self.app.state.model_id
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -503,3 +503,93 @@ def test_api_keys_come_from_flags_the_environment_and_a_file(tmp_path, monkeypat
     assert seen["keys"] == ("env-one", "env-two")
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("example.com")
+
+
+# -- a stuck plugin -------------------------------------------------------------------------------------
+
+
+class HangingDrafter:
+    """A drafter plugin whose propose never returns until the test lets it."""
+
+    gives_draft_probs, needs = False, frozenset()
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def setup(self, target):
+        pass
+
+    def begin(self, prompt, params, controls):
+        pass
+
+    def rollback(self, length):
+        pass
+
+    def propose(self, tokens, k):
+        self.release.wait()
+        from outrider.drafting import Draft
+
+        return Draft()
+
+
+def test_a_stuck_drafter_fails_its_request_and_the_queue_and_health_says_so_until_it_returns(tmp_path):
+    s = Server(write_tiny_llama(tmp_path / "tiny.gguf", context=TINY_CONTEXT), TINY_CONTEXT, DENSE, draft_max=4,
+               stall_timeout=1.0)
+    drafter = HangingDrafter()
+    s.app.state.engine.runner.drafter = drafter
+    body = b'{"prompt": "the cat", "max_tokens": 8, "temperature": 0}'
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            started = time.monotonic()
+            stuck = pool.submit(s.post, "/v1/completions", body)
+            time.sleep(0.2)
+            queued = pool.submit(s.post, "/v1/completions", body)  # waits behind the stuck one
+            status, headers, answer = stuck.result(timeout=20)
+            assert status == 503 and answer["error"]["code"] == "stalled", answer
+            assert "HangingDrafter.propose" in answer["error"]["message"]
+            assert time.monotonic() - started < 10
+            status, headers, answer = queued.result(timeout=20)
+            assert status == 503 and answer["error"]["code"] == "stalled"
+            assert {k.lower(): v for k, v in headers.items()}.get("retry-after")
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(s.base + "/health")
+        assert health.value.code == 503
+        assert "HangingDrafter.propose" in json.loads(health.value.read())["reason"]
+        status, headers, answer = s.post("/v1/completions", body)  # a new one is refused at once
+        assert status == 503 and {k.lower(): v for k, v in headers.items()}.get("retry-after")
+        drafter.release.set()  # the plugin comes back: the server is well again
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(s.base + "/health") as response:
+                    assert json.loads(response.read())["status"] == "ok"
+                    break
+            except urllib.error.HTTPError:
+                assert time.monotonic() < deadline, "the server did not recover"
+                time.sleep(0.05)
+        assert s.post("/v1/completions", body)[0] == 200
+    finally:
+        drafter.release.set()
+        s.stop()
+
+
+class SlowDrafter(HangingDrafter):
+    def propose(self, tokens, k):
+        time.sleep(0.05)
+        from outrider.drafting import Draft
+
+        return Draft()
+
+
+def test_a_request_timeout_ends_with_the_text_so_far_and_says_so(tmp_path):
+    s = Server(write_tiny_llama(tmp_path / "tiny.gguf", context=TINY_CONTEXT), TINY_CONTEXT, DENSE, draft_max=4,
+               request_timeout=0.5)
+    s.app.state.engine.runner.drafter = SlowDrafter()
+    try:
+        started = time.monotonic()
+        status, _, answer = s.post("/v1/completions", b'{"prompt": "the cat", "max_tokens": 2000, "temperature": 0}')
+        assert status == 200 and answer["choices"][0]["finish_reason"] == "timeout", answer
+        assert answer["choices"][0]["text"] and 0 < answer["usage"]["completion_tokens"] < 2000
+        assert time.monotonic() - started < 10
+    finally:
+        s.stop()

@@ -26,7 +26,7 @@ from ..assembly import Assembly
 from ..config import Config
 from ..errors import OutriderError
 from ..runner import GenerationStats
-from .engine import GenerationEngine, Job, Outcome, QueueFull, acceptors_by_greediness
+from .engine import GenerationEngine, Job, Outcome, QueueFull, Stalled, acceptors_by_greediness
 from .metrics import ServerMetrics
 from .requests import APIError, ServerDefaults, chat_request, completion_request
 
@@ -133,6 +133,9 @@ def _sse(data: dict | str) -> str:
 def _as_api_error(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, Stalled):
+        return APIError(503, f"the server is stalled: {exc.reason}; it is failing requests until that generation "
+                             "returns", type="server_error", code="stalled", headers={"Retry-After": "30"})
     if isinstance(exc, OutriderError):
         return APIError(400, str(exc))
     return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
@@ -162,16 +165,27 @@ def key_check(api_keys: list[str] | None):
     return check
 
 
+def default_stall_timeout(context: int) -> float:
+    """Long enough for a cold prefill of a whole context on a slow machine (10 tokens/s), at least 2 minutes."""
+    return max(120.0, context / 10.0)
+
+
 def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUEUE_SIZE,
-               api_keys: list[str] | None = None) -> Starlette:
+               api_keys: list[str] | None = None, stall_timeout: float | None = None,
+               request_timeout: float | None = None) -> Starlette:
     """An ASGI app over an assembled runner; `config` gives the defaults for what requests leave out. With
-    `api_keys`, every /v1 route requires one of them as a bearer token; /health and /metrics stay open."""
+    `api_keys`, every /v1 route requires one of them as a bearer token; /health and /metrics stay open.
+    `stall_timeout` (None: default_stall_timeout; 0: off) fails a generation that makes no progress for that
+    long; `request_timeout` ends one that runs longer, with its text so far (finish_reason "timeout")."""
     model_id = served_model_id(config)
     defaults = ServerDefaults(model_id=model_id, context=assembly.runner.context, max_tokens=config["max_tokens"],
                               temperature=config["temperature"], top_k=config["top_k"], top_p=config["top_p"],
                               seed=config["seed"])
     metrics = ServerMetrics(model_id)
-    engine = GenerationEngine(assembly, acceptors_by_greediness(assembly, config["acceptor"]), metrics, queue_size)
+    if stall_timeout is None:
+        stall_timeout = default_stall_timeout(assembly.runner.context)
+    engine = GenerationEngine(assembly, acceptors_by_greediness(assembly, config["acceptor"]), metrics, queue_size,
+                              stall_timeout=stall_timeout or None, request_timeout=request_timeout or None)
     started = int(time.time())
 
     async def read_json(request: Request) -> Any:
@@ -190,6 +204,8 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
         job = Job(generation, asyncio.get_running_loop())
         try:
             engine.submit(job)
+        except Stalled as exc:
+            raise _as_api_error(exc) from None
         except QueueFull:
             wait = engine.retry_after_s()
             raise APIError(503, f"the server is busy ({engine.waiting} requests waiting, the queue holds "
@@ -277,6 +293,9 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
              "meta": {"context": defaults.context, "plugins": {k: s.name for k, s in assembly.plugins.items()}}}]})
 
     async def health(request: Request) -> Response:
+        if engine.stalled:  # a supervisor restarts the process on this
+            return JSONResponse({"status": "stalled", "reason": engine.stalled, "waiting": engine.waiting},
+                                status_code=503)
         return JSONResponse({"status": "ok", "waiting": engine.waiting})
 
     async def metrics_page(request: Request) -> Response:

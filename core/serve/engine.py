@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,33 @@ log = logging.getLogger("outrider.serve")
 
 class QueueFull(Exception):
     """Every place in the queue is taken."""
+
+
+class Stalled(Exception):
+    """The worker is held by a generation that makes no progress; `reason` says where."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def holder(thread_id: int | None) -> str:
+    """What the worker thread is in: the function the runner called last (a plugin's `propose`, `accept`,
+    the backend's `forward`), as module:qualname, or the innermost frame when the runner is not on the stack."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    stack = []
+    while frame is not None:
+        stack.append(frame)
+        frame = frame.f_back
+    stack.reverse()  # outermost first
+    runner_at = max((i for i, f in enumerate(stack) if f.f_globals.get("__name__") == "outrider.runner"), default=None)
+    if runner_at is not None and runner_at + 1 < len(stack):
+        callee = stack[runner_at + 1]
+    elif stack:
+        callee = stack[-1]
+    else:
+        return "unknown"
+    return f"{callee.f_globals.get('__name__', '?')}:{getattr(callee.f_code, 'co_qualname', callee.f_code.co_name)}"
 
 
 @dataclass
@@ -72,9 +100,13 @@ def acceptors_by_greediness(assembly: Assembly, acceptor_setting: str,
 
 
 class GenerationEngine:
-    def __init__(self, assembly: Assembly, acceptors: dict[bool, Any], metrics: ServerMetrics, queue_size: int):
+    def __init__(self, assembly: Assembly, acceptors: dict[bool, Any], metrics: ServerMetrics, queue_size: int,
+                 stall_timeout: float | None = None, request_timeout: float | None = None):
         self.runner, self.tokenizer = assembly.runner, assembly.tokenizer
         self.acceptors, self.metrics, self.queue_size = acceptors, metrics, queue_size
+        self.stall_timeout, self.request_timeout = stall_timeout, request_timeout
+        self.stalled: str | None = None  # why the worker is held, while it is
+        self._progress_at = time.monotonic()  # the last time the generation in progress moved on
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self.waiting = 0  # submitted, not yet taken by the worker
@@ -90,6 +122,36 @@ class GenerationEngine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._work, name="outrider-generation", daemon=True)
         self._thread.start()
+        if self.stall_timeout:
+            threading.Thread(target=self._watch, name="outrider-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Every so often: a generation with no progress for stall_timeout seconds is failed for its client,
+        named in the log with what holds it, and every waiting request is answered 503; the server stays
+        stalled (health 503, new requests 503) until the worker comes back."""
+        period = max(0.05, min(1.0, self.stall_timeout / 4))
+        while not self._stopping:
+            time.sleep(period)
+            job, thread = self._current, self._thread
+            if job is None or self.stalled or time.monotonic() - self._progress_at < self.stall_timeout:
+                continue
+            where = holder(thread.ident if thread else None)
+            self.stalled = (f"a generation made no progress for {self.stall_timeout:g} s; the worker is held in "
+                            f"{where}")
+            log.error("stalled: %s", self.stalled)
+            job.cancelled.set()  # if it ever comes back, it stops after that round
+            job.send("error", Stalled(self.stalled))
+            while True:  # nobody waits behind it for ever
+                try:
+                    waiting = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if waiting is None:
+                    self._jobs.put(None)
+                    break
+                with self._lock:
+                    self.waiting -= 1
+                waiting.send("error", Stalled(self.stalled))
 
     def stop(self) -> None:
         """Stop the generation in progress after its round, refuse what waits, end the thread."""
@@ -103,6 +165,8 @@ class GenerationEngine:
             self._thread = None
 
     def submit(self, job: Job) -> None:
+        if self.stalled:
+            raise Stalled(self.stalled)
         with self._lock:
             if self.waiting + self.busy > self.queue_size:
                 self.metrics.requests_rejected.labels(self.metrics.model_name).inc()
@@ -122,6 +186,9 @@ class GenerationEngine:
             event = self._take(job)
             with self._lock:
                 self.busy = 0
+            if self.stalled:
+                log.warning("recovered: the stalled generation came back")
+                self.stalled = None
             if event is not None:  # after the place is free, so a client that goes on at once finds it free
                 job.send(*event)
 
@@ -131,6 +198,7 @@ class GenerationEngine:
         if job.cancelled.is_set():
             self.metrics.request_success.labels(self.metrics.model_name, "abort").inc()
             return None
+        self._progress_at = time.monotonic()
         self._current = job
         self._running.set(1)
         started = time.perf_counter()
@@ -155,8 +223,10 @@ class GenerationEngine:
         eog = tokenizer.eog_ids
         finish = None
         tokens = runner.generate(request.prompt_ids, request.max_tokens, request.params, eog)
+        deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
         try:
             for token in tokens:
+                self._progress_at = time.monotonic()
                 stats = runner.stats
                 if stats.generated_tokens == 1:
                     metrics.ttft.labels(labels).observe(time.perf_counter() - job.arrival)
@@ -175,14 +245,18 @@ class GenerationEngine:
                 if job.cancelled.is_set():
                     finish = "abort"
                     break
+                if deadline is not None and time.monotonic() > deadline:
+                    finish = "timeout"  # --request-timeout: the text so far, and why it ends there
+                    break
         finally:
             tokens.close()
         stats = runner.stats
-        if finish is None:
+        if finish is None or finish == "timeout":
             text.feed(decoder.flush())
             piece = text.take(final=True)
             if piece:
                 job.send("text", piece)
+        if finish is None:
             finish = "length" if stats.stop_reason == "length" and not text.stopped else "stop"
         metrics.record_generation(stats, finish)
         metrics.e2e_latency.labels(labels).observe(time.perf_counter() - job.arrival)
