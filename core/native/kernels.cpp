@@ -600,18 +600,20 @@ struct IntQ4 : PackedGroups<16> {
   inline __m256i group(int64_t n, int64_t g) const { return unpack_nibbles(at(n, g)); }
 };
 
+// bit i of `bits` as byte i: 0x10 or 0 (byte i takes byte i / 8 of the word, then keeps its bit i % 8)
+static inline __m256i bit4_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), spread);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
+}
+
 struct IntQ5 : PackedGroups<20> {
   inline __m256i group(int64_t n, int64_t g) const {
     const uint8_t* p = at(n, g);
-    const __m256i low = unpack_nibbles(p);
-    uint32_t word;
+    uint32_t word;  // bit j: code j's bit 4
     std::memcpy(&word, p + 16, 4);
-    // byte j takes byte j / 8 of the word, then keeps bit j % 8 of it as 0x10
-    const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(word)), spread);
-    const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-    __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
-    return _mm256_or_si256(low, high);
+    return _mm256_or_si256(unpack_nibbles(p), bit4_bytes(word));
   }
 };
 
@@ -661,26 +663,22 @@ static inline void prefetch_ahead(const W& w, const float* scales, int64_t n, in
   __builtin_prefetch(scales + (n + INT8_PREFETCH_ROWS) * count);
 }
 
-// a group's products spread over group_dot's lanes (0-3: the first 16 weights, 4-7: the rest)
+// a group's scale products s * d spread over group_dot's lanes (0-3: the first 16 weights, 4-7: the rest);
+// `s` points at the group's S weight scales, d is x's block scale
 template <int S>
-static inline __m256 group_scale(const float* p) {
-  return S == 1 ? _mm256_set1_ps(p[0]) : _mm256_set_m128(_mm_set1_ps(p[1]), _mm_set1_ps(p[0]));
+static inline __m256 group_scale(const float* s, float d) {
+  return S == 1 ? _mm256_set1_ps(s[0] * d) : _mm256_set_m128(_mm_set1_ps(s[1] * d), _mm_set1_ps(s[0] * d));
 }
 
-// what the zeros add to output (weight row n, x row `row`): the row's zeros against x's block sums
+// What the zeros add to output (weight row n, x row `row`) beyond what the tile's steps carried: per-32
+// zeros ride in the four-group steps' lanes, so only groups g0.. are left; per-16 zeros (fused tensors
+// only) are one dot product of the row's zeros with x's sums per 16.
 template <int S>
-static inline float zeros_term(const float* zeros, const QuantizedRows& xq, int64_t row, int64_t n) {
+static inline float zeros_left(const float* zeros, const QuantizedRows& xq, int64_t row, int64_t n, int64_t g0) {
   if (!zeros) return 0.0f;
-  const int64_t count = xq.groups * S;
-  const float* sums = S == 1 ? xq.sum32.data() + row * xq.groups : xq.sum16.data() + row * 2 * xq.groups;
-  return dot_f32(zeros + n * count, sums, count);
-}
-
-// the zeros' term of groups g0.. only (the tiles' four-group steps carry the others in their lanes)
-static inline float zeros_after(const float* zeros, const QuantizedRows& xq, int64_t row, int64_t n, int64_t g0) {
+  if (S == 2) return dot_f32(zeros + n * xq.groups * 2, xq.sum16.data() + row * 2 * xq.groups, xq.groups * 2);
   float sum = 0.0f;
-  if (zeros)
-    for (int64_t g = g0; g < xq.groups; ++g) sum += zeros[n * xq.groups + g] * xq.sum32[row * xq.groups + g];
+  for (int64_t g = g0; g < xq.groups; ++g) sum += zeros[n * xq.groups + g] * xq.sum32[row * xq.groups + g];
   return sum;
 }
 
@@ -708,14 +706,6 @@ static inline QuadCodes quad_codes(const IntQ4& w, int64_t n, int64_t g) {
   const uint8_t* p = w.at(n, g);
   return nibble_quad(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
-}
-
-// bit i of `bits` as byte i: 0x10 or 0
-static inline __m256i bit4_bytes(uint32_t bits) {
-  const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), spread);
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
 }
 
 // four groups of 32 signed codes, as (codes 0-7, 16-23, 8-15, 24-31) of groups g .. g + 3
@@ -800,9 +790,7 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
       const __m256i wc = w.group(n, g), wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
       for (int r = 0; r < R; ++r) {
         const __m256 dot = group_dot<W::SIGNED>(wc, wu, xcodes + r * k + g * 32);
-        const float d = xq.d[(r0 + r) * groups + g];
-        const float products[2] = {s[g * S] * d, S == 2 ? s[g * S + 1] * d : 0.0f};
-        chain[r] = _mm256_fmadd_ps(group_scale<S>(products), dot, chain[r]);
+        chain[r] = _mm256_fmadd_ps(group_scale<S>(s + g * S, xq.d[(r0 + r) * groups + g]), dot, chain[r]);
       }
     };
     auto quad = [&](int64_t g, __m256* chain) __attribute__((always_inline)) {
@@ -858,8 +846,7 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
     }
     if (g < groups) step(g, acc[0]);
     for (int r = 0; r < R; ++r)
-      y[r * ldy + n] = hsum8(_mm256_add_ps(acc[0][r], acc[1][r])) +
-                       (lane_zeros ? zeros_after(zeros, xq, r0 + r, n, quad_end) : zeros_term<S>(zeros, xq, r0 + r, n));
+      y[r * ldy + n] = hsum8(_mm256_add_ps(acc[0][r], acc[1][r])) + zeros_left<S>(zeros, xq, r0 + r, n, quad_end);
   }
 }
 
@@ -985,7 +972,7 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
   const uint8_t* xs = xq.stepped.data() + r0 * k;
   const float* d_lanes = xq.d_lanes.data() + r0 * groups * 8;
   const float* sum_lanes = xq.sum_lanes.data() + r0 * groups * 8;
-  const bool lane_zeros = zeros && S == 1;  // per-16 zeros keep their own term (zeros_term)
+  const bool lane_zeros = zeros && S == 1;  // per-16 zeros keep their own term (zeros_left)
   const __m512i quad_lane = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const __m512i pair_lane = S == 1 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0) : quad_lane;
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -1061,9 +1048,7 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
       const __m256i wc = w.group(n, g), wu = W::SIGNED ? _mm256_sign_epi8(wc, wc) : wc;
       for (int r = 0; r < R; ++r) {
         const __m256 dot = group_dot<W::SIGNED>(wc, wu, xq.q.data() + (r0 + r) * k + g * 32);
-        const float d = xq.d[(r0 + r) * groups + g];
-        const float products[2] = {s[g * S] * d, S == 2 ? s[g * S + 1] * d : 0.0f};
-        last[r] = hsum8(_mm256_mul_ps(group_scale<S>(products), dot));
+        last[r] = hsum8(_mm256_mul_ps(group_scale<S>(s + g * S, xq.d[(r0 + r) * groups + g]), dot));
       }
     }
     __m512 both[R];
@@ -1071,8 +1056,7 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
     float sums[8];
     reduce_lanes<R>(both, sums);
     for (int r = 0; r < R; ++r)
-      y[r * ldy + n] = sums[r] + last[r] +
-                       (lane_zeros ? zeros_after(zeros, xq, r0 + r, n, g) : zeros_term<S>(zeros, xq, r0 + r, n));
+      y[r * ldy + n] = sums[r] + last[r] + zeros_left<S>(zeros, xq, r0 + r, n, g);
   }
 }
 
