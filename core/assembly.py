@@ -16,7 +16,7 @@ from .errors import ConfigError
 from .gguf_file import GGUFFile
 from .registry import PluginSpec, Registry, default_registry
 from .runner import Runner
-from .sampling import SamplingParams
+from .sampling import GREEDY_BELOW, SamplingParams
 from .tokenizer import Tokenizer
 
 SUPPORTED_NEEDS = {NEEDS_DRAFT_MODEL, NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, NEEDS_MTP_HEAD}
@@ -35,7 +35,7 @@ class Assembly:
 
 def choose_acceptor(name: str, temperature: float) -> str:
     if name == "auto":
-        return "greedy" if temperature == 0 else "sampled"
+        return "greedy" if temperature < GREEDY_BELOW else "sampled"
     return name
 
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from .errors import ConfigError
 from .models.gemma3 import local_layers
+from .models.linear import torch_post_steps
 
 PROMPTS = (
     "Explain how a hash table works, with a short example in Python.",
@@ -235,11 +236,9 @@ class TrainableHead(torch.nn.Module):
             f = self.rms(x, "ffn_norm")
             x = x + (self.act(f @ w["ffn_gate"].T) * (f @ w["ffn_up"].T)) @ w["ffn_down"].T
         h = self.rms(x, "shared_head_norm")
-        logits = h @ w["shared_head_head"].T
+        # the final softcap (gemma), as the drafter's head applies it after its matmul
         softcap = float(getattr(self.cfg, "final_logit_softcap", 0.0) or 0.0)
-        if softcap:  # as the drafter's head applies it
-            logits = softcap * torch.tanh(logits / softcap)
-        return logits, h
+        return torch_post_steps(h @ w["shared_head_head"].T, None, None, softcap, self.eps), h
 
 
 def shifted(hidden: torch.Tensor) -> torch.Tensor:

@@ -69,14 +69,15 @@ class DrafterChain:
         return None
 
     def propose(self, tokens: list[int], k: int) -> Draft:
-        self.upkeep_s = 0.0  # what the members asked spent keeping up with the target (not drafting)
+        upkeep = 0.0  # what the members asked spent keeping up with the target (not drafting)
         for i, d in enumerate(self.drafters):
             if self._member_kind(i, tokens) is not None:
                 draft = d.propose(tokens, k)
-                self.upkeep_s += float(getattr(d, "upkeep_s", 0.0) or 0.0)
+                upkeep += getattr(draft, "upkeep_s", 0.0)
                 if draft.tokens:
+                    draft.upkeep_s = upkeep
                     return draft
-        return Draft()
+        return Draft(upkeep_s=upkeep)
 
 
 def chain_spec(specs: list[PluginSpec]) -> PluginSpec:

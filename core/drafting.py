@@ -64,6 +64,9 @@ DEFAULT_KIND = DraftKind("draft")  # for drafters that do not say
 class Draft:
     tokens: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [len(tokens), vocab] q rows, only if the drafter sampled from them
+    # seconds of the propose spent keeping up with the target rather than drafting (an MTP head's catch-up
+    # of rows accepted in other rounds): `--draft-max auto` does not bill it per drafted token
+    upkeep_s: float = 0.0
 
 
 class Drafter(Protocol):
@@ -87,17 +90,14 @@ class DrafterBase:
 
     gives_draft_probs = False
     needs: frozenset[str] = frozenset()
-    # seconds of the last propose spent keeping up with the target rather than drafting (an MTP head's
-    # catch-up): `--draft-max auto` does not bill it per drafted token
-    upkeep_s = 0.0
-
     def setup(self, target: Target) -> None:
         self.target = target
 
     def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
         self.params, self.controls = params, controls
-        # a sampling drafter's own stream (never the acceptor's two); seeded runs repeat their drafts
-        self.draws = PositionRandom(params.seed if params.seed is not None else 0)
+        # a sampling drafter's own stream (never the acceptor's two): seeded runs repeat their drafts, an
+        # unseeded one draws afresh (a fixed stream would make each context's draft a constant, not x ~ q)
+        self.draws = PositionRandom(params.seed)
 
     def rollback(self, length: int) -> None:
         pass
@@ -136,7 +136,7 @@ def draft_loop(k: int, next_logits: Callable[[list[int]], torch.Tensor], params:
         logits = next_logits(drafted)
         q = warp(logits, params) if sampled else None
         if controls.draft_p_min > 0:
-            largest = float(q.max()) if q is not None else float(torch.softmax(logits, -1).max())
+            largest = float(q.max()) if q is not None else float(torch.exp(logits.max() - torch.logsumexp(logits, -1)))
             if largest < controls.draft_p_min:
                 break
         if q is not None:

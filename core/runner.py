@@ -10,7 +10,7 @@ decoding: one forward, one token.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 import torch
@@ -112,10 +112,8 @@ class Runner:
                                 "shorten the prompt or raise --context")
         self.stats = stats = GenerationStats(prompt_tokens=len(prompt))
         if isinstance(self.draft_length, AdaptiveDraftLength):  # verify costs carry over; acceptance does not
-            self.draft_length = AdaptiveDraftLength(verify_s=self.draft_length.verify_s,
-                                                    draft_s_per_token=self.draft_length.draft_s_per_token,
-                                                    draft_s_per_token_by_kind=self.draft_length.draft_s_per_token_by_kind,
-                                                    timed=not self.lengths_change_the_output(params))
+            self.draft_length = replace(self.draft_length, rounds=0, kinds={},
+                                        timed=not self.lengths_change_the_output(params))
         rng = PositionRandom(params.seed)
         model, cache, acceptor = self.target.model, self.cache, self.acceptor
         draft_kind = getattr(self.drafter, "draft_kind", None) or (lambda tokens: DEFAULT_KIND)
@@ -148,9 +146,10 @@ class Runner:
             kind = draft_kind(tokens)
             chosen = self.draft_length.choose(kind) if kind is not None else 0
             k = min(chosen, max_tokens - stats.generated_tokens - 1, self.context - len(tokens))
-            draft = self._clean(self.drafter.propose(tokens, k) if k > 0 else Draft(), k)
+            proposed = self.drafter.propose(tokens, k) if k > 0 else Draft()
+            draft = self._clean(proposed, k)
             t_drafted = time.perf_counter()
-            upkeep = min(float(getattr(self.drafter, "upkeep_s", 0.0) or 0.0), t_drafted - t) if k > 0 else 0.0
+            upkeep = min(max(float(getattr(proposed, "upkeep_s", 0.0)), 0.0), t_drafted - t)
             batch = torch.tensor([tokens[-1], *draft.tokens], device=self.device)
             out = model.forward(batch, n, cache, hidden=observe is not None)
             logits, hidden = out if observe is not None else (out, None)

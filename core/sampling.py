@@ -41,9 +41,12 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------------------
 
 
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy, as vLLM's _SAMPLING_EPS: no float32 softmax samples at 1e-40
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are sampled. ``temperature == 0`` means greedy (argmax)."""
+    """How tokens are sampled. A temperature of 0 (or below GREEDY_BELOW) means greedy (argmax)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
@@ -66,7 +69,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 # ----------------------------------------------------------------------------------------------------------

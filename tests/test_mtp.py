@@ -335,6 +335,9 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
         target = cpu_target(write_tiny_gemma3(tmp_path / "p4.gguf", n_layers=7, window=4, final_softcap=3.0,
                                               pattern=[True, True, True, False, True, True, True]))
         arch = "gemma3"
+        from outrider.models.gemma3 import local_layers
+
+        assert local_layers(target.gguf, 8)[7] is False  # block 7 = 3 mod 4: global, by hand (not 7 % 6 < 5)
     else:
         target = fx.target(arch)
     model, g = target.model, target.gguf

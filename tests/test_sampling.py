@@ -327,3 +327,15 @@ def test_greedy_warp_then_sample_is_argmax_for_any_u():
     logits = torch.tensor([0.3, 2.0, -1.0, 1.9])
     p = warp(logits, SamplingParams(0.0))
     assert {sample_at(p, u) for u in (0.0, 0.3, 0.7, float(np.nextafter(1.0, 0.0)))} == {1}
+
+
+def test_a_temperature_below_the_floor_is_greedy_everywhere():
+    """1e-9 cannot be sampled with in float32 (logits / t overflow): it is greedy, as vLLM's rule."""
+    from outrider.sampling import GREEDY_BELOW
+
+    logits = torch.tensor([0.5, 2.0, -1.0, 1.9])
+    for t in (1e-9, 1e-40, GREEDY_BELOW / 2):
+        params = SamplingParams(t)
+        assert params.greedy
+        assert warp(logits, params).tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert not SamplingParams(GREEDY_BELOW).greedy

@@ -208,3 +208,15 @@ def test_real_same_seed_same_output(real_target):
     plain, _ = run(target, NoDrafter(), SampledAcceptor(), prompt, 64, params)
     spec, stats = run(target, LookupDrafter(), SampledAcceptor(), prompt, 64, params, draft_max=6)
     assert spec == plain and stats.accepted > 0
+
+
+def test_unseeded_runs_draw_their_drafts_afresh_and_seeded_runs_repeat_them():
+    """A drafter's stream fixed across unseeded runs would make each context's sampled draft a constant,
+    not a draw from q, and the Leviathan rule would then bias the output."""
+    def draws(seed):
+        d = DrafterBase()
+        d.begin([1, 2], SamplingParams(1.0, seed=seed), DraftControls())
+        return [d.draws.uniform_draft(i) for i in range(4)]
+
+    assert draws(None) != draws(None)
+    assert draws(7) == draws(7)

@@ -226,7 +226,7 @@ class GenerationEngine:
         deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
         try:
             for token in tokens:
-                self._progress_at = time.monotonic()
+                self._progress_at = now = time.monotonic()
                 stats = runner.stats
                 if stats.generated_tokens == 1:
                     metrics.ttft.labels(labels).observe(time.perf_counter() - job.arrival)
@@ -245,7 +245,7 @@ class GenerationEngine:
                 if job.cancelled.is_set():
                     finish = "abort"
                     break
-                if deadline is not None and time.monotonic() > deadline:
+                if deadline is not None and now > deadline:
                     finish = "timeout"  # --request-timeout: the text so far, and why it ends there
                     break
         finally:

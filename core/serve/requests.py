@@ -3,8 +3,7 @@
 Settings a request leaves out take the server's (`outrider serve -t 0.7 ...`); fields OpenAI defines but
 Outrider does not implement (n > 1, logprobs, logit_bias, penalties, tools) are refused rather than ignored,
 and so is a field neither OpenAI nor llama-server defines, so a client never gets something other than
-what it asked for without knowing. A temperature below GREEDY_BELOW samples greedily (vLLM's rule): no
-float32 softmax can sample at, say, 1e-40.
+what it asked for without knowing. A temperature below `sampling.GREEDY_BELOW` is greedy (SamplingParams).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from ..sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
-GREEDY_BELOW = 1e-5  # a temperature in (0, this) is greedy, as vLLM's _SAMPLING_EPS
 # Fields a request may carry. Implemented, or refused below with their own message when set to what is not
 # implemented; `user`, `metadata`, `store` and `service_tier` change nothing a server computes.
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
@@ -122,10 +120,9 @@ def _common(body: Any, defaults: ServerDefaults, prompt_ids: list[int], max_toke
             break
     else:
         max_tokens = defaults.max_tokens
-    temperature = float(_number(body, "temperature", defaults.temperature, 0, 2))
     try:
         params = SamplingParams(
-            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+            temperature=float(_number(body, "temperature", defaults.temperature, 0, 2)),
             top_p=float(_number(body, "top_p", defaults.top_p, 0, 1, low_open=True)),
             top_k=_number(body, "top_k", defaults.top_k, 0, math.inf, integer=True),
             seed=_number(body, "seed", defaults.seed, 0, 2**63 - 1, integer=True))

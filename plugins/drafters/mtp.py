@@ -198,7 +198,6 @@ class MTPDrafter(DrafterBase):
         return logits, hidden[-1:]
 
     def propose(self, tokens: list[int], k: int) -> Draft:
-        self.upkeep_s = 0.0
         k = min(k, self.max_len - len(tokens))
         if k <= 0 or not self._ready(tokens):
             return Draft()
@@ -209,7 +208,7 @@ class MTPDrafter(DrafterBase):
         seeds = [self._catch_up(head, tokens, n + 1) for head in self.heads]
         # keeping the heads' caches up with the target: its size follows the rows accepted since the last
         # MTP round (in a chain, lookup's), not the draft length, so `auto` does not bill it per drafted token
-        self.upkeep_s = time.perf_counter() - start
+        upkeep_s = time.perf_counter() - start
         logits, hidden = seeds[0]
         chain = [hidden]  # chain[m]: the hidden that made draft m + 1
 
@@ -225,6 +224,7 @@ class MTPDrafter(DrafterBase):
             return head.full_logits(logits, self.vocab).float().cpu()
 
         draft = draft_loop(k, next_logits, self.params, self.controls, self.sample, self.draws, len(tokens))
+        draft.upkeep_s = upkeep_s
         for head in self.heads:  # drafted rows are not the target's: only rows up to t0's stay
             head.cache.truncate(n + 1)
         return draft
