@@ -19,8 +19,8 @@ import torch
 
 from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.plugins.acceptors.sampled import SampledAcceptor
-from outrider.sampling import PositionRandom, SamplingParams, warp
-from outrider.verify import VerifyRound
+from outrider.spec.acceptance import VerifyRound
+from outrider.spec.sampling import PositionRandom, SamplingParams, warp
 
 
 def make_rounds(vocab: int, k: int, rounds: int, with_q: bool, params: SamplingParams, seed: int = 0):

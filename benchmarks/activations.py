@@ -19,7 +19,7 @@ import time
 import torch
 
 from outrider import native
-from outrider.gguf_file import GGUFFile
+from outrider.io.gguf import GGUFFile
 from outrider.plugins.backends.cpu import CPUBackend
 
 MODES = ("float32", "int8")

@@ -17,7 +17,7 @@ import torch
 from outrider.assembly import assemble
 from outrider.bench import forward_cost_curve, read_bandwidth_gbs, stored_weight_bytes, tensor_bytes
 from outrider.config import resolve_config
-from outrider.sampling import SamplingParams
+from outrider.spec.sampling import SamplingParams
 
 
 def decode_tokens_per_s(runner, n_tokens: int) -> float:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from outrider.bench import read_bandwidth_gbs
-from outrider.gguf_file import GGUFFile
+from outrider.io.gguf import GGUFFile
 from outrider.models import load_model
 from outrider.testing.tiny_models import add_gemma4_hparams
 

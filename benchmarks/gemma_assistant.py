@@ -19,8 +19,8 @@ codes (the CPU backend's int8 kernels), so the numbers are speed, not quality. T
 from __future__ import annotations
 
 import argparse
-import sys
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,10 +29,10 @@ import torch
 
 from outrider.bench import forward_cost_curve
 from outrider.catalog import outrider_home
-from outrider.gguf_file import GGUFFile
-from outrider.models.gemma4_assistant import Gemma4Assistant
+from outrider.io.gguf import GGUFFile
 from outrider.plugins.backends.cpu import CPUBackend
-from outrider.plugins.drafters.gemma_assistant import target_kv_layers
+from outrider.plugins.drafters.gemma_assistant.drafter import target_kv_layers
+from outrider.plugins.drafters.gemma_assistant.model import Gemma4Assistant
 
 E2B = dict(hidden=1536, heads=8, kv_heads=1, head_dim=256, global_head_dim=512, ffn=6144, per_layer=256,
            shared=20, window=512)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from outrider.bench import tensor_bytes
-from outrider.gguf_file import GGUFFile
+from outrider.io.gguf import GGUFFile
 from outrider.models import ARCHITECTURES
 from outrider.models.static_step import StaticStepModel
 

@@ -1,3 +1,3 @@
-from .cli import main
+from outrider.cli import main
 
 main()

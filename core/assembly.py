@@ -7,17 +7,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .catalog import resolve_model
-from .config import PLUGIN_KINDS, Config
-from .drafter_chain import chain_names, chain_spec, is_chain
-from .drafting import (NEEDS_DRAFT_MODEL, NEEDS_MTP_HEAD, NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, DraftControls, Target,
-                       reads_the_target)
-from .errors import ConfigError
-from .gguf_file import GGUFFile
-from .registry import PluginSpec, Registry, default_registry
-from .runner import Runner
-from .sampling import GREEDY_BELOW, SamplingParams
-from .tokenizer import Tokenizer
+from outrider.catalog import resolve_model
+from outrider.config import PLUGIN_KINDS, Config
+from outrider.errors import ConfigError
+from outrider.io.gguf import GGUFFile
+from outrider.io.tokenizer import Tokenizer
+from outrider.registry import PluginSpec, Registry, default_registry
+from outrider.spec.chain import chain_names, chain_spec, is_chain
+from outrider.spec.drafter import (
+    NEEDS_DRAFT_MODEL,
+    NEEDS_MTP_HEAD,
+    NEEDS_TARGET_HIDDEN,
+    NEEDS_TARGET_KV,
+    DraftControls,
+    Target,
+    reads_the_target,
+)
+from outrider.spec.runner import Runner
+from outrider.spec.sampling import GREEDY_BELOW, SamplingParams
 
 SUPPORTED_NEEDS = {NEEDS_DRAFT_MODEL, NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, NEEDS_MTP_HEAD}
 

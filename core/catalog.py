@@ -17,8 +17,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelFileError
-from .paths import outrider_home
+from outrider.errors import ModelFileError
+from outrider.paths import outrider_home
 
 DEFAULT_MODEL = "smollm2-135m"
 

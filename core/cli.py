@@ -9,8 +9,8 @@ import time
 
 import click
 
-from .errors import OutriderError
-from .hookspecs import PLUGIN_KINDS
+from outrider.errors import OutriderError
+from outrider.hookspecs import PLUGIN_KINDS
 
 
 def friendly_errors(fn):
@@ -40,7 +40,7 @@ class OutriderGroup(click.Group):
             return
         self._plugins_loaded = True
         try:
-            from .registry import default_registry
+            from outrider.registry import default_registry
             default_registry().manager.hook.register_commands(cli=self)
         except Exception as exc:  # a third-party command that fails to register must not take the CLI down
             click.echo(f"warning: a plugin's register_commands failed ({type(exc).__name__}: {exc})", err=True)
@@ -95,9 +95,9 @@ def _read_prompt(prompt: str) -> str:
 @friendly_errors
 def generate(prompt, options, config_file, as_json, verbose, **flags):
     """Generate text for PROMPT (`-` reads it from stdin)."""
-    from .assembly import assemble
-    from .chat import apply_chat_template
-    from .config import resolve_config
+    from outrider.assembly import assemble
+    from outrider.config import resolve_config
+    from outrider.io.chat import apply_chat_template
 
     config = resolve_config(flags, config_file, option_flags=list(options))
     load_start = time.perf_counter()
@@ -180,9 +180,9 @@ def serve(host, port, queue_size, api_key, api_key_file, stall_timeout, request_
 
     Takes every setting `generate` takes; the model is assembled once. Sampling settings given here are
     the defaults for requests that leave them out."""
-    from .assembly import assemble
-    from .config import resolve_config
-    from .serve import create_app, run_server
+    from outrider.assembly import assemble
+    from outrider.config import resolve_config
+    from outrider.serve import create_app, run_server
 
     keys = api_keys(api_key, api_key_file)
     config = resolve_config(flags, config_file, option_flags=list(options))
@@ -206,7 +206,7 @@ def api_keys(given: tuple[str, ...], key_file: str | None) -> list[str]:
     """The keys of --api-key / $OUTRIDER_API_KEY and of --api-key-file (one a line); never echoed anywhere."""
     from pathlib import Path
 
-    from .errors import ConfigError
+    from outrider.errors import ConfigError
 
     keys = [key.strip() for key in given if key.strip()]
     if key_file:
@@ -248,8 +248,8 @@ def models(ctx):
     """List the model catalog and what is cached; `outrider models pull NAME` fetches one."""
     if ctx.invoked_subcommand is not None:
         return
-    from .catalog import CATALOG, DEFAULT_MODEL, cached_path, is_cached
-    from .paths import outrider_home
+    from outrider.catalog import CATALOG, DEFAULT_MODEL, cached_path, is_cached
+    from outrider.paths import outrider_home
 
     click.echo(f"cache: {outrider_home() / 'models'}")
     for entry in CATALOG.values():
@@ -264,8 +264,8 @@ def models(ctx):
 @friendly_errors
 def models_pull(name):
     """Fetch catalog model NAME into the cache (once; sha256-checked)."""
-    from .catalog import CATALOG, ensure_model
-    from .errors import ModelFileError
+    from outrider.catalog import CATALOG, ensure_model
+    from outrider.errors import ModelFileError
 
     if name not in CATALOG:
         raise ModelFileError(f"unknown model '{name}'; the catalog has: {', '.join(CATALOG)}")
@@ -319,9 +319,9 @@ def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafter
     Peers are optional (`pip install 'outrider[bench]'`, llama-cpp-python built by scripts/install-peers)."""
     import shlex
 
-    from . import bench as harness
-    from .config import parse_draft_max
-    from .errors import ConfigError
+    from outrider import bench as harness
+    from outrider.config import parse_draft_max
+    from outrider.errors import ConfigError
 
     samplings = [harness.Sampling.parse(spec) for spec in _split(temperatures)] or list(harness.DEFAULT_SAMPLINGS)
     try:
@@ -359,40 +359,12 @@ def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafter
 
 
 @main.command()
-@click.argument("model")
-@click.option("--minutes", type=float, default=30.0, show_default=True, help="Wall-clock budget for the whole run.")
-@click.option("--steps", type=int, default=0, help="Train exactly this many steps instead of until the budget is spent.")
-@click.option("--draft-vocab", type=int, default=8192, show_default=True,
-              help="Rows of the head's output layer: the most frequent tokens of the training text.")
-@click.option("--tokens", "generate_tokens", type=int, default=160, show_default=True,
-              help="Tokens the target writes per built-in prompt.")
-@click.option("--stdlib-chunks", type=int, default=16, show_default=True,
-              help="Passages of the Python standard library's sources added to the training text.")
-@click.option("--fresh", is_flag=True, help="Start over instead of resuming from the checkpoint.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Sidecar path [the cache, where --drafter mtp looks].")
-@click.option("--seed", type=int, default=0, show_default=True)
-@friendly_errors
-def distill(model, minutes, steps, draft_vocab, generate_tokens, stdlib_chunks, fresh, out, seed):
-    """Train an MTP head for MODEL (catalog name or .gguf) on the CPU and cache it for `--drafter mtp`."""
-    from pathlib import Path
-
-    from .distill import DistillSettings
-    from .distill import distill as run_distill
-
-    settings = DistillSettings(minutes=minutes, steps=steps, draft_vocab=draft_vocab, generate_tokens=generate_tokens,
-                               stdlib_chunks=stdlib_chunks, fresh=fresh, seed=seed)
-    report = run_distill(model, settings, Path(out) if out else None, echo=lambda line: click.echo(line, err=True))
-    click.echo(f"{report.sidecar} ({report.head_bytes / 1e6:.1f} MB) in {report.seconds / 60:.1f} min, "
-               f"{report.steps} steps")
-
-
-@main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @friendly_errors
 def plugins(as_json):
     """List every installed plugin: kind, name, aliases, capabilities, options, providing package."""
-    from .config import SETTINGS
-    from .registry import default_registry
+    from outrider.config import SETTINGS
+    from outrider.registry import default_registry
 
     rows = []
     for spec in default_registry().all():
@@ -449,8 +421,8 @@ def check(name, kind, options):
     """Run the plugin contract suite against plugin NAME and print a report; exit 1 if a check fails."""
     import tempfile
 
-    from .testing.fixtures import ContractFixtures
-    from .testing.report import find_specs, format_report, run_contract, subject_for
+    from outrider.testing.fixtures import ContractFixtures
+    from outrider.testing.report import find_specs, format_report, run_contract, subject_for
 
     specs = find_specs(name, kind)
     _build_kernels_first()
@@ -468,7 +440,7 @@ def check(name, kind, options):
 def _build_kernels_first() -> None:
     """The fixtures run on the CPU backend, whose kernels are compiled on a machine's first use: build them
     before the first check (the builder says so on stderr), so the build is not reported as a check's time."""
-    from .native import NativeUnavailable, load
+    from outrider.native import NativeUnavailable, load
 
     start = time.perf_counter()
     try:

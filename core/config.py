@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .catalog import DEFAULT_MODEL
-from .errors import ConfigError
-from .hookspecs import PLUGIN_KINDS
+from outrider.catalog import DEFAULT_MODEL
+from outrider.errors import ConfigError
+from outrider.hookspecs import PLUGIN_KINDS
 
 __all__ = ["PLUGIN_KINDS", "SETTINGS", "Config", "Setting", "parse_bool", "parse_draft_max", "resolve_config"]
 

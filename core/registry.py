@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import pluggy
 
-from .config import parse_bool
-from .errors import ConfigError
-from .hookspecs import PLUGIN_KINDS, PROJECT, OutriderSpec
+from outrider.config import parse_bool
+from outrider.errors import ConfigError
+from outrider.hookspecs import PLUGIN_KINDS, PROJECT, OutriderSpec
 
 BUILTIN_PACKAGE = "outrider (built-in)"
 BUILTIN_MODULES = (

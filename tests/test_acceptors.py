@@ -20,8 +20,8 @@ from outrider.errors import ConfigError
 from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.plugins.acceptors.pmin import PMinAcceptor
 from outrider.plugins.acceptors.sampled import SampledAcceptor
-from outrider.sampling import PositionRandom, SamplingParams, sample_at, warp
-from outrider.verify import AcceptResult, Acceptor, VerifyRound
+from outrider.spec.acceptance import Acceptor, AcceptResult, VerifyRound
+from outrider.spec.sampling import PositionRandom, SamplingParams, sample_at, warp
 from outrider.testing.stats import chi2_sf, chi2_test
 from outrider.testing.toy import ToyModel
 
@@ -424,14 +424,14 @@ class PositionalGreedy:
 def test_an_acceptor_with_a_positional_signature_is_refused_in_one_line(outrider_contract_fixtures):
     from outrider.errors import ConfigError
     from outrider.plugins.drafters.lookup import LookupDrafter
-    from outrider.runner import Runner
+    from outrider.spec.runner import Runner
 
     with pytest.raises(ConfigError, match=r"write accept\(self, verify\)"):
         Runner(outrider_contract_fixtures.target("llama"), LookupDrafter(), PositionalGreedy(), draft_max=4, context=256)
 
 
 def test_acceptors_taking_one_round_are_used_as_they_are():
-    from outrider.verify import as_acceptor
+    from outrider.spec.acceptance import as_acceptor
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

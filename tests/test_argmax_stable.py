@@ -6,11 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider.gguf_file import GGUFFile
+from outrider.io.gguf import GGUFFile
 from outrider.plugins.backends.cpu import CPUBackend
+from outrider.testing.argmax_stable import (
+    assert_argmax_stable,
+    greedy_with_gaps,
+    judge,
+    near_tie_rate,
+    top2_gaps,
+    verify_drift,
+)
 from outrider.testing.fixtures import plain_greedy
-from outrider.testing.argmax_stable import (assert_argmax_stable, greedy_with_gaps, judge, near_tie_rate,
-                                            top2_gaps, verify_drift)
 
 
 def test_top2_gaps_by_hand():

@@ -132,7 +132,7 @@ def test_sigint_keeps_the_streamed_text_and_exits_130(tmp_path):
 
 
 def test_interrupted_json_holds_the_tokens_so_far(files, monkeypatch):
-    from outrider.runner import Runner
+    from outrider.spec.runner import Runner
 
     args = ["generate", "--model", files["llama"], "--drafter", "none", "-n", "12", "--json", "the the the"]
     whole = json.loads(invoke(*args).output.strip().splitlines()[-1])

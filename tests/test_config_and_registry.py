@@ -11,7 +11,7 @@ from outrider.config import resolve_config
 from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
 from outrider.registry import BUILTIN_PACKAGE, Registry, build_registry
-from outrider.sampling import SamplingParams
+from outrider.spec.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

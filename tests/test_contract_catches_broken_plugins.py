@@ -17,13 +17,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from outrider.drafting import Draft, DrafterBase
 from outrider.hookspecs import hookimpl
 from outrider.models.layers import PREFILL_CHUNK
 from outrider.plugins.acceptors.pmin import PMinAcceptor
 from outrider.plugins.backends.cpu import CPUBackend
 from outrider.registry import build_registry
-from outrider.sampling import PositionRandom, sample_at, warp
+from outrider.spec.drafter import Draft, DrafterBase
+from outrider.spec.sampling import PositionRandom, sample_at, warp
 from outrider.testing.checks import CHECKS, Subject
 from outrider.testing.report import run_check, run_contract
 
@@ -179,7 +179,7 @@ def test_pmin_claiming_lossless_breaks_the_argmax_chain(outrider_contract_fixtur
 
 def test_contract_class_reports_the_failure_through_pytest(pytester):
     pytester.makepyfile(test_broken_plugin='''
-        from outrider.drafting import Draft, DrafterBase
+        from outrider.spec.drafter import Draft, DrafterBase
         from outrider.testing.contracts import DrafterContract
 
         class TooMany(DrafterBase):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from outrider.draft_length import AdaptiveDraftLength
-from outrider.drafting import DraftKind
+from outrider.spec.drafter import DraftKind
+from outrider.spec.length_policy import AdaptiveDraftLength
 
 
 def policy(acceptance: float, verify: dict[int, float], cap: int = 8) -> AdaptiveDraftLength:

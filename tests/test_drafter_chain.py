@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from outrider.assembly import drafter_spec
-from outrider.drafter_chain import DrafterChain
 from outrider.errors import ConfigError
 from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.plugins.drafters.lookup import LookupDrafter
-from outrider.plugins.drafters.mtp import MTPDrafter
+from outrider.plugins.drafters.mtp.drafter import MTPDrafter
 from outrider.registry import default_registry
-from outrider.runner import Runner
-from outrider.sampling import SamplingParams
+from outrider.spec.chain import DrafterChain
+from outrider.spec.runner import Runner
+from outrider.spec.sampling import SamplingParams
 from outrider.testing.contracts import DrafterContract
 from outrider.testing.fixtures import plain_greedy
 

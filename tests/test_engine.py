@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from outrider.errors import ModelFileError
-from outrider.gguf_file import GGUFFile
+from outrider.io.gguf import GGUFFile
 from outrider.models import load_model
 from outrider.models.stack import LayerStack
 from outrider.native import activations as native_activations
@@ -268,11 +268,11 @@ def test_last_position_logits_match_transformers(real):
 
 @pytest.mark.slow
 def test_greedy_continuation_matches_transformers(real):
-    from outrider.drafting import Target
     from outrider.plugins.acceptors.greedy import GreedyAcceptor
     from outrider.plugins.drafters.none import NoDrafter
-    from outrider.runner import Runner
-    from outrider.sampling import SamplingParams
+    from outrider.spec.drafter import Target
+    from outrider.spec.runner import Runner
+    from outrider.spec.sampling import SamplingParams
 
     _, model, hf_model, hf_tokenizer, path = real
     with native_activations("float32"):

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider.chat import apply_chat_template
 from outrider.errors import ModelFileError
-from outrider.gguf_file import GGUFFile
+from outrider.io.chat import apply_chat_template
+from outrider.io.gguf import GGUFFile
+from outrider.io.tokenizer import Tokenizer
 from outrider.models import load_model
 from outrider.testing.gemma4_fixtures import VARIANTS, cached_fixture
 from outrider.testing.llama_cpp import ReferenceUnavailable
-from outrider.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -14,13 +14,12 @@ import pytest
 import torch
 
 from outrider.errors import ModelFileError
-from outrider.gguf_file import GGUFFile
-from outrider.models.gemma4_assistant import Gemma4Assistant
+from outrider.io.gguf import GGUFFile
+from outrider.plugins.drafters.gemma_assistant.model import Gemma4Assistant
 
 pytest.importorskip("transformers")
 
-from outrider.testing.gemma4_assistant import (TransformersAssistant, cached_assistant,  # noqa: E402
-                                               load_transformers_assistant)
+from outrider.testing.gemma4_assistant import TransformersAssistant, cached_assistant, load_transformers_assistant  # noqa: E402
 from outrider.testing.llama_cpp import ReferenceUnavailable  # noqa: E402
 
 VOCAB, BACKBONE, WINDOW = 320, 48, 8

@@ -17,21 +17,20 @@ import torch
 
 pytest.importorskip("transformers")
 
-from outrider.drafting import DraftControls, Target  # noqa: E402
 from outrider.errors import ConfigError  # noqa: E402
-from outrider.gguf_file import GGUFFile  # noqa: E402
+from outrider.io.gguf import GGUFFile  # noqa: E402
+from outrider.io.tokenizer import Tokenizer  # noqa: E402
 from outrider.plugins.acceptors.greedy import GreedyAcceptor  # noqa: E402
 from outrider.plugins.acceptors.sampled import SampledAcceptor  # noqa: E402
 from outrider.plugins.backends.cpu import CPUBackend  # noqa: E402
-from outrider.plugins.drafters.gemma_assistant import GemmaAssistantDrafter, target_kv_layers  # noqa: E402
-from outrider.runner import Runner  # noqa: E402
-from outrider.sampling import SamplingParams, warp  # noqa: E402
+from outrider.plugins.drafters.gemma_assistant.drafter import GemmaAssistantDrafter, target_kv_layers  # noqa: E402
+from outrider.spec.drafter import DraftControls, Target  # noqa: E402
+from outrider.spec.runner import Runner  # noqa: E402
+from outrider.spec.sampling import SamplingParams, warp  # noqa: E402
 from outrider.testing.fixtures import plain_greedy  # noqa: E402
-from outrider.testing.gemma4_assistant import (TransformersAssistant, cached_assistant,  # noqa: E402
-                                               load_transformers_assistant)
+from outrider.testing.gemma4_assistant import TransformersAssistant, cached_assistant, load_transformers_assistant  # noqa: E402
 from outrider.testing.llama_cpp import ReferenceUnavailable  # noqa: E402
 from outrider.testing.stats import chi2_test  # noqa: E402
-from outrider.tokenizer import Tokenizer  # noqa: E402
 
 gemma4_fixtures = pytest.importorskip("outrider.testing.gemma4_fixtures")
 

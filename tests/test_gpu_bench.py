@@ -10,7 +10,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from outrider.gguf_file import GGUFFile
+from outrider.io.gguf import GGUFFile
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 

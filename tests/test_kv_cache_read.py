@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from outrider.gguf_file import GGUFFile
+from outrider.io.gguf import GGUFFile
 from outrider.plugins.backends.cpu import CPUBackend
 from outrider.testing.tiny_models import write_tiny_gemma4
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from outrider.drafting import DraftKind
 from outrider.plugins.drafters.lookup import LookupDrafter
+from outrider.spec.drafter import DraftKind
 
 
 def test_the_longest_earlier_match_gives_the_draft_and_its_length_the_kind():

@@ -15,17 +15,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from outrider.drafting import DraftControls
-from outrider.gguf_file import GGUFFile
+from outrider.io.gguf import GGUFFile
 from outrider.native import activations as native_activations
 from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.plugins.acceptors.sampled import SampledAcceptor
-from outrider.plugins.drafters.mtp import MTPDrafter
-from outrider.runner import Runner
-from outrider.sampling import SamplingParams, warp
+from outrider.plugins.drafters.mtp.drafter import MTPDrafter
+from outrider.spec.drafter import DraftControls
+from outrider.spec.runner import Runner
+from outrider.spec.sampling import SamplingParams, warp
 from outrider.testing.fixtures import ContractFixtures, plain_greedy
 from outrider.testing.stats import chi2_test
-from outrider.testing.tiny_models import DRAFT_VOCAB, write_tiny_mtp_sidecar as write_sidecar
+from outrider.testing.tiny_models import DRAFT_VOCAB
+from outrider.testing.tiny_models import write_tiny_mtp_sidecar as write_sidecar
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 
@@ -282,7 +283,7 @@ def test_sampling_with_q_keeps_the_target_distribution(fx, tmp_path):
 
 @pytest.fixture(scope="module")
 def distilled(fx, tmp_path_factory):
-    from outrider.distill import DistillSettings, distill
+    from outrider.plugins.drafters.mtp.distill import DistillSettings, distill
 
     out = tmp_path_factory.mktemp("distill") / "tiny-llama.mtp.gguf"
     settings = DistillSettings(steps=15, generate_tokens=16, stdlib_chunks=1, draft_vocab=64, eval_tokens=0,
@@ -326,8 +327,9 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
     written as a sidecar), positions and an empty cache, both give the same logits and hidden rows. The
     third case has 7 layers listed local-local-local-global-..., so the head's block 7 is global by the
     file's period (not by a period of 6), and a final logit softcap both must apply."""
-    from outrider.distill import TrainableHead, shifted, write_sidecar as write_trained
-    from outrider.plugins.drafters.mtp import MTPHead
+    from outrider.plugins.drafters.mtp.distill import TrainableHead, shifted
+    from outrider.plugins.drafters.mtp.distill import write_sidecar as write_trained
+    from outrider.plugins.drafters.mtp.drafter import MTPHead
     from outrider.testing.fixtures import cpu_target
     from outrider.testing.tiny_models import write_tiny_gemma3
 

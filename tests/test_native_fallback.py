@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from outrider.gguf_file import GGUFFile
+from outrider.io.gguf import GGUFFile
 from outrider.models import load_model
 from outrider.testing.fixtures import plain_greedy
 from outrider.testing.tiny_models import write_tiny_llama

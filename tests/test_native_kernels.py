@@ -25,10 +25,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from outrider import native
-from outrider.native import activations
-from outrider.gguf_file import GGUFFile
+from outrider.io.gguf import GGUFFile
 from outrider.models import load_model
-from outrider.models.linear import KIND_F32, DenseLinear, PackedLinear, block_codes, load_linear
+from outrider.models.linear import KIND_F32, DenseLinear, PackedLinear, block_codes
+from outrider.models.weight_forms import load_linear
+from outrider.native import activations
 from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama
 
 NUMPY_QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
@@ -626,7 +627,7 @@ def test_attention_with_three_heads_per_kv_group_matches_float64_and_single_quer
     has; with three heads per group (SmolLM2's shape, not the tiny models') a 6-token call and six
     1-token calls group them differently. Oracles: the single calls, bit for bit, and float64 torch
     attention (rotary, causal, optionally windowed)."""
-    from outrider.kv_cache import KVCache
+    from outrider.models.kv_cache import KVCache
     from outrider.models.layers import Rotary
 
     n_heads, n_kv, d, prompt_len, t_len = 6, 2, 32, 9, 6

@@ -9,13 +9,13 @@ import json
 
 from click.testing import CliRunner
 
-import outrider.runner as runner_module
+import outrider.spec.runner as runner_module
 from outrider.cli import main
 from outrider.plugins.acceptors.sampled import SampledAcceptor
 from outrider.plugins.drafters.draft_model import DraftModelDrafter
 from outrider.plugins.drafters.lookup import LookupDrafter
-from outrider.runner import Runner
-from outrider.sampling import SamplingParams
+from outrider.spec.runner import Runner
+from outrider.spec.sampling import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 PARAMS = SamplingParams(0.9, seed=42)
@@ -83,7 +83,7 @@ def test_two_cli_runs_with_the_same_seed_a_q_drafter_and_auto_are_identical(outr
 def test_a_chain_with_a_q_member_under_auto_reproduces_whatever_the_timings(outrider_contract_fixtures, monkeypatch):
     """`lookup,draft-model` gives q in the rounds its draft-model member drafts: its draft lengths change
     the tokens, so `auto` must not take them from timings, even though its lookup rounds give no q."""
-    from outrider.drafter_chain import DrafterChain
+    from outrider.spec.chain import DrafterChain
 
     path = str(outrider_contract_fixtures.tiny_draft_llama_path)
     chain = lambda: DrafterChain([LookupDrafter(min_n=2), DraftModelDrafter(model=path, sample=True)],  # noqa: E731

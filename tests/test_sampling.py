@@ -1,4 +1,4 @@
-"""Warpers, position-coupled randomness and inverse-CDF sampling (outrider.sampling).
+"""Warpers, position-coupled randomness and inverse-CDF sampling (outrider.spec.sampling).
 
 Expected values come from hand formulas (math.exp) or numpy directly, never from the code under test.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from outrider.errors import ConfigError
-from outrider.sampling import PositionRandom, SamplingParams, argmax, argmax_token, sample_at, sample_rows, warp
+from outrider.spec.sampling import PositionRandom, SamplingParams, argmax, argmax_token, sample_at, sample_rows, warp
 
 
 def _close(got: torch.Tensor, want: list[float], tol: float = 1e-6) -> None:
@@ -331,7 +331,7 @@ def test_greedy_warp_then_sample_is_argmax_for_any_u():
 
 def test_a_temperature_below_the_floor_is_greedy_everywhere():
     """1e-9 cannot be sampled with in float32 (logits / t overflow): it is greedy, as vLLM's rule."""
-    from outrider.sampling import GREEDY_BELOW
+    from outrider.spec.sampling import GREEDY_BELOW
 
     logits = torch.tensor([0.5, 2.0, -1.0, 1.9])
     for t in (1e-9, 1e-40, GREEDY_BELOW / 2):

@@ -527,7 +527,7 @@ class HangingDrafter:
 
     def propose(self, tokens, k):
         self.release.wait()
-        from outrider.drafting import Draft
+        from outrider.spec.drafter import Draft
 
         return Draft()
 
@@ -576,7 +576,7 @@ def test_a_stuck_drafter_fails_its_request_and_the_queue_and_health_says_so_unti
 class SlowDrafter(HangingDrafter):
     def propose(self, tokens, k):
         time.sleep(0.05)
-        from outrider.drafting import Draft
+        from outrider.spec.drafter import Draft
 
         return Draft()
 

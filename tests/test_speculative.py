@@ -11,14 +11,14 @@ import random
 
 import pytest
 
-from outrider.drafting import Draft, DrafterBase, DraftControls
 from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.plugins.acceptors.sampled import SampledAcceptor
 from outrider.plugins.drafters.draft_model import DraftModelDrafter
 from outrider.plugins.drafters.lookup import LookupDrafter
 from outrider.plugins.drafters.none import NoDrafter
-from outrider.runner import Runner
-from outrider.sampling import SamplingParams
+from outrider.spec.drafter import Draft, DraftControls, DrafterBase
+from outrider.spec.runner import Runner
+from outrider.spec.sampling import SamplingParams
 from outrider.testing.fixtures import cpu_target, plain_greedy, plain_sampled
 from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_gemma4, write_tiny_llama
 
@@ -104,7 +104,7 @@ def test_same_seed_same_output_with_and_without_drafter(tiny, drafter_name, seed
 def test_metrics_are_the_spec_definitions_of_known_counts():
     """docs/acceptance.md's definitions on counts worked out by hand: 4 rounds drafting 4, 3, 2, 1 tokens and
     accepting 2, 3, 0, 1 of them."""
-    from outrider.runner import GenerationStats
+    from outrider.spec.runner import GenerationStats
 
     stats = GenerationStats()
     for drafted, accepted in [(4, 2), (3, 3), (2, 0), (1, 1)]:

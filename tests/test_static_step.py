@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider.gguf_file import GGUFFile
+from outrider.io.gguf import GGUFFile
 from outrider.models import ARCHITECTURES
 from outrider.models.static_step import ROW_BUCKETS, StaticKVCache, StaticStepModel, bucket_for
 from outrider.models.torch_quant import Int4Linear, Int8Linear

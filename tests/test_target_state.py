@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from outrider.assembly import check_pair
-from outrider.drafting import NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, Draft, DrafterBase
 from outrider.errors import ConfigError
 from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.registry import PluginSpec
-from outrider.runner import Runner
-from outrider.sampling import SamplingParams
+from outrider.spec.drafter import NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, Draft, DrafterBase
+from outrider.spec.runner import Runner
+from outrider.spec.sampling import SamplingParams
 from outrider.testing.fixtures import ContractFixtures, plain_greedy
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]

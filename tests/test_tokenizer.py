@@ -14,11 +14,11 @@ import os
 import gguf
 import pytest
 
-import outrider.tokenizer as tokenizer_module
-from outrider.chat import apply_chat_template
+import outrider.io.tokenizer as tokenizer_module
 from outrider.errors import ModelFileError, OutriderError
-from outrider.gguf_file import GGUFFile
-from outrider.tokenizer import Tokenizer, gpt2_byte_to_char
+from outrider.io.chat import apply_chat_template
+from outrider.io.gguf import GGUFFile
+from outrider.io.tokenizer import Tokenizer, gpt2_byte_to_char
 
 # ---------------------------------------------------------------------------------------- tiny GGUF files
 

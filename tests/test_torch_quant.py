@@ -17,9 +17,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from outrider.gguf_file import GGUFFile
-from outrider.models.linear import DenseLinear, load_linear
+from outrider.io.gguf import GGUFFile
+from outrider.models.linear import DenseLinear
 from outrider.models.torch_quant import Int4Linear, Int8Linear, int4_inner_k_tiles
+from outrider.models.weight_forms import load_linear
 
 ROWS, COLS = 40, 256  # rows not a multiple of 16: the packer's padding is exercised
 INT4 = [Q.Q4_0, Q.Q4_1, Q.Q4_K]

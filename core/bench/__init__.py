@@ -34,12 +34,20 @@ slow drifts of a shared machine hit all configurations alike; the report gives m
 median over rounds of the ratio within a round (`paired_ratio`).
 """
 
-from .costs import forward_cost_curve, read_bandwidth_gbs, stored_weight_bytes, tensor_bytes
-from .engines import DRAFTERS, ENGINES, Engine, LlamaCppEngine, OutriderEngine, TransformersEngine, make_engines
-from .prompts import PROMPTS, prompt_ids
-from .report import draw_chart, markdown, write_json
-from .results import RunResult, median, medians, paired_ratio
-from .run import DEFAULT_MODELS, DEFAULT_SAMPLINGS, BenchSettings, Sampling, run_bench
+from outrider.bench.costs import forward_cost_curve, read_bandwidth_gbs, stored_weight_bytes, tensor_bytes
+from outrider.bench.engines import (
+           DRAFTERS,
+           ENGINES,
+           Engine,
+           LlamaCppEngine,
+           OutriderEngine,
+           TransformersEngine,
+           make_engines,
+)
+from outrider.bench.prompts import PROMPTS, prompt_ids
+from outrider.bench.report import draw_chart, markdown, write_json
+from outrider.bench.results import RunResult, median, medians, paired_ratio
+from outrider.bench.run import DEFAULT_MODELS, DEFAULT_SAMPLINGS, BenchSettings, Sampling, run_bench
 
 __all__ = ["BenchSettings", "DEFAULT_MODELS", "DEFAULT_SAMPLINGS", "DRAFTERS", "ENGINES", "Engine", "LlamaCppEngine", "OutriderEngine",
            "PROMPTS", "RunResult", "Sampling", "TransformersEngine", "draw_chart", "forward_cost_curve", "make_engines",

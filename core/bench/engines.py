@@ -14,9 +14,9 @@ from typing import Any, Iterable
 
 import torch
 
-from ..errors import ConfigError, OutriderError
-from .costs import tensor_bytes
-from .results import RunResult, timed_stream
+from outrider.bench.costs import tensor_bytes
+from outrider.bench.results import RunResult, timed_stream
+from outrider.errors import ConfigError, OutriderError
 
 ENGINES = ("outrider", "llama.cpp", "llama-bench", "transformers")
 LLAMA_BENCH_VARIABLE = "LLAMA_BENCH"  # where llama-bench is, when --llama-bench does not say
@@ -58,8 +58,8 @@ class OutriderEngine(Engine):
         self.assembly = None
 
     def load(self) -> None:
-        from ..assembly import assemble
-        from ..config import resolve_config
+        from outrider.assembly import assemble
+        from outrider.config import resolve_config
 
         # the sampled acceptor is exactly the greedy one at temperature 0, so one assembly serves both
         flags = {"model": self.model_path, "drafter": self.drafter, "acceptor": "sampled", "draft_max": self.draft_max,
@@ -70,7 +70,7 @@ class OutriderEngine(Engine):
         self.assembly = assemble(resolve_config(flags, None, {}, options + self.options))
 
     def run(self, prompt_ids, n_tokens, temperature, top_p, seed):
-        from ..sampling import SamplingParams
+        from outrider.spec.sampling import SamplingParams
 
         runner = self.assembly.runner
         params = SamplingParams(temperature=temperature, top_k=0, top_p=top_p, seed=seed)
@@ -105,7 +105,6 @@ class LlamaCppEngine(Engine):
 
     def load(self):
         import llama_cpp  # noqa: F401  (ImportError = the peer is not installed)
-
         from llama_cpp import Llama
 
         kwargs = {}
@@ -215,7 +214,6 @@ class TransformersEngine(Engine):
     def load(self):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import transformers  # noqa: F401  (ImportError = the peer is not installed)
-
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 

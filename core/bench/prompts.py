@@ -62,10 +62,10 @@ PROMPTS: dict[str, str] = {
 def prompt_ids(model_path: str | os.PathLike, text: str, chat: bool = True) -> tuple[list[int], bool]:
     """Token ids for `text` (chat template applied when the model has one and `chat`), and whether the
     template was applied. The same ids are fed to every engine, so tokenizers cannot differ."""
-    from ..chat import apply_chat_template
-    from ..errors import ModelFileError
-    from ..gguf_file import GGUFFile
-    from ..tokenizer import Tokenizer
+    from outrider.errors import ModelFileError
+    from outrider.io.chat import apply_chat_template
+    from outrider.io.gguf import GGUFFile
+    from outrider.io.tokenizer import Tokenizer
 
     gguf = GGUFFile(model_path)
     tokenizer = Tokenizer.from_gguf(gguf)

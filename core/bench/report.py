@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .results import PAIRED_COLUMNS
-from .run import Sampling
+from outrider.bench.results import PAIRED_COLUMNS
+from outrider.bench.run import Sampling
 
 
 def _fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:

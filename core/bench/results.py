@@ -7,7 +7,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Iterator
 
-from ..errors import OutriderError
+from outrider.errors import OutriderError
+
 
 @dataclass
 class RunResult:

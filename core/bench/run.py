@@ -10,11 +10,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ConfigError
-from . import prompts
-from .costs import forward_cost_curve, read_bandwidth_gbs, stored_weight_bytes
-from .engines import DRAFTERS, ENGINES, SINGLE_DRAFTERS, OutriderEngine, make_engines
-from .results import add_ratios, medians
+from outrider.bench import prompts
+from outrider.bench.costs import forward_cost_curve, read_bandwidth_gbs, stored_weight_bytes
+from outrider.bench.engines import DRAFTERS, ENGINES, SINGLE_DRAFTERS, OutriderEngine, make_engines
+from outrider.bench.results import add_ratios, medians
+from outrider.errors import ConfigError
 
 DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
 
@@ -90,8 +90,8 @@ class BenchSettings:
 
 def run_bench(settings: BenchSettings, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every cell, interleaved; return the report (raw runs and medians), printing notes as it goes."""
-    from ..catalog import resolve_model
-    from ..gguf_file import GGUFFile
+    from outrider.catalog import resolve_model
+    from outrider.io.gguf import GGUFFile
 
     settings.check()
     if settings.threads:

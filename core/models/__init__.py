@@ -6,15 +6,15 @@ import warnings
 
 import torch
 
-from ..errors import ModelFileError
-from ..gguf_file import GGUFFile
-from ..native import NativeUnavailable
-from ..native import load as load_native
-from .gemma3 import Gemma3
-from .gemma4 import Gemma4
-from .layers import ATTENTION_DTYPE
-from .linear import check_weights_mode
-from .llama import Llama
+from outrider.errors import ModelFileError
+from outrider.io.gguf import GGUFFile
+from outrider.models.gemma3 import Gemma3
+from outrider.models.gemma4 import Gemma4
+from outrider.models.layers import ATTENTION_DTYPE
+from outrider.models.linear import check_weights_mode
+from outrider.models.llama import Llama
+from outrider.native import NativeUnavailable
+from outrider.native import load as load_native
 
 ARCHITECTURES = {cls.architecture: cls for cls in (Llama, Gemma3, Gemma4)}
 QUANTIZED_ON_GPU = (Llama, Gemma3)  # take linear_form="quantized" (gemma4's experts do not yet)

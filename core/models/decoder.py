@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ModelFileError
-from ..gguf_file import GGUFFile
-from ..kv_cache import KVCache
-from .layers import PREFILL_CHUNK, Attention, load_ends, run_in_chunks
-from .linear import rms_norm
-from .stack import LayerStack
+from outrider.errors import ModelFileError
+from outrider.io.gguf import GGUFFile
+from outrider.models.kv_cache import KVCache
+from outrider.models.layers import PREFILL_CHUNK, Attention, load_ends, run_in_chunks
+from outrider.models.linear import rms_norm
+from outrider.models.stack import LayerStack
 
 
 def rope_freq_scale(g: GGUFFile) -> float:

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ModelFileError
-from ..gguf_file import GGUFFile
-from .decoder import Decoder, rope_freq_scale
-from .layers import ATTENTION_DTYPE, Attention, Rotary, trunk_layers
-from .linear import load_linear
-from .stack import LayerStack, LayerWeights
+from outrider.errors import ModelFileError
+from outrider.io.gguf import GGUFFile
+from outrider.models.decoder import Decoder, rope_freq_scale
+from outrider.models.layers import ATTENTION_DTYPE, Attention, Rotary, trunk_layers
+from outrider.models.stack import LayerStack, LayerWeights
+from outrider.models.weight_forms import load_linear
 
 LOCAL_ROPE_BASE = 10000.0  # llama.cpp hard-codes the local layers' base; GGUF stores only the global one
 DEFAULT_SWA_PERIOD = 6  # five local layers, then one global

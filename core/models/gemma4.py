@@ -22,14 +22,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import ModelFileError
-from ..gguf_file import GGUFFile, dequantize
-from ..kv_cache import KVCache
-from ..native.codes import KV_MODES
-from .decoder import Decoder
-from .layers import ATTENTION_DTYPE, Rotary, attention, attention_mask
-from .linear import ACTIVATIONS, NATIVE_ACT, PackedLinear, load_linear, rms_norm
-from .stack import add_layer
+from outrider.errors import ModelFileError
+from outrider.io.gguf import GGUFFile, dequantize
+from outrider.models.decoder import Decoder
+from outrider.models.kv_cache import KVCache
+from outrider.models.layers import ATTENTION_DTYPE, Rotary, attention, attention_mask
+from outrider.models.linear import ACTIVATIONS, NATIVE_ACT, PackedLinear, rms_norm
+from outrider.models.stack import add_layer
+from outrider.models.weight_forms import load_linear
+from outrider.native.codes import KV_MODES
 
 # `gemma4.*` keys this file reads; any other key under the prefix is refused (it would change the model).
 KNOWN_KEYS = frozenset({
@@ -285,7 +286,7 @@ class Gemma4(Decoder):
         # the CPU kernels' attention where every head dim suits it; their cache then holds float32 keys transposed
         self.kernels = None
         if native and all(d % 16 == 0 and d <= 1024 for d in cfg.head_dim):
-            from .. import native as native_kernels
+            from outrider import native as native_kernels
 
             self.kernels = native_kernels.load()
         self.native_stack = self._native_stack()

@@ -7,9 +7,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..errors import ModelFileError
-from ..kv_cache import KVCache
-from .linear import load_linear, rms_norm
+from outrider.errors import ModelFileError
+from outrider.models.kv_cache import KVCache
+from outrider.models.linear import rms_norm
+from outrider.models.weight_forms import load_linear
 
 ATTENTION_DTYPE = torch.float64  # torch attention and its KV cache with batch_invariant; see attention()
 PREFILL_CHUNK = 64  # rows per forward with packed weights (see run_in_chunks)
@@ -83,7 +84,7 @@ class Attention:
         self.scale, self.eps = scale, eps
         self.kernels = None
         if native and head_dim % 16 == 0:
-            from .. import native as native_kernels
+            from outrider import native as native_kernels
 
             self.kernels = native_kernels.load()
         self.cache_dtype = torch.float32 if self.kernels is not None else torch_dtype

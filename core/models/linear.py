@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from ..errors import ConfigError
-from ..gguf_file import GGUFFile
-from ..native.codes import ACTIVATIONS as ACTIVATION_CODES
-from ..native.codes import WEIGHT_KINDS
+from outrider.errors import ConfigError
+from outrider.io.gguf import GGUFFile
+from outrider.native.codes import ACTIVATIONS as ACTIVATION_CODES
+from outrider.native.codes import WEIGHT_KINDS
 
 GROUP = 32
 INT4_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q4_K}
@@ -98,7 +98,7 @@ class DenseLinear:
 class PackedLinear:
     def __init__(self, kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  group: int, n_out: int, k: int):
-        from .. import native
+        from outrider import native
 
         self.kernels = native.load()
         self.kind, self.group, self.n_out, self.k = kind, group, n_out, k
@@ -206,7 +206,7 @@ def _pack_5bit(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat([nibbles, high], dim=-1).reshape(n, -1)
 
 
-def _packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
+def load_packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
     """Stack the tensors `names` (fused projections) in one form they all fit exactly: 4-bit nibbles if
     every part is 4-bit, 5-bit codes if every part is 4- or 5-bit, else int8 codes (per 16 if any part
     needs it, zeros if any part has them), else float32 when any part is a float tensor."""
@@ -236,21 +236,3 @@ def _packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
         codes.append(fix(c)), scales.append(fix(s)), zeros.append(fix(z))
     return PackedLinear(kind, torch.cat(codes), torch.cat(scales),
                         torch.cat(zeros) if with_zero else None, group, n_out, k)
-
-
-def load_linear(g: GGUFFile, names: Sequence[str], packed: bool | str, dtype: torch.dtype,
-                device: torch.device | str, row_maps: dict[str, RowMap] | None = None):
-    """One linear layer from the GGUF tensors `names`, their rows stacked in order (fused projections):
-    a `PackedLinear` when `packed` is True or "native" (and the shape allows), torch's int4/int8
-    weight-only forms when it is "quantized" (`outrider.models.torch_quant`, the GPU's compact weights),
-    else a `DenseLinear` in `dtype`. `row_maps` reorders a tensor's rows (llama's q/k un-permutation) in
-    whatever form it is held."""
-    remap = lambda name: (row_maps or {}).get(name, lambda rows: rows)
-    if packed == "quantized":
-        from .torch_quant import load_quantized_linear
-
-        return load_quantized_linear(g, names, dtype, device, remap)
-    if packed in (True, "native") and g.tensors[names[0]].shape[1] % GROUP == 0:
-        return _packed(g, names, remap)
-    weight = torch.cat([remap(name)(g.load(name)) for name in names])
-    return DenseLinear(weight.to(dtype).to(device))

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ModelFileError
-from ..gguf_file import GGUFFile
-from .decoder import Decoder, rope_freq_scale
-from .layers import ATTENTION_DTYPE, Attention, Rotary, default_scale, trunk_layers
-from .linear import load_linear
-from .stack import LayerStack, LayerWeights
+from outrider.errors import ModelFileError
+from outrider.io.gguf import GGUFFile
+from outrider.models.decoder import Decoder, rope_freq_scale
+from outrider.models.layers import ATTENTION_DTYPE, Attention, Rotary, default_scale, trunk_layers
+from outrider.models.stack import LayerStack, LayerWeights
+from outrider.models.weight_forms import load_linear
 
 
 @dataclass(frozen=True)

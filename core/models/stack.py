@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv_cache import KVCache
-from .layers import Attention, Rotary
-from .linear import NATIVE_ACT, PackedLinear
+from outrider.models.kv_cache import KVCache
+from outrider.models.layers import Attention, Rotary
+from outrider.models.linear import NATIVE_ACT, PackedLinear
 
 
 @dataclass

@@ -6,7 +6,7 @@ a device tensor (rotary rows and cache slots are gathered and scattered by index
 preallocated cache with a mask (not over a slice that grows), and runs a fixed number of rows: a forward
 over T <= 16 tokens is padded up to the next bucket. Padded rows sit after the real ones, so causal
 attention keeps them out of the real rows, and they write only cache slots at positions >= start + T,
-which are garbage by the cache's own contract (`outrider.kv_cache`); the cache has `slack` slots past
+which are garbage by the cache's own contract (`outrider.models.kv_cache`); the cache has `slack` slots past
 `max_len` so padding never runs off its end.
 
 `StaticStepModel` wraps an architecture's model: prompts (and anything longer than the largest bucket) run
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kv_cache import KVCache
-from .layers import attention
-from .linear import rms_norm
+from outrider.models.kv_cache import KVCache
+from outrider.models.layers import attention
+from outrider.models.linear import rms_norm
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # rows a step is padded to: k + 1 = 1..16 verify shapes in five graphs
 STATIC_ARCHITECTURES = ("llama", "gemma3")  # whose forward `StaticStepModel.step` reproduces

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..gguf_file import GGUFFile
-from .linear import INT4_TYPES, block_codes, torch_post_steps, torch_pre_steps
+from outrider.io.gguf import GGUFFile
+from outrider.models.linear import INT4_TYPES, block_codes, torch_post_steps, torch_pre_steps
 
 INT4_GROUP = 32  # GGUF's 4-bit blocks scale per 32 weights; the int4 kernel takes groups of 32..256
 INT4_MIDPOINT = 8  # the int4 kernel's zero point: w = (q - 8) * scale + zero

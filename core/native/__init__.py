@@ -26,7 +26,7 @@ import tempfile
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
-from ..errors import ConfigError
+from outrider.errors import ConfigError
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 RETRY_VARIABLE = "OUTRIDER_NATIVE_RETRY"
@@ -92,7 +92,7 @@ def load():
         raise NativeUnavailable("disabled by OUTRIDER_NATIVE=0")
     from torch.utils import cpp_extension
 
-    from ..paths import outrider_home
+    from outrider.paths import outrider_home
 
     key = build_key()
     folder = outrider_home() / "native" / key

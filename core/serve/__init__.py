@@ -7,6 +7,6 @@ Prometheus metrics named after vLLM's (`metrics.py`). Stop strings are matched o
 (`stop_text.py`).
 """
 
-from .app import create_app, run_server
+from outrider.serve.app import create_app, run_server
 
 __all__ = ["create_app", "run_server"]

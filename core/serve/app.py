@@ -22,13 +22,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..assembly import Assembly
-from ..config import Config
-from ..errors import OutriderError
-from ..runner import GenerationStats
-from .engine import GenerationEngine, Job, Outcome, QueueFull, Stalled, acceptors_by_greediness
-from .metrics import ServerMetrics
-from .requests import APIError, ServerDefaults, chat_request, completion_request
+from outrider.assembly import Assembly
+from outrider.config import Config
+from outrider.errors import OutriderError
+from outrider.serve.engine import GenerationEngine, Job, Outcome, QueueFull, Stalled, acceptors_by_greediness
+from outrider.serve.metrics import ServerMetrics
+from outrider.serve.requests import APIError, ServerDefaults, chat_request, completion_request
+from outrider.spec.runner import GenerationStats
 
 DEFAULT_QUEUE_SIZE = 16
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there

@@ -19,14 +19,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..assembly import Assembly, check_pair
-from ..errors import OutriderError
-from ..registry import Registry, default_registry
-from ..runner import GenerationStats
-from ..sampling import SamplingParams
-from .metrics import ServerMetrics
-from .requests import GenerationRequest
-from .stop_text import StopText
+from outrider.assembly import Assembly, check_pair
+from outrider.errors import OutriderError
+from outrider.registry import Registry, default_registry
+from outrider.serve.metrics import ServerMetrics
+from outrider.serve.requests import GenerationRequest
+from outrider.serve.stop_text import StopText
+from outrider.spec.runner import GenerationStats
+from outrider.spec.sampling import SamplingParams
 
 log = logging.getLogger("outrider.serve")
 
@@ -52,7 +52,7 @@ def holder(thread_id: int | None) -> str:
         stack.append(frame)
         frame = frame.f_back
     stack.reverse()  # outermost first
-    runner_at = max((i for i, f in enumerate(stack) if f.f_globals.get("__name__") == "outrider.runner"), default=None)
+    runner_at = max((i for i, f in enumerate(stack) if f.f_globals.get("__name__") == "outrider.spec.runner"), default=None)
     if runner_at is not None and runner_at + 1 < len(stack):
         callee = stack[runner_at + 1]
     elif stack:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from ..runner import GenerationStats
+from outrider.spec.runner import GenerationStats
 
 PREFIX = "outrider:"
 # vLLM's buckets for these two histograms

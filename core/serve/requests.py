@@ -12,9 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..chat import apply_chat_template
-from ..errors import OutriderError
-from ..sampling import SamplingParams
+from outrider.errors import OutriderError
+from outrider.io.chat import apply_chat_template
+from outrider.spec.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}

@@ -17,15 +17,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from outrider.drafting import NEEDS_DRAFT_MODEL, Draft, DraftControls, reads_the_target
 from outrider.errors import OutriderError
-from outrider.gguf_file import GGUFFile
 from outrider.hookspecs import PLUGIN_KINDS
+from outrider.io.gguf import GGUFFile
 from outrider.models.layers import PREFILL_CHUNK
-from outrider.runner import Runner
-from outrider.sampling import PositionRandom, SamplingParams, warp
-from outrider.verify import AcceptResult, VerifyRound, as_acceptor
-from outrider.testing.fixtures import ARCHITECTURES, ContractFixtures
+from outrider.spec.acceptance import AcceptResult, VerifyRound, as_acceptor
+from outrider.spec.drafter import NEEDS_DRAFT_MODEL, Draft, DraftControls, reads_the_target
+from outrider.spec.runner import Runner
+from outrider.spec.sampling import PositionRandom, SamplingParams, warp
+from outrider.testing.fixtures import ARCHITECTURES, CheckSkipped, ContractFixtures, builtin_plugin
 from outrider.testing.stats import chi2_test, tv_distance
 from outrider.testing.toy import CopyingToyModel, ToyModel, exact_law, model_next_logits
 
@@ -37,10 +37,6 @@ E2E_TOKENS = 24
 # Per chi-square statistic; four statistics per acceptor, so a correct acceptor is failed with probability
 # below 4e-4 (and, the seeds being fixed, the outcome never changes from run to run).
 P_THRESHOLD = 1e-4
-
-
-class CheckSkipped(Exception):
-    """The check does not apply to this plugin (a capability makes it meaningless, or hardware is missing)."""
 
 
 @dataclass
@@ -171,7 +167,7 @@ def _session(subject: Subject, params: SamplingParams = GREEDY, ask_kind: bool =
         kind = drafter.draft_kind(list(tokens)) if ask_kind else None
         draft = drafter.propose(list(tokens), k)
         if not isinstance(draft, Draft):
-            raise AssertionError(f"propose must return an outrider.drafting.Draft, got {type(draft).__name__}")
+            raise AssertionError(f"propose must return an outrider.spec.drafter.Draft, got {type(draft).__name__}")
         rounds.append(Round(list(tokens), k, draft, kind))
         accepted = _valid_ids(draft, vocab)[: min(k, i % 3)]  # accept 0, 1 or 2 of the drafts
         drafter.rollback(len(tokens) + len(accepted))
@@ -321,7 +317,7 @@ def draft_kind_none_means_an_empty_draft(subject: Subject) -> None:
     """draft_kind(tokens) gives a DraftKind (prior in [0, 1]) or None only where the proposal is empty.
 
     It is asked before propose; None means the runner skips propose, and asking changes no proposal."""
-    from outrider.drafting import DraftKind
+    from outrider.spec.drafter import DraftKind
 
     if not callable(getattr(subject.new(), "draft_kind", None)):
         raise CheckSkipped("the drafter has no draft_kind (optional): every round is one kind")
@@ -329,7 +325,7 @@ def draft_kind_none_means_an_empty_draft(subject: Subject) -> None:
         for plain, asked in zip(_session(subject, params), _session(subject, params, ask_kind=True)):
             kind, where = asked.kind, f"draft_kind(tokens of length {len(asked.tokens)} ending {asked.tokens[-3:]})"
             assert kind is None or (isinstance(kind, DraftKind) and 0.0 <= kind.prior <= 1.0), \
-                f"{where} must return None or an outrider.drafting.DraftKind with a prior in [0, 1], got {kind!r}"
+                f"{where} must return None or an outrider.spec.drafter.DraftKind with a prior in [0, 1], got {kind!r}"
             assert list(asked.draft.tokens) == list(plain.draft.tokens), \
                 f"asking {where} first changed {plain.where()}: {list(asked.draft.tokens)}, " \
                 f"not {list(plain.draft.tokens)}"
@@ -371,7 +367,7 @@ def greedy_output_equals_plain_decoding(subject: Subject) -> None:
 @_check("drafter")
 def seeded_sampling_equals_plain_sampling(subject: Subject) -> None:
     """End to end with the sampled acceptor and a seed, a deterministic drafter reproduces plain sampling exactly."""
-    from outrider.plugins.acceptors.sampled import SampledAcceptor
+    SampledAcceptor = builtin_plugin("acceptor", "sampled")
 
     fx = subject.fixtures
     drafter = subject.new()
@@ -430,8 +426,8 @@ def lossless_with_draft_min(subject: Subject) -> None:
 def _q_law(subject: Subject, controls: DraftControls, generations: int) -> None:
     from dataclasses import replace
 
-    from outrider.drafting import Target
-    from outrider.plugins.acceptors.sampled import SampledAcceptor
+    from outrider.spec.drafter import Target
+    SampledAcceptor = builtin_plugin("acceptor", "sampled")
 
     drafter = subject.new()
     if not _may_give_q(subject, drafter):
@@ -476,7 +472,7 @@ def _q_law(subject: Subject, controls: DraftControls, generations: int) -> None:
                   f"{rate}. A drafter that gives q must draw each draft x from the q row it returns (x ~ q, q warped "
                   "with the run's params); a q for tokens picked another way (argmax, lookup) breaks losslessness: "
                   "give probs=None for those. Whether a position is drafted may depend on its q row, never on the "
-                  "token drawn from it (outrider.drafting.draft_loop)")
+                  "token drawn from it (outrider.spec.drafter.draft_loop)")
         assert forbidden == 0, f"{detail}; {forbidden} outputs the target cannot produce were emitted"
         assert pval > P_THRESHOLD, detail
 
@@ -764,7 +760,7 @@ def matches_the_cpu_reference(subject: Subject) -> None:
 
     An accelerator, and a CPU backend that computes another way (another dtype, weight layout or kernels),
     is compared; only the reference itself (the built-in cpu backend, float32, compact weights) is skipped."""
-    from outrider.plugins.backends.cpu import CPUBackend
+    CPUBackend = builtin_plugin("backend", "cpu")
 
     backend = subject.new()
     device = torch.device(getattr(backend, "device", "cpu"))

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from outrider.drafting import Target
-from outrider.gguf_file import GGUFFile
-from outrider.sampling import PositionRandom, SamplingParams, sample_at, warp
+from outrider.io.gguf import GGUFFile
+from outrider.io.tokenizer import Tokenizer
+from outrider.spec.drafter import Target
+from outrider.spec.sampling import PositionRandom, SamplingParams, sample_at, warp
 from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_gemma4, write_tiny_llama, write_tiny_mtp_sidecar
-from outrider.tokenizer import Tokenizer
 
 ARCHITECTURES = ("llama", "gemma3", "gemma4")
 
@@ -39,12 +39,22 @@ def plain_sampled(model: Any, prompt: list[int], n: int, params: SamplingParams)
     return tokens[len(prompt):]
 
 
+class CheckSkipped(Exception):
+    """The check does not apply to this plugin (a capability makes it meaningless, or hardware or a
+    test-only fixture is missing)."""
+
+
+def builtin_plugin(kind: str, name: str):
+    """A built-in plugin's class, found through the registry (the core imports no plugin module)."""
+    from outrider.registry import default_registry
+
+    return default_registry().get(kind, name).factory
+
+
 def cpu_target(path: str | Path) -> Target:
     """The model file at `path` loaded on the CPU backend (float32), with its tokenizer."""
-    from outrider.plugins.backends.cpu import CPUBackend
-
     gguf = GGUFFile(path)
-    backend = CPUBackend()
+    backend = builtin_plugin("backend", "cpu")()
     return Target(model=backend.load_model(gguf), tokenizer=Tokenizer.from_gguf(gguf), gguf=gguf, backend=backend)
 
 
@@ -91,7 +101,6 @@ class ContractFixtures:
 
     @staticmethod
     def _test_only(build):
-        from outrider.testing.checks import CheckSkipped
         from outrider.testing.llama_cpp import ReferenceUnavailable
 
         try:

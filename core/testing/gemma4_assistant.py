@@ -180,7 +180,7 @@ class TransformersAssistant:
 def matching_config(target_gguf: str | os.PathLike, centroids: bool = False) -> dict:
     """`assistant_config` arguments for an assistant that pairs with the Gemma 4 target in `target_gguf`: its
     hidden size as backbone, its vocabulary, its last sliding / global layers' kv heads and head dims."""
-    from outrider.gguf_file import GGUFFile
+    from outrider.io.gguf import GGUFFile
 
     g = GGUFFile(target_gguf)
     pattern = [bool(p) for p in g.require("attention.sliding_window_pattern")]

@@ -105,7 +105,7 @@ def write_checkpoint(folder: str | Path, variant: str, seed: int = 0) -> Path:
 
 def write_gguf(folder: str | Path, variant: str, outtype: str = "f32") -> Path:
     """The checkpoint for `variant` and its GGUF (`gemma4-<variant>.gguf`) written by llama.cpp's converter."""
-    from .llama_cpp import convert_hf_to_gguf
+    from outrider.testing.llama_cpp import convert_hf_to_gguf
 
     folder = Path(folder)
     hf_dir = write_checkpoint(folder / f"hf-{variant}", variant)
@@ -120,8 +120,7 @@ def cached_fixture(variant: str, outtype: str = "f32") -> tuple[Path, Path]:
     import transformers
 
     from outrider.paths import outrider_home
-
-    from .llama_cpp import LLAMA_CPP_PYTHON
+    from outrider.testing.llama_cpp import LLAMA_CPP_PYTHON
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
     for part in (LLAMA_CPP_PYTHON, transformers.__version__, torch.__version__, variant, outtype):

@@ -243,7 +243,7 @@ def write_tiny_gemma4(path: str | Path, seed: int = 0, hidden: int = 64, heads: 
     with a double-wide MLP."""
     import gguf
 
-    from .gemma4_fixtures import CHAT_TEMPLATE, SPECIALS, vocabulary
+    from outrider.testing.gemma4_fixtures import CHAT_TEMPLATE, SPECIALS, vocabulary
 
     rng = np.random.default_rng(seed)
     tokens, merges = vocabulary()

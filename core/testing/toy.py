@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from outrider.sampling import PositionRandom, SamplingParams, warp
-from outrider.verify import VerifyRound, as_acceptor
+from outrider.spec.acceptance import VerifyRound, as_acceptor
+from outrider.spec.sampling import PositionRandom, SamplingParams, warp
 
 V = 6  # toy vocabulary
 K = 2  # drafted tokens per round

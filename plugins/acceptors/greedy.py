@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from outrider.hookspecs import hookimpl
-from outrider.verify import AcceptResult, VerifyRound, greedy_round
+from outrider.spec.acceptance import AcceptResult, VerifyRound, greedy_round
 
 
 class GreedyAcceptor:

@@ -4,7 +4,7 @@ Accept x_i when the lossless rule would accept it OR p_i(x_i) >= p_min, where p_
 distribution (at temperature 0: softmax of the raw logits at T=1). The output can differ from the target
 alone. Not to be confused with the drafter-side stop ``--draft-p-min``, which is lossless: it ends a draft
 where the drafter's largest probability is below the threshold, before that position's token is drawn
-(``outrider.drafting.draft_loop``).
+(``outrider.spec.drafter.draft_loop``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
-from outrider.verify import AcceptResult, VerifyRound, sampled_round
+from outrider.spec.acceptance import AcceptResult, VerifyRound, sampled_round
 
 
 class PMinAcceptor:

@@ -4,7 +4,7 @@ temperature. At temperature 0 it is exactly the ``greedy`` acceptor."""
 from __future__ import annotations
 
 from outrider.hookspecs import hookimpl
-from outrider.verify import AcceptResult, VerifyRound, sampled_round
+from outrider.spec.acceptance import AcceptResult, VerifyRound, sampled_round
 
 
 class SampledAcceptor:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from outrider.backend import DTYPES, Backend
-from outrider.native import check_activations_mode
-from outrider.models.linear import WEIGHT_MODES
 from outrider.hookspecs import hookimpl
+from outrider.models.backend import DTYPES, Backend
+from outrider.models.linear import WEIGHT_MODES
+from outrider.native import check_activations_mode
 
 
 class CPUBackend(Backend):

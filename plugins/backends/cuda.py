@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from outrider.backend import DTYPES, Backend
 from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
+from outrider.models.backend import DTYPES, Backend
 from outrider.models.linear import WEIGHT_MODES
 from outrider.models.static_step import STATIC_ARCHITECTURES, StaticStepModel
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from outrider.catalog import resolve_model
-from outrider.drafting import NEEDS_DRAFT_MODEL, Draft, DrafterBase, DraftControls, Target, draft_loop
 from outrider.errors import ConfigError
-from outrider.gguf_file import GGUFFile
 from outrider.hookspecs import hookimpl
-from outrider.sampling import SamplingParams
-from outrider.tokenizer import Tokenizer
+from outrider.io.gguf import GGUFFile
+from outrider.io.tokenizer import Tokenizer
+from outrider.spec.drafter import NEEDS_DRAFT_MODEL, Draft, DraftControls, DrafterBase, Target, draft_loop
+from outrider.spec.sampling import SamplingParams
 
 # llama.cpp's rule: ids below this may differ (special tokens), the rest must spell the same.
 _SPECIAL_PREFIX = 5

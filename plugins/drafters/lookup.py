@@ -14,10 +14,10 @@ the prior 0.2 n (at most 0.8).
 
 from __future__ import annotations
 
-from outrider.drafting import Draft, DrafterBase, DraftControls, DraftKind
 from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
-from outrider.sampling import SamplingParams
+from outrider.spec.drafter import Draft, DraftControls, DrafterBase, DraftKind
+from outrider.spec.sampling import SamplingParams
 
 
 class LookupDrafter(DrafterBase):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from outrider.drafting import Draft, DrafterBase, DraftKind
 from outrider.hookspecs import hookimpl
+from outrider.spec.drafter import Draft, DrafterBase, DraftKind
 
 
 class NoDrafter(DrafterBase):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from outrider.hookspecs import hookimpl
+from outrider.api import hookimpl
 
 from .drafter import SuffixDrafter
 

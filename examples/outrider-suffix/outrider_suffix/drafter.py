@@ -12,9 +12,7 @@ rebuilt whenever `tokens` stops being an extension of what was indexed.
 
 from __future__ import annotations
 
-from outrider.drafting import Draft, DrafterBase, DraftControls
-from outrider.errors import ConfigError
-from outrider.sampling import SamplingParams
+from outrider.api import ConfigError, Draft, DraftControls, DrafterBase, SamplingParams
 
 
 def _index_ngrams(index: dict[tuple[int, ...], tuple[int, int]], seq: list[int], seq_id: int, start: int,

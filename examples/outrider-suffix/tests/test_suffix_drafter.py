@@ -6,11 +6,9 @@ import pytest
 
 pytest.importorskip("outrider_suffix", reason="outrider-suffix is not installed (pip install -e examples/outrider-suffix)")
 
-from outrider.drafting import DraftControls  # noqa: E402
-from outrider.errors import ConfigError  # noqa: E402
-from outrider.sampling import SamplingParams  # noqa: E402
-from outrider.testing.contracts import DrafterContract  # noqa: E402
 from outrider_suffix import SuffixDrafter  # noqa: E402
+
+from outrider.api import ConfigError, DraftControls, DrafterContract, SamplingParams  # noqa: E402
 
 
 class TestSuffixContract(DrafterContract):

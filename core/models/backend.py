@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ConfigError
-from .gguf_file import GGUFFile
-from .models import load_model
-from .models.linear import check_weights_mode
+from outrider.errors import ConfigError
+from outrider.io.gguf import GGUFFile
+from outrider.models import load_model
+from outrider.models.linear import check_weights_mode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "bf16": "bfloat16", "fp16": "float16", "f16": "float16"}

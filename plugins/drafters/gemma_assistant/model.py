@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..errors import ModelFileError
-from ..gguf_file import GGUFFile
-from .linear import rms_norm
+from outrider.errors import ModelFileError
+from outrider.io.gguf import GGUFFile
+from outrider.models.linear import rms_norm
 
 ARCHITECTURE = "gemma4-assistant"
 HEADS = ("auto", "dense", "centroids")

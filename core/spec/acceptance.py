@@ -23,8 +23,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .errors import ConfigError
-from .sampling import PositionRandom, SamplingParams, argmax_token, sample_at, warp
+from outrider.errors import ConfigError
+from outrider.spec.sampling import PositionRandom, SamplingParams, argmax_token, sample_at, warp
 
 __all__ = ["VerifyRound", "AcceptResult", "Acceptor", "greedy_round", "sampled_round", "as_acceptor"]
 
@@ -164,5 +164,5 @@ def as_acceptor(acceptor: Any) -> Any:
     shipped a release with) is refused in one line that names the fix."""
     if takes_positional_arguments(acceptor):
         raise ConfigError(f"{type(acceptor).__name__}.accept takes several arguments; an acceptor takes one "
-                          "outrider.verify.VerifyRound: write accept(self, verify) (see docs/plugins.md)")
+                          "outrider.spec.acceptance.VerifyRound: write accept(self, verify) (see docs/plugins.md)")
     return acceptor

@@ -18,13 +18,20 @@ from __future__ import annotations
 import torch
 
 from outrider.catalog import resolve_model
-from outrider.drafting import (NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, Draft, DraftControls, DrafterBase, Target,
-                               draft_loop)
 from outrider.errors import ConfigError, ModelFileError
-from outrider.gguf_file import GGUFFile
 from outrider.hookspecs import hookimpl
-from outrider.models.gemma4_assistant import DEFAULT_CENTROID_TOP_K, HEADS, Gemma4Assistant
-from outrider.sampling import SamplingParams
+from outrider.io.gguf import GGUFFile
+from outrider.plugins.drafters.gemma_assistant.model import DEFAULT_CENTROID_TOP_K, HEADS, Gemma4Assistant
+from outrider.spec.drafter import (
+    NEEDS_TARGET_HIDDEN,
+    NEEDS_TARGET_KV,
+    Draft,
+    DraftControls,
+    DrafterBase,
+    Target,
+    draft_loop,
+)
+from outrider.spec.sampling import SamplingParams
 
 TARGET_ARCHITECTURE = "gemma4"
 

@@ -8,9 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from .drafting import DEFAULT_KIND, Draft, DraftControls, DraftKind, Target, may_give_draft_probs, reads_the_target
-from .registry import PluginSpec
-from .sampling import SamplingParams
+from outrider.registry import PluginSpec
+from outrider.spec.drafter import (
+    DEFAULT_KIND,
+    Draft,
+    DraftControls,
+    DraftKind,
+    Target,
+    may_give_draft_probs,
+    reads_the_target,
+)
+from outrider.spec.sampling import SamplingParams
 
 SEPARATORS = ",+"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .native.codes import KEY_BLOCK  # the native kernel reads transposed keys this many positions at a time
+from outrider.native.codes import KEY_BLOCK  # the native kernel reads transposed keys this many positions at a time
 
 
 class KVCache:

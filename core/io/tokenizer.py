@@ -34,10 +34,10 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
 
-from .errors import ModelFileError
+from outrider.errors import ModelFileError
 
 if TYPE_CHECKING:
-    from .gguf_file import GGUFFile
+    from outrider.io.gguf import GGUFFile
 
 SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")
 
@@ -398,7 +398,7 @@ def _cache_key(model: str, tokens: list[str], token_types: list[int], scores: li
 
 
 def _tokenizer_cache_dir() -> Path:
-    from .paths import outrider_home
+    from outrider.paths import outrider_home
     return outrider_home() / "tokenizers"
 
 

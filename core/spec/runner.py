@@ -15,11 +15,11 @@ from typing import Any, Iterator
 
 import torch
 
-from .draft_length import AdaptiveDraftLength, FixedDraftLength
-from .drafting import DEFAULT_KIND, Draft, DraftControls, Target, may_give_draft_probs, reads_the_target
-from .errors import OutriderError
-from .sampling import PositionRandom, SamplingParams
-from .verify import VerifyRound, as_acceptor
+from outrider.errors import OutriderError
+from outrider.spec.acceptance import VerifyRound, as_acceptor
+from outrider.spec.drafter import DEFAULT_KIND, Draft, DraftControls, Target, may_give_draft_probs, reads_the_target
+from outrider.spec.length_policy import AdaptiveDraftLength, FixedDraftLength
+from outrider.spec.sampling import PositionRandom, SamplingParams
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """`outrider distill MODEL`: train an MTP (NextN) head for a model that shipped without one, on the CPU.
 
 The head is one decoder block of the trunk's kind with the nextn tensors around it (see
-`outrider.plugins.drafters.mtp`), initialised from the trunk's last layer. Its row at position p sees the
+`outrider.plugins.drafters.mtp.drafter`), initialised from the trunk's last layer. Its row at position p sees the
 token x_p and the target's final-normed hidden h_{p-1}, and is trained to give the target's own distribution
 of x_{p+1} (soft cross-entropy to the target's top-K probabilities, i.e. the KL up to a constant) over:
 text the target itself writes from a built-in, varied prompt set (chat, code, prose, quoting), and chunks of
@@ -27,9 +27,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
-from .models.gemma3 import local_layers
-from .models.linear import torch_post_steps
+from outrider.errors import ConfigError
+from outrider.models.gemma3 import local_layers
+from outrider.models.linear import torch_post_steps
 
 PROMPTS = (
     "Explain how a hash table works, with a short example in Python.",
@@ -108,8 +108,8 @@ def stdlib_texts(n: int, rng: random.Random, chars: int = 4000) -> list[str]:
 
 
 def _prompt_ids(gguf, tokenizer, text: str) -> list[int]:
-    from .chat import apply_chat_template
-    from .errors import ModelFileError
+    from outrider.errors import ModelFileError
+    from outrider.io.chat import apply_chat_template
 
     try:
         return tokenizer.encode(apply_chat_template(gguf, tokenizer, [{"role": "user", "content": text}]),
@@ -316,11 +316,11 @@ def _bar(total: float, desc: str):
 
 def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
             echo: Callable[[str], None] = print) -> DistillReport:
-    from .catalog import resolve_model
-    from .gguf_file import GGUFFile
-    from .plugins.backends.cpu import CPUBackend
-    from .plugins.drafters.mtp import mtp_sidecar_path
-    from .tokenizer import Tokenizer
+    from outrider.catalog import resolve_model
+    from outrider.io.gguf import GGUFFile
+    from outrider.io.tokenizer import Tokenizer
+    from outrider.plugins.backends.cpu import CPUBackend
+    from outrider.plugins.drafters.mtp.drafter import mtp_sidecar_path
 
     start = time.perf_counter()
     deadline = start + settings.minutes * 60
@@ -431,12 +431,12 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
 def heldout_acceptance(model, g, tokenizer, sidecar: Path, n: int, draft_max: int = 3) -> list[float]:
     """Per draft position, the share of drafts the target accepted, generating greedily from prompts that
     were not trained on (the real drafter on the written sidecar, three drafts every round)."""
-    from .drafting import Target
-    from .plugins.acceptors.greedy import GreedyAcceptor
-    from .plugins.backends.cpu import CPUBackend
-    from .plugins.drafters.mtp import MTPDrafter
-    from .runner import Runner
-    from .sampling import SamplingParams
+    from outrider.plugins.acceptors.greedy import GreedyAcceptor
+    from outrider.plugins.backends.cpu import CPUBackend
+    from outrider.plugins.drafters.mtp.drafter import MTPDrafter
+    from outrider.spec.drafter import Target
+    from outrider.spec.runner import Runner
+    from outrider.spec.sampling import SamplingParams
 
     target = Target(model=model, tokenizer=tokenizer, gguf=g, backend=CPUBackend())
     drafter = MTPDrafter(model=str(sidecar))

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Iterator
 
-from .drafting import DEFAULT_KIND, DraftKind
+from outrider.spec.drafter import DEFAULT_KIND, DraftKind
 
 AUTO_DRAFT_CAP = 16
 

@@ -19,11 +19,11 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import ModelFileError, OutriderError
+from outrider.errors import ModelFileError, OutriderError
 
 if TYPE_CHECKING:
-    from .gguf_file import GGUFFile
-    from .tokenizer import Tokenizer
+    from outrider.io.gguf import GGUFFile
+    from outrider.io.tokenizer import Tokenizer
 
 # Gemma's official template for text-only conversations: the system message, if any, opens the first user
 # turn; the assistant's role is called "model".

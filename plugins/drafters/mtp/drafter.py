@@ -30,15 +30,24 @@ import numpy as np
 import torch
 
 from outrider.catalog import outrider_home, resolve_model
-from outrider.drafting import (NEEDS_MTP_HEAD, NEEDS_TARGET_HIDDEN, Draft, DrafterBase, DraftControls, DraftKind,
-                               Target, draft_loop)
 from outrider.errors import ConfigError, ModelFileError
-from outrider.gguf_file import GGUFFile
 from outrider.hookspecs import hookimpl
+from outrider.io.gguf import GGUFFile
 from outrider.models.layers import PREFILL_CHUNK, trunk_layers
-from outrider.models.linear import load_linear, rms_norm
+from outrider.models.linear import rms_norm
 from outrider.models.stack import LayerStack
-from outrider.sampling import SamplingParams
+from outrider.models.weight_forms import load_linear
+from outrider.spec.drafter import (
+    NEEDS_MTP_HEAD,
+    NEEDS_TARGET_HIDDEN,
+    Draft,
+    DraftControls,
+    DrafterBase,
+    DraftKind,
+    Target,
+    draft_loop,
+)
+from outrider.spec.sampling import SamplingParams
 
 MTP_KIND = DraftKind("mtp", 0.6)
 

@@ -1,0 +1,1 @@
+"""What Outrider reads: GGUF files, their tokenizers and chat templates."""

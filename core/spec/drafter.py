@@ -1,0 +1,147 @@
+"""What a drafter is, and what it is given.
+
+A drafter is a plain object. Once, when the runner is assembled, `setup(target)` hands it the target
+(model, tokenizer, GGUF file, backend). Per generation, `begin(...)` gives it the prompt and the
+sampling settings. Each round, `propose(tokens, k)` returns at most k tokens that should follow
+`tokens` (the whole sequence so far, ending with a token the target has not yet seen), and
+`rollback(length)` says that only the first `length` tokens of what it saw are still valid.
+Optionally, `draft_kind(tokens)`, asked before `propose`, says what kind of draft this round's would be
+(`DraftKind`), or `None` when it would be empty: `--draft-max auto` learns each kind's acceptance apart.
+
+A drafter that declares `target_hidden` or `target_kv` in `needs` (an MTP head, Gemma 4's assistant) is
+shown what the target computed, with no second forward: after the prompt, and after every round once
+the rejected positions are rolled back, `observe(hidden, start, cache)` gives the final-normed hidden
+states [m, hidden_size] of the rows at positions start..start+m-1 whose tokens are now certain (every
+prompt row; then t0 and the accepted drafts of each round), and the target's KV cache, which holds
+exactly positions [0, start+m) then. The cache is the target's own: read it, never write or truncate it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from outrider.spec.sampling import PositionRandom, SamplingParams, sample_at, warp
+
+# What a drafter may need from the target, declared in its `needs` capability.
+NEEDS_DRAFT_MODEL = "draft_model"
+NEEDS_TARGET_HIDDEN = "target_hidden"
+NEEDS_TARGET_KV = "target_kv"
+NEEDS_MTP_HEAD = "mtp_head"  # an MTP (nextn) head: in the target's file, a sidecar, or `outrider distill`'s cache
+
+
+@dataclass
+class Target:
+    model: Any
+    tokenizer: Any
+    gguf: Any
+    backend: Any
+
+
+@dataclass
+class DraftControls:
+    draft_min: int = 0  # a proposal shorter than this is dropped (nothing is drafted)
+    draft_p_min: float = 0.0  # drafter-side stop: no token whose draft probability is below this
+
+
+@dataclass(frozen=True)
+class DraftKind:
+    """How a round's draft would be made, known before it is made (for the lookup drafter: the length of
+    the matched n-gram). `--draft-max auto` keeps a separate acceptance estimate per kind, starting from
+    `prior` (the assumed chance that each drafted position is accepted), so a weak kind of draft is not
+    priced like a strong one."""
+
+    name: str
+    prior: float = 0.6
+
+
+DEFAULT_KIND = DraftKind("draft")  # for drafters that do not say
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None  # [len(tokens), vocab] q rows, only if the drafter sampled from them
+    # seconds of the propose spent keeping up with the target rather than drafting (an MTP head's catch-up
+    # of rows accepted in other rounds): `--draft-max auto` does not bill it per drafted token
+    upkeep_s: float = 0.0
+
+
+class Drafter(Protocol):
+    gives_draft_probs: bool
+    needs: frozenset[str]
+
+    def setup(self, target: Target) -> None: ...
+
+    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None: ...
+
+    def propose(self, tokens: list[int], k: int) -> Draft: ...
+
+    def rollback(self, length: int) -> None: ...
+
+    # optional: def draft_kind(self, tokens: list[int]) -> DraftKind | None
+    # with needs target_hidden / target_kv: def observe(self, hidden: torch.Tensor, start: int, cache) -> None
+
+
+class DrafterBase:
+    """Defaults for the parts of the protocol most drafters do not need."""
+
+    gives_draft_probs = False
+    needs: frozenset[str] = frozenset()
+    def setup(self, target: Target) -> None:
+        self.target = target
+
+    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
+        self.params, self.controls = params, controls
+        # a sampling drafter's own stream (never the acceptor's two): seeded runs repeat their drafts, an
+        # unseeded one draws afresh (a fixed stream would make each context's draft a constant, not x ~ q)
+        self.draws = PositionRandom(params.seed)
+
+    def rollback(self, length: int) -> None:
+        pass
+
+    def draft_kind(self, tokens: list[int]) -> DraftKind | None:
+        return DEFAULT_KIND
+
+
+def may_give_draft_probs(drafter: Any) -> bool:
+    """Whether some of `drafter`'s rounds may carry q rows: `may_give_draft_probs` where it says (a chain
+    whose members differ), else `gives_draft_probs`."""
+    return bool(getattr(drafter, "may_give_draft_probs", getattr(drafter, "gives_draft_probs", False)))
+
+
+def reads_the_target(drafter: Any) -> bool:
+    """Whether the runner must show `drafter` the target's hidden states and KV cache (`observe`)."""
+    return bool(set(getattr(drafter, "needs", ())) & {NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV})
+
+
+def draft_loop(k: int, next_logits: Callable[[list[int]], torch.Tensor], params: SamplingParams, controls: DraftControls,
+               sample: bool, draws: PositionRandom, position: int) -> Draft:
+    """The draft loop of every drafter that drafts position by position from a model (draft-model, mtp,
+    gemma-assistant; a third-party drafter may use it too). `next_logits(drafted)` returns the logits row
+    [vocab] (float32, CPU) for the position after the tokens drafted so far (first with []).
+
+    Each position: q = warp(logits, params) when `sample` at a temperature above 0, else the softmax; the
+    round stops *before* a token is drawn when q's largest probability is below `controls.draft_p_min`
+    (llama.cpp's rule), so whether a position is drafted depends on what came before it, never on the token
+    drawn there, and the sampled acceptor's min(1, p/q) stays exact; then the token is drawn from q with the
+    drafter stream's draw for its absolute position (`draws.uniform_draft`; the first draft stands at
+    `position`) and q is returned as its row, or it is the argmax (no rows: the acceptor's one-hot rule)."""
+    drafted: list[int] = []
+    rows: list[torch.Tensor] = []
+    sampled = sample and not params.greedy
+    for _ in range(k):
+        logits = next_logits(drafted)
+        q = warp(logits, params) if sampled else None
+        if controls.draft_p_min > 0:
+            largest = float(q.max()) if q is not None else float(torch.exp(logits.max() - torch.logsumexp(logits, -1)))
+            if largest < controls.draft_p_min:
+                break
+        if q is not None:
+            drafted.append(sample_at(q, draws.uniform_draft(position + len(drafted))))
+            rows.append(q)
+        else:
+            drafted.append(int(logits.argmax()))
+    return Draft(drafted, torch.stack(rows) if rows else None)

@@ -1,0 +1,35 @@
+"""`outrider distill`: the command the mtp package adds to the CLI (through `register_commands`)."""
+
+from __future__ import annotations
+
+import click
+
+from outrider.cli import friendly_errors
+
+
+@click.command()
+@click.argument("model")
+@click.option("--minutes", type=float, default=30.0, show_default=True, help="Wall-clock budget for the whole run.")
+@click.option("--steps", type=int, default=0, help="Train exactly this many steps instead of until the budget is spent.")
+@click.option("--draft-vocab", type=int, default=8192, show_default=True,
+              help="Rows of the head's output layer: the most frequent tokens of the training text.")
+@click.option("--tokens", "generate_tokens", type=int, default=160, show_default=True,
+              help="Tokens the target writes per built-in prompt.")
+@click.option("--stdlib-chunks", type=int, default=16, show_default=True,
+              help="Passages of the Python standard library's sources added to the training text.")
+@click.option("--fresh", is_flag=True, help="Start over instead of resuming from the checkpoint.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Sidecar path [the cache, where --drafter mtp looks].")
+@click.option("--seed", type=int, default=0, show_default=True)
+@friendly_errors
+def distill(model, minutes, steps, draft_vocab, generate_tokens, stdlib_chunks, fresh, out, seed):
+    """Train an MTP head for MODEL (catalog name or .gguf) on the CPU and cache it for `--drafter mtp`."""
+    from pathlib import Path
+
+    from outrider.plugins.drafters.mtp.distill import DistillSettings
+    from outrider.plugins.drafters.mtp.distill import distill as run_distill
+
+    settings = DistillSettings(minutes=minutes, steps=steps, draft_vocab=draft_vocab, generate_tokens=generate_tokens,
+                               stdlib_chunks=stdlib_chunks, fresh=fresh, seed=seed)
+    report = run_distill(model, settings, Path(out) if out else None, echo=lambda line: click.echo(line, err=True))
+    click.echo(f"{report.sidecar} ({report.head_bytes / 1e6:.1f} MB) in {report.seconds / 60:.1f} min, "
+               f"{report.steps} steps")
