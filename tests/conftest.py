@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# ------------------------------------------------------------------------------------------------------
+# Test-only oracles (tests/oracles/: transformers' models and llama.cpp's converter, kept out of the wheel).
+# Tests run with --import-mode=importlib, which puts no test folder on sys.path: this one goes first, so that
+# `from oracles.gemma4_assistant import ...` works under `pytest` and `python -m pytest` from any folder.
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 # ------------------------------------------------------------------------------------------------------
 # Real model files (shared; written with the tokenizer tests).

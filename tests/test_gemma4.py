@@ -15,8 +15,9 @@ from outrider.io.chat import apply_chat_template
 from outrider.io.gguf import GGUFFile
 from outrider.io.tokenizer import Tokenizer
 from outrider.models import load_model
-from outrider.testing.gemma4_fixtures import VARIANTS, cached_fixture
-from outrider.testing.llama_cpp import ReferenceUnavailable
+
+from oracles.gemma4_fixtures import VARIANTS, cached_fixture
+from oracles.llama_cpp import ReferenceUnavailable
 
 transformers = pytest.importorskip("transformers")
 

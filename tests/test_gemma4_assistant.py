@@ -19,8 +19,8 @@ from outrider.plugins.drafters.gemma_assistant.model import Gemma4Assistant
 
 pytest.importorskip("transformers")
 
-from outrider.testing.gemma4_assistant import TransformersAssistant, cached_assistant, load_transformers_assistant  # noqa: E402
-from outrider.testing.llama_cpp import ReferenceUnavailable  # noqa: E402
+from oracles.gemma4_assistant import TransformersAssistant, cached_assistant, load_transformers_assistant  # noqa: E402
+from oracles.llama_cpp import ReferenceUnavailable  # noqa: E402
 
 VOCAB, BACKBONE, WINDOW = 320, 48, 8
 TOP_K = 2  # centroids kept by the fixture's masked head (GGUF files do not record it: an option)
@@ -110,3 +110,46 @@ def test_a_file_that_is_not_an_assistant_is_refused(tmp_path):
     path = write_tiny_gemma3(tmp_path / "g3.gguf")
     with pytest.raises(ModelFileError, match="not a Gemma 4 assistant"):
         Gemma4Assistant(GGUFFile(path))
+
+
+def _keys_and_tensors(path):
+    """({key: (value types, value)} outside general.*, {tensor: (shape, type)}) as gguf's reader sees them."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    keys = {f.name: (tuple(gguf.GGUFValueType(t).name for t in f.types), f.contents())
+            for f in reader.fields.values() if not f.name.startswith(("general.", "GGUF."))}
+    tensors = {t.name: (tuple(int(d) for d in t.shape), t.tensor_type.name) for t in reader.tensors}
+    return keys, tensors
+
+
+def test_written_tiny_assistant_has_the_converters_keys_and_tensors(tmp_path):
+    """The contract suite's tiny assistant (`write_tiny_gemma4_assistant`, no transformers, no converter) against
+    one llama.cpp's converter writes from transformers' checkpoint for the same target (matched by the oracle's
+    `matching_config`): the same keys with the same value types, the same tensors with the same shapes and
+    types, the same structural values, and the same assistant configuration as our loader reads it."""
+    import dataclasses
+
+    from outrider.plugins.drafters.gemma_assistant.model import Gemma4AssistantConfig
+    from outrider.testing.tiny_models import write_tiny_gemma4, write_tiny_gemma4_assistant
+
+    target = write_tiny_gemma4(tmp_path / "tiny-gemma4.gguf")
+    try:
+        _, converted = cached_assistant(target, "dense")
+    except ReferenceUnavailable as exc:
+        pytest.skip(str(exc))
+    written = write_tiny_gemma4_assistant(tmp_path / "tiny-gemma4-assistant.gguf", target)
+    want_keys, want_tensors = _keys_and_tensors(converted)
+    got_keys, got_tensors = _keys_and_tensors(written)
+    assert GGUFFile(written).architecture == GGUFFile(converted).architecture == "gemma4-assistant"
+    assert {k: types for k, (types, _) in got_keys.items()} == {k: types for k, (types, _) in want_keys.items()}
+    assert got_tensors == want_tensors
+    # every hyperparameter but the context length (the oracle's checkpoint says 512, the target 256); the
+    # tokenizer is the assistant's own in the converted file (filler pieces of the target's vocabulary size)
+    structural = lambda keys: {k: v for k, (_, v) in keys.items()
+                               if not k.startswith("tokenizer.") and not k.endswith(".context_length")}
+    assert structural(got_keys) == structural(want_keys)
+    torch.testing.assert_close(GGUFFile(written).load("rope_freqs.weight"),
+                               GGUFFile(converted).load("rope_freqs.weight"), atol=0, rtol=0)
+    config = lambda path: dataclasses.replace(Gemma4AssistantConfig.from_gguf(GGUFFile(path)), context_length=0)
+    assert config(written) == config(converted)

@@ -13,7 +13,13 @@ from outrider.io.gguf import GGUFFile
 from outrider.io.tokenizer import Tokenizer
 from outrider.spec.drafter import Target
 from outrider.spec.sampling import PositionRandom, SamplingParams, sample_at, warp
-from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_gemma4, write_tiny_llama, write_tiny_mtp_sidecar
+from outrider.testing.tiny_models import (
+    write_tiny_gemma3,
+    write_tiny_gemma4,
+    write_tiny_gemma4_assistant,
+    write_tiny_llama,
+    write_tiny_mtp_sidecar,
+)
 
 ARCHITECTURES = ("llama", "gemma3", "gemma4")
 
@@ -40,8 +46,7 @@ def plain_sampled(model: Any, prompt: list[int], n: int, params: SamplingParams)
 
 
 class CheckSkipped(Exception):
-    """The check does not apply to this plugin (a capability makes it meaningless, or hardware or a
-    test-only fixture is missing)."""
+    """The check does not apply to this plugin (a capability makes it meaningless, or hardware is missing)."""
 
 
 def builtin_plugin(kind: str, name: str):
@@ -95,19 +100,9 @@ class ContractFixtures:
 
     @functools.cached_property
     def tiny_gemma4_assistant_path(self) -> Path:
-        """A tiny Gemma 4 assistant (dense head) matched to `tiny_gemma4_path`."""
-        return self._test_only(lambda: __import__("outrider.testing.gemma4_assistant", fromlist=["x"])
-                               .cached_assistant(self.tiny_gemma4_path, "dense")[1])
-
-    @staticmethod
-    def _test_only(build):
-        from outrider.testing.llama_cpp import ReferenceUnavailable
-
-        try:
-            return build()
-        except (ImportError, ReferenceUnavailable) as exc:
-            raise CheckSkipped(f"the tiny Gemma 4 fixtures need transformers and llama.cpp's converter "
-                               f"(setup --test): {exc}") from None
+        """A tiny Gemma 4 assistant (dense head) matched to `tiny_gemma4_path`, written the same way (no
+        transformers, no converter): the draft model of drafters that need one."""
+        return write_tiny_gemma4_assistant(self.folder / "tiny-gemma4-assistant.gguf", self.tiny_gemma4_path, seed=0)
 
     def model_path(self, arch: str) -> Path:
         if arch not in ARCHITECTURES:

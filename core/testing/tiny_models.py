@@ -1,7 +1,8 @@
 """Tiny random-weight GGUF models, written on the fly for tests (llama with a byte-level BPE vocab,
-gemma3 with a SentencePiece-style vocab, gemma4 with its BPE vocab). Small enough that a forward pass takes well under a millisecond
-of compute, yet they exercise every code path of the real architectures: GQA, q/k norms, the
-sliding window, tied and untied output heads, quantized tensors."""
+gemma3 with a SentencePiece-style vocab, gemma4 with its BPE vocab, and a Gemma 4 assistant matched to a gemma4
+target), with gguf's writer alone: no transformers, no converter. Small enough that a forward pass takes well
+under a millisecond of compute, yet they exercise every code path of the real architectures: GQA, q/k norms,
+the sliding window, tied and untied output heads, quantized tensors."""
 
 from __future__ import annotations
 
@@ -243,7 +244,7 @@ def write_tiny_gemma4(path: str | Path, seed: int = 0, hidden: int = 64, heads: 
     with a double-wide MLP."""
     import gguf
 
-    from outrider.testing.gemma4_fixtures import CHAT_TEMPLATE, SPECIALS, vocabulary
+    from outrider.testing.gemma4_vocabulary import CHAT_TEMPLATE, SPECIALS, vocabulary
 
     rng = np.random.default_rng(seed)
     tokens, merges = vocabulary()
@@ -295,6 +296,115 @@ def write_tiny_gemma4(path: str | Path, seed: int = 0, hidden: int = 64, heads: 
         _add(w, p + "inp_gate.weight", _matrix(rng, per_layer_input, hidden), quantize)
         _add(w, p + "proj.weight", _matrix(rng, hidden, per_layer_input), quantize)
         w.add_tensor(p + "layer_output_scale.weight", np.array([0.7 + 0.6 * rng.random()], dtype=np.float32))
+    _finish(w)
+    return Path(path)
+
+
+ASSISTANT_ARCH = "gemma4-assistant"
+
+
+def write_tiny_gemma4_assistant(path: str | Path, target_path: str | Path, seed: int = 0, hidden: int = 32,
+                                n_layers: int = 4, heads: int = 2) -> Path:
+    """A Gemma 4 assistant GGUF (`gemma4-assistant`, dense tied head, float32) matched to the gemma4 target at
+    `target_path`, written with llama.cpp's converter's keys and tensor names (checked against a converted
+    assistant in tests/test_gemma4_assistant.py) without transformers or the converter. Matched as the
+    converted fixtures are (tests/oracles/gemma4_assistant.py, `matching_config`): the target's hidden size as
+    `embedding_length_out`, its vocabulary, and per layer the kv heads and head dim of the target layer it
+    reads (sliding layers: the target's last sliding KV-producing layer; the one global layer, last: its last
+    global one), its sliding window, RoPE bases and `rope_freqs`. `n_layers - 1` sliding layers then a global
+    one, `hidden` wide, MLP 2 * hidden. Weights as the oracle draws them: norms about 1, matrices
+    N(0, 1/fan_in), layer output scales in [0.5, 1.5]."""
+    import gguf
+
+    from outrider.io.gguf import GGUFFile
+
+    target = GGUFFile(target_path)
+    try:
+        if target.architecture != "gemma4":
+            raise ValueError(f"{target_path}: a Gemma 4 assistant pairs with a gemma4 target, not "
+                             f"'{target.architecture}'")
+        pattern = [bool(p) for p in target.require("attention.sliding_window_pattern")]
+        n_target = len(pattern)
+        kv = target.require("attention.head_count_kv")
+        kv = [int(x) for x in kv] if isinstance(kv, list) else [int(kv)] * n_target
+        producers = range(n_target - int(target.arch_key("attention.shared_kv_layers", 0) or 0))
+        last_swa = max(i for i in producers if pattern[i])
+        last_full = max(i for i in producers if not pattern[i])
+        hd_swa, hd_full = int(target.require("attention.key_length_swa")), int(target.require("attention.key_length"))
+        backbone, vocab = int(target.require("embedding_length")), target.tensors["token_embd.weight"].shape[0]
+        rope_freqs = (target.load("rope_freqs.weight").numpy().astype(np.float32)
+                      if "rope_freqs.weight" in target.tensors else None)
+        meta = target.metadata
+        context = int(target.require("context_length"))
+        window = int(target.require("attention.sliding_window"))
+        eps = float(target.arch_key("attention.layer_norm_rms_epsilon", 1e-6))
+        bases = (float(target.arch_key("rope.freq_base", 1_000_000.0)),
+                 float(target.arch_key("rope.freq_base_swa", 10_000.0)))
+        tokenizer = {k: meta[k] for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                                          "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                                          "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id")
+                     if k in meta}
+    finally:
+        target.close()
+    if rope_freqs is None:  # proportional RoPE with partial_rotary_factor 0.25, as the converter writes it
+        n_rot = int(hd_full * 0.25 / 2)
+        rope_freqs = np.array([1.0] * n_rot + [1e30] * (hd_full // 2 - n_rot), dtype=np.float32)
+
+    local = [True] * (n_layers - 1) + [False]
+    kv_heads = [kv[last_swa] if is_local else kv[last_full] for is_local in local]
+    ffn = 2 * hidden
+    rng = np.random.default_rng(seed)
+    mat = lambda rows, cols: (rng.standard_normal((rows, cols)) / cols ** 0.5).astype(np.float32)
+    norm = lambda n: (1.0 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+
+    a = ASSISTANT_ARCH + "."
+    w = gguf.GGUFWriter(str(path), ASSISTANT_ARCH)
+    for key, value in [("block_count", n_layers), ("context_length", context), ("embedding_length", hidden),
+                       ("feed_forward_length", ffn), ("attention.head_count", heads),
+                       ("attention.key_length", hd_full), ("attention.value_length", hd_full),
+                       ("attention.sliding_window", window), ("attention.shared_kv_layers", n_layers),
+                       ("embedding_length_per_layer_input", 0), ("attention.key_length_swa", hd_swa),
+                       ("attention.value_length_swa", hd_swa), ("rope.dimension_count", hd_full),
+                       ("rope.dimension_count_swa", hd_swa), ("embedding_length_out", backbone),
+                       ("nextn_predict_layers", n_layers)]:
+        w.add_uint32(a + key, value)
+    for key, value in [("rope.freq_base", bases[0]), ("rope.freq_base_swa", bases[1]),
+                       ("attention.layer_norm_rms_epsilon", eps)]:
+        w.add_float32(a + key, value)
+    if len(set(kv_heads)) == 1:  # the converter writes one number when every layer has the same
+        w.add_uint32(a + "attention.head_count_kv", kv_heads[0])
+    else:
+        w.add_array(a + "attention.head_count_kv", kv_heads)
+    w.add_array(a + "attention.sliding_window_pattern", local)
+    # the target's vocabulary: an assistant shares its target's tokenizer
+    w.add_tokenizer_model("gemma4")
+    if "tokenizer.ggml.tokens" in tokenizer:
+        w.add_token_list(tokenizer["tokenizer.ggml.tokens"])
+        w.add_token_scores(tokenizer.get("tokenizer.ggml.scores", [-1000.0] * vocab))
+        w.add_token_types(tokenizer.get("tokenizer.ggml.token_type", [1] * vocab))
+    for key, add in [("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id),
+                     ("unknown_token_id", w.add_unk_token_id), ("padding_token_id", w.add_pad_token_id)]:
+        if "tokenizer.ggml." + key in tokenizer:
+            add(int(tokenizer["tokenizer.ggml." + key]))
+    w.add_add_space_prefix(False)
+    w.add_add_bos_token(True)
+
+    w.add_tensor("rope_freqs.weight", rope_freqs)
+    w.add_tensor("token_embd.weight", mat(vocab, hidden))  # tied: the dense head too
+    for i, is_local in enumerate(local):
+        p, hd = f"blk.{i}.", hd_swa if is_local else hd_full
+        for name in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            w.add_tensor(p + name + ".weight", norm(hidden))
+        w.add_tensor(p + "attn_q_norm.weight", norm(hd))
+        w.add_tensor(p + "attn_q.weight", mat(heads * hd, hidden))  # Q only: K and V are the target's
+        w.add_tensor(p + "attn_output.weight", mat(hidden, heads * hd))
+        w.add_tensor(p + "ffn_gate.weight", mat(ffn, hidden))
+        w.add_tensor(p + "ffn_up.weight", mat(ffn, hidden))
+        w.add_tensor(p + "ffn_down.weight", mat(hidden, ffn))
+        w.add_tensor(p + "layer_output_scale.weight", np.array([0.5 + rng.random()], dtype=np.float32))
+    w.add_tensor("output_norm.weight", norm(hidden))
+    w.add_tensor("nextn.pre_projection.weight", mat(hidden, 2 * backbone))  # [E_target(t) * sqrt(backbone), h]
+    w.add_tensor("nextn.post_projection.weight", mat(backbone, hidden))  # back to the target's width
     _finish(w)
     return Path(path)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from outrider.testing.llama_cpp import convert_hf_to_gguf, llama_cpp_tree
+from oracles.llama_cpp import convert_hf_to_gguf, llama_cpp_tree
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 
@@ -212,8 +212,8 @@ def cached_assistant(target_gguf: str | os.PathLike | None, head: str = "dense",
     import transformers
 
     from outrider.paths import outrider_home
-    from outrider.testing.gemma4_fixtures import build_once
-    from outrider.testing.llama_cpp import LLAMA_CPP_PYTHON
+    from oracles.gemma4_fixtures import build_once
+    from oracles.llama_cpp import LLAMA_CPP_PYTHON
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
     if target_gguf is not None:

@@ -6,7 +6,9 @@ embeddings, KV-sharing layers, the double-wide MLP on them) and `moe` (26B-A4B-s
 the dense MLP). Each comes with a tiny Gemma-style BPE tokenizer (byte fallback, "▁" for spaces) and a Gemma-4-style
 chat template, so the converter writes `tokenizer.ggml.model = gemma4` and the template as for the real files.
 
-Test-only: needs transformers and torch, and `outrider.testing.llama_cpp` for the converter.
+The vocabulary and chat template are `outrider.testing.gemma4_vocabulary`'s (shared with the tiny gemma4 the
+contract suite writes without transformers). Test-only: needs transformers and torch, and `oracles.llama_cpp`
+for the converter.
 """
 
 from __future__ import annotations
@@ -14,21 +16,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from outrider.testing import gemma4_vocabulary
+from outrider.testing.gemma4_vocabulary import CHAT_TEMPLATE, vocabulary
+
 VARIANTS = ("dense", "e2b", "moe")
-
-SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>", "<|channel>", "<channel|>"]
-_PIECES = list("abcdefghijklmnopqrstuvwxyzTHIW.,!?'0123456789") + ["\n", "▁"]
-_MERGES = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("i", "n"), ("▁", "a"), ("e", "r"), ("o", "n"), ("▁", "s"),
-           ("a", "n"), ("r", "e"), ("\n", "\n"), ("▁", "▁"), ("▁", "w"), ("o", "r"), ("▁w", "or"), ("l", "d"),
-           ("▁wor", "ld"), ("i", "s"), ("▁", "i"), ("▁i", "s")]
-
-# Gemma 4's turn markup (`<|turn>role ... <turn|>`), text only.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{ '<|turn>' + role + '\n' + message['content'] | trim + '<turn|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|turn>model\n' }}{% endif %}"
-)
 
 _COMMON = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
@@ -57,14 +48,6 @@ CONFIGS = {
                 num_kv_shared_layers=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
                 moe_intermediate_size=32),
 }
-
-
-def vocabulary() -> tuple[list[str], list[tuple[str, str]]]:
-    tokens = SPECIALS + [f"<0x{b:02X}>" for b in range(256)] + _PIECES
-    for left, right in _MERGES:
-        if left + right not in tokens:
-            tokens.append(left + right)
-    return tokens, _MERGES
 
 
 def write_tokenizer(folder: Path) -> None:
@@ -105,7 +88,7 @@ def write_checkpoint(folder: str | Path, variant: str, seed: int = 0) -> Path:
 
 def write_gguf(folder: str | Path, variant: str, outtype: str = "f32") -> Path:
     """The checkpoint for `variant` and its GGUF (`gemma4-<variant>.gguf`) written by llama.cpp's converter."""
-    from outrider.testing.llama_cpp import convert_hf_to_gguf
+    from oracles.llama_cpp import convert_hf_to_gguf
 
     folder = Path(folder)
     hf_dir = write_checkpoint(folder / f"hf-{variant}", variant)
@@ -115,14 +98,15 @@ def write_gguf(folder: str | Path, variant: str, outtype: str = "f32") -> Path:
 def cached_fixture(variant: str, outtype: str = "f32") -> tuple[Path, Path]:
     """(transformers checkpoint folder, converted GGUF) for `variant`, built once per machine under
     `$OUTRIDER_HOME/fixtures/` (the converter takes tens of seconds) and keyed by everything they depend on:
-    this file, the converter's version, transformers' and torch's versions."""
+    this file and the vocabulary's, the converter's version, transformers' and torch's versions."""
     import torch
     import transformers
 
     from outrider.paths import outrider_home
-    from outrider.testing.llama_cpp import LLAMA_CPP_PYTHON
+    from oracles.llama_cpp import LLAMA_CPP_PYTHON
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
+    digest.update(Path(gemma4_vocabulary.__file__).read_bytes())
     for part in (LLAMA_CPP_PYTHON, transformers.__version__, torch.__version__, variant, outtype):
         digest.update(part.encode())
     folder = outrider_home() / "fixtures" / f"gemma4-{variant}-{outtype}-{digest.hexdigest()[:12]}"
