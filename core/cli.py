@@ -97,7 +97,7 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
     """Generate text for PROMPT (`-` reads it from stdin)."""
     from outrider.assembly import assemble
     from outrider.config import resolve_config
-    from outrider.io.chat import apply_chat_template
+    from outrider.io.chat import prompt_ids as chat_prompt_ids
 
     config = resolve_config(flags, config_file, option_flags=list(options))
     load_start = time.perf_counter()
@@ -107,11 +107,7 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
         click.echo(f"warning: {warning}", err=True)
     tokenizer = assembly.tokenizer
     text = _read_prompt(prompt)
-    if config["chat"]:
-        text = apply_chat_template(assembly.gguf, tokenizer, [{"role": "user", "content": text}])
-        prompt_ids = tokenizer.encode(text, add_bos=False)
-    else:
-        prompt_ids = tokenizer.encode(text)
+    prompt_ids = chat_prompt_ids(assembly.gguf, tokenizer, text, chat=config["chat"])
 
     runner = assembly.runner
     decoder = tokenizer.stream_decoder()
@@ -194,7 +190,7 @@ def serve(host, port, queue_size, api_key, api_key_file, stall_timeout, request_
                    "pass --api-key or --api-key-file", err=True)
     app = create_app(assembly, config, queue_size=queue_size, api_keys=keys, stall_timeout=stall_timeout,
                      request_timeout=request_timeout)
-    click.echo(f"serving {app.state.model_id} ({', '.join(f'{k} {s.name}' for k, s in assembly.plugins.items())}) "
+    click.echo(f"serving {app.state.server.model_id} ({', '.join(f'{k} {s.name}' for k, s in assembly.plugins.items())}) "
                f"on http://{host}:{port}/v1", err=True)
     run_server(app, host, port)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 import os
 import sys
 from dataclasses import dataclass, field
@@ -110,22 +111,26 @@ def signature_default(factory: Callable[..., Any], name: str) -> Any:
 
 
 def _as_option(name: str, value: Any, factory: Callable[..., Any]) -> Option:
-    """`(type, help)` takes the default from the factory's signature (the default is declared once);
-    `(type, default, help)` and an `Option` must agree with the signature where it has one."""
+    """An option is declared `(type, help)`; its default is the factory's own (declared once, in the
+    signature, so a direct call and the registry agree). `(type, default, help)` and an `Option` still work in
+    this release, with a DeprecationWarning, and must agree with the signature where it has a default."""
     own = signature_default(factory, name)
-    if isinstance(value, Option):
-        option = value
-    elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str) and own is not _NO_DEFAULT:
-        option = Option(name, value[0], own, value[1])
-    elif isinstance(value, tuple) and len(value) in (2, 3):
-        option = Option(name, *value)
-    else:
-        raise TypeError(f"option {name!r}: give an Option, a (type, help) tuple (the default is the factory's) or "
-                        f"a (type, default, help) tuple, not {value!r}")
-    if own is not _NO_DEFAULT and option.default != own:
-        raise TypeError(f"option {name!r}: default {option.default!r} in options= but {own!r} in the signature of "
-                        f"{getattr(factory, '__qualname__', factory)}; declare it once: (type, help)")
-    return option
+    label = getattr(factory, "__qualname__", repr(factory))
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str):
+        if own is _NO_DEFAULT:
+            raise TypeError(f"option {name!r}: {label} takes no keyword {name!r} with a default; give the parameter "
+                            "a default in the signature (options take their default from there)")
+        return Option(name, value[0], own, value[1])
+    if isinstance(value, Option) or (isinstance(value, tuple) and len(value) == 3):
+        warnings.warn(f"option {name!r} of {label}: declare options as (type, help), the default coming from the "
+                      "signature; (type, default, help) and Option go in the next release",
+                      DeprecationWarning, stacklevel=4)
+        option = value if isinstance(value, Option) else Option(name, *value)
+        if own is not _NO_DEFAULT and option.default != own:
+            raise TypeError(f"option {name!r}: default {option.default!r} in options= but {own!r} in the signature "
+                            f"of {label}; declare it once: (type, help)")
+        return option
+    raise TypeError(f"option {name!r}: give a (type, help) tuple (the default is the factory's), not {value!r}")
 
 
 class Registry:

@@ -199,7 +199,7 @@ def test_contract_class_reports_the_failure_through_pytest(pytester):
 def registry_with_broken_plugins(monkeypatch):
     module = types.ModuleType("broken_plugins")
     module.register_drafters = hookimpl(lambda register: register(
-        "broken", BrokenDrafter, options={"flaw": (str, "too-many", "which flaw")}))
+        "broken", BrokenDrafter, options={"flaw": (str, "which flaw")}))
     module.register_acceptors = hookimpl(lambda register: register("lossy-but-claims-lossless", WrongResidualAcceptor))
     registry = build_registry(third_party=False)
     registry.add_plugin(module, "broken_plugins", "broken-plugins 0.0 (test fixture)")

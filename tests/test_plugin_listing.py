@@ -72,8 +72,34 @@ def test_an_option_given_as_type_and_help_takes_the_signatures_default():
 
 @pytest.mark.parametrize("option", [(int, 5, "how deep"), Option("depth", int, 5)])
 def test_an_option_default_that_disagrees_with_the_signature_is_refused(option):
-    with pytest.raises(TypeError, match=r"option 'depth': default 5 in options= but 4 in the signature of Counting"):
+    with pytest.warns(DeprecationWarning, match=r"declare options as \(type, help\)"), \
+            pytest.raises(TypeError, match=r"option 'depth': default 5 in options= but 4 in the signature of Counting"):
         _register({"depth": option})
+
+
+def test_the_old_option_shapes_still_work_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="go in the next release"):
+        spec = _register({"depth": (int, 4, "how deep"), "strict": Option("strict", bool, False, "be strict")})
+    assert (spec.options["depth"].default, spec.options["strict"].default) == (4, False)
+
+
+def test_an_option_without_a_default_in_the_signature_is_refused():
+    with pytest.raises(TypeError, match="give the parameter a default in the signature"):
+        _register({"colour": (str, "which colour")})
+
+
+def test_every_built_in_plugin_declares_its_options_in_the_one_shape():
+    import warnings
+
+    from outrider.registry import BUILTIN_MODULES, Registry
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        registry = Registry()
+        for name in BUILTIN_MODULES:
+            registry.add_plugin(__import__(name, fromlist=["x"]), name, "built-in")
+        registry.collect()
+    assert registry.get("backend", "cpu").options["weights"].default == "compact"
 
 
 @pytest.mark.parametrize("text,value", [("1", True), ("Yes", True), (" on ", True), ("0", False), ("off", False),

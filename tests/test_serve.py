@@ -52,7 +52,7 @@ class Server:
         config = resolve_config(flags, option_flags=options)
         keys = {"api_keys": api_keys} if api_keys is not None else {}
         self.app = create_app(assemble(config), config, queue_size=QUEUE_SIZE, **keys, **app_kwargs)
-        self.model_id = self.app.state.model_id
+        self.model_id = self.app.state.server.model_id
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -536,7 +536,7 @@ def test_a_stuck_drafter_fails_its_request_and_the_queue_and_health_says_so_unti
     s = Server(write_tiny_llama(tmp_path / "tiny.gguf", context=TINY_CONTEXT), TINY_CONTEXT, DENSE, draft_max=4,
                stall_timeout=1.0)
     drafter = HangingDrafter()
-    s.app.state.engine.runner.drafter = drafter
+    s.app.state.server.engine.runner.drafter = drafter
     body = b'{"prompt": "the cat", "max_tokens": 8, "temperature": 0}'
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -584,7 +584,7 @@ class SlowDrafter(HangingDrafter):
 def test_a_request_timeout_ends_with_the_text_so_far_and_says_so(tmp_path):
     s = Server(write_tiny_llama(tmp_path / "tiny.gguf", context=TINY_CONTEXT), TINY_CONTEXT, DENSE, draft_max=4,
                request_timeout=0.5)
-    s.app.state.engine.runner.drafter = SlowDrafter()
+    s.app.state.server.engine.runner.drafter = SlowDrafter()
     try:
         started = time.monotonic()
         status, _, answer = s.post("/v1/completions", b'{"prompt": "the cat", "max_tokens": 2000, "temperature": 0}')

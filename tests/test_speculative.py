@@ -220,3 +220,25 @@ def test_unseeded_runs_draw_their_drafts_afresh_and_seeded_runs_repeat_them():
 
     assert draws(None) != draws(None)
     assert draws(7) == draws(7)
+
+
+def test_rounds_are_what_generate_streams_one_record_per_forward(tiny):
+    """Runner.rounds(): the prefill's round, then one per verify; each holds its accepted drafts plus one token
+    (the last may be cut by the length limit), and the records add up to the stats and to generate's stream."""
+    target, prompt, n = tiny["llama"], TINY_PROMPT, 40
+    drafter = LookupDrafter()
+    drafter.setup(target)
+    runner = Runner(target, drafter, GreedyAcceptor(), draft_max=4, context=256)
+    rounds = list(runner.rounds(prompt, n, SamplingParams()))
+    stats = runner.stats
+    assert [r.index for r in rounds] == list(range(len(rounds)))
+    assert rounds[0].tokens and len(rounds[0].tokens) == 1 and rounds[0].drafted == 0
+    assert len(rounds) == 1 + stats.rounds
+    assert sum(r.drafted for r in rounds) == stats.drafted > 0
+    assert sum(r.accepted for r in rounds) == stats.accepted > 0
+    for r in rounds[1:-1]:
+        assert len(r.tokens) == r.accepted + 1 and 0 <= r.accepted <= r.drafted <= r.chosen
+    flat = [t for r in rounds for t in r.tokens]
+    assert len(flat) == n == stats.generated_tokens
+    assert flat == plain_greedy(target.model, prompt, n)
+    assert flat == run(target, LookupDrafter(), GreedyAcceptor(), prompt, n)[0]

@@ -63,7 +63,7 @@ def prompt_ids(model_path: str | os.PathLike, text: str, chat: bool = True) -> t
     """Token ids for `text` (chat template applied when the model has one and `chat`), and whether the
     template was applied. The same ids are fed to every engine, so tokenizers cannot differ."""
     from outrider.errors import ModelFileError
-    from outrider.io.chat import apply_chat_template
+    from outrider.io.chat import prompt_ids as chat_prompt_ids
     from outrider.io.gguf import GGUFFile
     from outrider.io.tokenizer import Tokenizer
 
@@ -71,8 +71,7 @@ def prompt_ids(model_path: str | os.PathLike, text: str, chat: bool = True) -> t
     tokenizer = Tokenizer.from_gguf(gguf)
     if chat:
         try:
-            rendered = apply_chat_template(gguf, tokenizer, [{"role": "user", "content": text}])
-            return tokenizer.encode(rendered, add_bos=False), True
+            return chat_prompt_ids(gguf, tokenizer, text), True
         except ModelFileError:  # no template in the file and none built in: raw text it is
             pass
-    return tokenizer.encode(text), False
+    return chat_prompt_ids(gguf, tokenizer, text, chat=False), False

@@ -82,6 +82,20 @@ def apply_chat_template(gguf_file_or_metadata: GGUFFile | dict[str, Any], tokeni
         raise OutriderError(f"the chat template rejected the conversation: {error}") from None
 
 
+def prompt_ids(gguf_file_or_metadata: GGUFFile | dict[str, Any], tokenizer: Tokenizer, prompt: str | list[dict],
+               chat: bool = True) -> list[int]:
+    """The token ids the model reads for `prompt`: with `chat`, the messages (a string is one user message)
+    rendered by the chat template, then encoded as they are (the template writes any BOS itself); without,
+    the text encoded with the tokenizer's own BOS. The one place the CLI, the server, bench and distill
+    turn a prompt into ids. A model without a chat template raises ModelFileError."""
+    if not chat:
+        if not isinstance(prompt, str):
+            raise OutriderError("a list of messages needs the chat template; run with --chat")
+        return tokenizer.encode(prompt)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenizer.encode(apply_chat_template(gguf_file_or_metadata, tokenizer, messages), add_bos=False)
+
+
 def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str:
     return tokenizer.tokens[token_id] if token_id is not None else ""
 

@@ -13,7 +13,8 @@ import hmac
 import json
 import time
 import uuid
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -170,6 +171,198 @@ def default_stall_timeout(context: int) -> float:
     return max(120.0, context / 10.0)
 
 
+@dataclass
+class ServerState:
+    """What every handler reads, kept on `app.state.server`: the assembled runner's engine and its
+    defaults, the metrics, and the key check."""
+
+    assembly: Assembly
+    engine: GenerationEngine
+    metrics: ServerMetrics
+    defaults: ServerDefaults
+    authorized: Callable[[Request], None]
+    queue_size: int
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_id(self) -> str:
+        return self.defaults.model_id
+
+
+def _server(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def read_json(request: Request) -> Any:
+    raw = await request.body()  # a client gone mid-body raises ClientDisconnect: answered 499 below
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON ({exc}); send a JSON object with "
+                            "Content-Type: application/json") from None
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    checked_body(body)
+    return body
+
+
+def enqueue(server: ServerState, generation) -> Job:
+    job = Job(generation, asyncio.get_running_loop())
+    try:
+        server.engine.submit(job)
+    except Stalled as exc:
+        raise _as_api_error(exc) from None
+    except QueueFull:
+        wait = server.engine.retry_after_s()
+        raise APIError(503, f"the server is busy ({server.engine.waiting} requests waiting, the queue holds "
+                            f"{server.queue_size}); retry in {wait} s", type="server_error", code="queue_full",
+                       headers={"Retry-After": str(wait)}) from None
+    return job
+
+
+async def stream(job: Job, fmt: _Formatter, include_usage: bool):
+    """The SSE events of one streamed generation, as the worker sends its text."""
+    try:
+        if fmt.chat:
+            yield _sse(fmt.chunk("", role=True))
+        while True:
+            kind, value = await job.events.get()
+            if kind == "text":
+                yield _sse(fmt.chunk(value))
+            elif kind == "done":
+                final = fmt.chunk(None if fmt.chat else "", finish_reason=value.finish_reason)
+                final["timings"] = llama_timings(value.stats)
+                yield _sse(final)
+                if include_usage:
+                    yield _sse(fmt.usage_chunk(value.stats))
+                yield _sse("[DONE]")
+                return
+            else:  # the response has started: the error goes in the stream, as OpenAI does
+                yield _sse(_as_api_error(value).body())
+                return
+    finally:
+        job.cancelled.set()  # a disconnect cancels this generator; the worker stops after this round
+
+
+async def collect(job: Job, request: Request) -> tuple[str, Outcome]:
+    """The whole text of a non-streamed generation; _ClientGone when the client hangs up meanwhile."""
+    parts, checked = [], time.monotonic()
+    try:
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                kind, value = None, None
+            if time.monotonic() - checked >= DISCONNECT_POLL_S:  # whether or not text keeps coming
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    raise _ClientGone
+            if kind is None:
+                continue
+            if kind == "text":
+                parts.append(value)
+            elif kind == "done":
+                return "".join(parts), value
+            else:
+                raise _as_api_error(value)
+    finally:
+        job.cancelled.set()
+
+
+async def generate(request: Request, chat: bool) -> Response:
+    server = _server(request)
+    server.authorized(request)
+    body = await read_json(request)
+    assembly = server.assembly
+    if chat:
+        generation = chat_request(body, server.defaults, assembly.tokenizer, assembly.gguf)
+    else:
+        generation = completion_request(body, server.defaults, assembly.tokenizer)
+    job = enqueue(server, generation)
+    fmt = _Formatter(chat, server.model_id)
+    if generation.stream:
+        return StreamingResponse(stream(job, fmt, generation.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(job.cancelled.set))
+    try:
+        text, outcome = await collect(job, request)
+    except _ClientGone:
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+    return JSONResponse(fmt.whole(text, outcome))
+
+
+async def completions(request: Request) -> Response:
+    return await generate(request, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await generate(request, chat=True)
+
+
+async def models(request: Request) -> Response:
+    server = _server(request)
+    server.authorized(request)
+    plugins = {kind: spec.name for kind, spec in server.assembly.plugins.items()}
+    return JSONResponse({"object": "list", "data": [
+        {"id": server.model_id, "object": "model", "created": server.started, "owned_by": "outrider",
+         "meta": {"context": server.defaults.context, "plugins": plugins}}]})
+
+
+async def health(request: Request) -> Response:
+    engine = _server(request).engine
+    if engine.stalled:  # a supervisor restarts the process on this
+        return JSONResponse({"status": "stalled", "reason": engine.stalled, "waiting": engine.waiting},
+                            status_code=503)
+    return JSONResponse({"status": "ok", "waiting": engine.waiting})
+
+
+async def metrics_page(request: Request) -> Response:
+    metrics = _server(request).metrics
+    return Response(metrics.exposition(), headers={"Content-Type": metrics.content_type})
+
+
+async def api_error(request: Request, exc: APIError) -> Response:
+    return _error_response(exc)
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return _error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                    type=kind, headers=dict(exc.headers or {})))
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    return _error_response(_as_api_error(exc))
+
+
+async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    # it hung up while its body was being read: nothing to answer, nothing to log but the count
+    server = _server(request)
+    server.metrics.request_success.labels(server.model_id, "abort").inc()
+    return Response(status_code=499)
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: Starlette):
+    engine = app.state.server.engine
+    engine.start()
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(engine.stop)
+
+
+ROUTES = [
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics_page, methods=["GET"]),
+]
+EXCEPTION_HANDLERS = {APIError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
+                      Exception: server_error}
+
+
 def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUEUE_SIZE,
                api_keys: list[str] | None = None, stall_timeout: float | None = None,
                request_timeout: float | None = None) -> Starlette:
@@ -186,156 +379,8 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
         stall_timeout = default_stall_timeout(assembly.runner.context)
     engine = GenerationEngine(assembly, acceptors_by_greediness(assembly, config["acceptor"]), metrics, queue_size,
                               stall_timeout=stall_timeout or None, request_timeout=request_timeout or None)
-    started = int(time.time())
-
-    async def read_json(request: Request) -> Any:
-        raw = await request.body()  # a client gone mid-body raises ClientDisconnect: answered 499 below
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"the request body is not valid JSON ({exc}); send a JSON object with "
-                                "Content-Type: application/json") from None
-        except RecursionError:
-            raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
-        checked_body(body)
-        return body
-
-    def enqueue(generation) -> Job:
-        job = Job(generation, asyncio.get_running_loop())
-        try:
-            engine.submit(job)
-        except Stalled as exc:
-            raise _as_api_error(exc) from None
-        except QueueFull:
-            wait = engine.retry_after_s()
-            raise APIError(503, f"the server is busy ({engine.waiting} requests waiting, the queue holds "
-                                f"{queue_size}); retry in {wait} s", type="server_error", code="queue_full",
-                           headers={"Retry-After": str(wait)}) from None
-        return job
-
-    async def stream(job: Job, fmt: _Formatter, include_usage: bool):
-        try:
-            if fmt.chat:
-                yield _sse(fmt.chunk("", role=True))
-            while True:
-                kind, value = await job.events.get()
-                if kind == "text":
-                    yield _sse(fmt.chunk(value))
-                elif kind == "done":
-                    final = fmt.chunk(None if fmt.chat else "", finish_reason=value.finish_reason)
-                    final["timings"] = llama_timings(value.stats)
-                    yield _sse(final)
-                    if include_usage:
-                        yield _sse(fmt.usage_chunk(value.stats))
-                    yield _sse("[DONE]")
-                    return
-                else:  # the response has started: the error goes in the stream, as OpenAI does
-                    yield _sse(_as_api_error(value).body())
-                    return
-        finally:
-            job.cancelled.set()  # a disconnect cancels this generator; the worker stops after this round
-
-    async def collect(job: Job, request: Request) -> tuple[str, Outcome]:
-        parts, checked = [], time.monotonic()
-        try:
-            while True:
-                try:
-                    kind, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-                except TimeoutError:
-                    kind, value = None, None
-                if time.monotonic() - checked >= DISCONNECT_POLL_S:  # whether or not text keeps coming
-                    checked = time.monotonic()
-                    if await request.is_disconnected():
-                        raise _ClientGone
-                if kind is None:
-                    continue
-                if kind == "text":
-                    parts.append(value)
-                elif kind == "done":
-                    return "".join(parts), value
-                else:
-                    raise _as_api_error(value)
-        finally:
-            job.cancelled.set()
-
-    async def generate(request: Request, chat: bool) -> Response:
-        body = await read_json(request)
-        if chat:
-            generation = chat_request(body, defaults, assembly.tokenizer, assembly.gguf)
-        else:
-            generation = completion_request(body, defaults, assembly.tokenizer)
-        job = enqueue(generation)
-        fmt = _Formatter(chat, model_id)
-        if generation.stream:
-            return StreamingResponse(stream(job, fmt, generation.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(job.cancelled.set))
-        try:
-            text, outcome = await collect(job, request)
-        except _ClientGone:
-            return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
-        return JSONResponse(fmt.whole(text, outcome))
-
-    authorized = key_check(api_keys)
-
-    async def completions(request: Request) -> Response:
-        authorized(request)
-        return await generate(request, chat=False)
-
-    async def chat_completions(request: Request) -> Response:
-        authorized(request)
-        return await generate(request, chat=True)
-
-    async def models(request: Request) -> Response:
-        authorized(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_id, "object": "model", "created": started, "owned_by": "outrider",
-             "meta": {"context": defaults.context, "plugins": {k: s.name for k, s in assembly.plugins.items()}}}]})
-
-    async def health(request: Request) -> Response:
-        if engine.stalled:  # a supervisor restarts the process on this
-            return JSONResponse({"status": "stalled", "reason": engine.stalled, "waiting": engine.waiting},
-                                status_code=503)
-        return JSONResponse({"status": "ok", "waiting": engine.waiting})
-
-    async def metrics_page(request: Request) -> Response:
-        return Response(metrics.exposition(), headers={"Content-Type": metrics.content_type})
-
-    async def api_error(request: Request, exc: APIError) -> Response:
-        return _error_response(exc)
-
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                        type=kind, headers=dict(exc.headers or {})))
-
-    async def server_error(request: Request, exc: Exception) -> Response:
-        return _error_response(_as_api_error(exc))
-
-    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
-        # it hung up while its body was being read: nothing to answer, nothing to log but the count
-        metrics.request_success.labels(model_id, "abort").inc()
-        return Response(status_code=499)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        engine.start()
-        try:
-            yield
-        finally:
-            await asyncio.to_thread(engine.stop)
-
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics_page, methods=["GET"]),
-    ]
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={APIError: api_error, HTTPException: http_error, ClientDisconnect: client_gone,
-                                        Exception: server_error})
-    app.state.engine, app.state.metrics, app.state.model_id = engine, metrics, model_id
+    app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
+    app.state.server = ServerState(assembly, engine, metrics, defaults, key_check(api_keys), queue_size)
     return app
 
 

@@ -222,21 +222,17 @@ class GenerationEngine:
         decoder, text = tokenizer.stream_decoder(), StopText(request.stop)
         eog = tokenizer.eog_ids
         finish = None
-        tokens = runner.generate(request.prompt_ids, request.max_tokens, request.params, eog)
+        rounds = runner.rounds(request.prompt_ids, request.max_tokens, request.params, eog)
         deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
         try:
-            for token in tokens:
+            for round_ in rounds:
                 self._progress_at = now = time.monotonic()
-                stats = runner.stats
-                if stats.generated_tokens == 1:
+                if round_.index == 0:
                     metrics.ttft.labels(labels).observe(time.perf_counter() - job.arrival)
-                if token not in eog:
-                    text.feed(decoder.push(token))
-                # every round emits its accepted drafts plus one token, so a round's tokens are all out when
-                # generated == 1 (the prefill's token) + rounds + accepted; before that, more are coming
-                if stats.generated_tokens < 1 + stats.rounds + stats.accepted:
-                    continue
-                piece = text.take()
+                for token in round_.tokens:
+                    if token not in eog:
+                        text.feed(decoder.push(token))
+                piece = text.take()  # a round at a time: its tokens became certain together
                 if piece:
                     job.send("text", piece)
                 if text.stopped:
@@ -249,7 +245,7 @@ class GenerationEngine:
                     finish = "timeout"  # --request-timeout: the text so far, and why it ends there
                     break
         finally:
-            tokens.close()
+            rounds.close()
         stats = runner.stats
         if finish is None or finish == "timeout":
             text.feed(decoder.flush())

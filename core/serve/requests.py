@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from outrider.errors import OutriderError
-from outrider.io.chat import apply_chat_template
+from outrider.io.chat import prompt_ids as chat_prompt_ids
 from outrider.spec.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -218,8 +218,7 @@ def chat_request(body: Any, defaults: ServerDefaults, tokenizer, gguf) -> Genera
         role = "system" if message["role"] == "developer" else message["role"]
         rendered.append({"role": role, "content": _message_text(message.get("content"), i)})
     try:
-        text = apply_chat_template(gguf, tokenizer, rendered)
+        ids = chat_prompt_ids(gguf, tokenizer, rendered)
     except OutriderError as exc:
         raise _bad("messages", str(exc)) from None
-    prompt_ids = tokenizer.encode(text, add_bos=False)
-    return _common(body, defaults, prompt_ids, ("max_completion_tokens", "max_tokens"))
+    return _common(body, defaults, ids, ("max_completion_tokens", "max_tokens"))

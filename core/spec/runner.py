@@ -80,6 +80,23 @@ class GenerationStats:
         }
 
 
+@dataclass(frozen=True)
+class Round:
+    """One target forward and what it made certain. Round 0 is the prefill: the prompt's forward and its
+    one token. Every later round verified `drafted` tokens (0: a plain step), kept `accepted` of them
+    and emitted one more (recovered, or bonus when all were kept), so `tokens` holds accepted + 1 ids,
+    fewer when a stop token or the length limit cut the round short."""
+
+    index: int
+    tokens: list[int]
+    drafted: int = 0
+    accepted: int = 0
+    kind: str | None = None  # the kind of draft (DraftKind.name); None for the prefill, or when the drafter had none
+    chosen: int = 0  # the draft length asked of the drafter
+    draft_s: float = 0.0
+    verify_s: float = 0.0  # the forward and the acceptor (round 0: the prefill)
+
+
 def _histogram(values: list[int]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for v in sorted(values):
@@ -105,6 +122,14 @@ class Runner:
     def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams,
                  stop_ids: set[int] | frozenset[int] = frozenset()) -> Iterator[int]:
         """Yield generated token ids as they become certain; `self.stats` is complete when the loop ends."""
+        for round_ in self.rounds(prompt, max_tokens, params, stop_ids):
+            yield from round_.tokens
+
+    def rounds(self, prompt: list[int], max_tokens: int, params: SamplingParams,
+               stop_ids: set[int] | frozenset[int] = frozenset()) -> Iterator[Round]:
+        """Yield one `Round` per target forward: first the prefill's (its one token), then one per verify.
+        A round's tokens stop at a stop token or at `max_tokens`; `self.stats` counts every round yielded
+        and is complete when the loop ends."""
         if not prompt:
             raise OutriderError("the prompt is empty and the model adds no BOS token; give a non-empty prompt")
         if len(prompt) >= self.context:
@@ -133,10 +158,10 @@ class Runner:
 
         tokens = list(prompt) + [first]
         stats.generated_tokens = 1
-        decode_start = time.perf_counter()
-        yield first
         if first in stop_ids:
             stats.stop_reason = "eog"
+        decode_start = time.perf_counter()
+        yield Round(index=0, tokens=[first], verify_s=stats.prefill_s)
         while not stats.stop_reason:
             if stats.generated_tokens >= max_tokens:
                 stats.stop_reason = "length"
@@ -169,17 +194,21 @@ class Runner:
             self.drafter.rollback(n + 1 + result.accepted)
             if observe is not None:  # t0 and the accepted drafts: the rows whose tokens are now certain
                 observe(hidden[: result.accepted + 1], n, cache)
+            certain = []
             for token in result.tokens:
-                tokens.append(token)
+                certain.append(token)
                 stats.generated_tokens += 1
-                yield token
                 if token in stop_ids:
                     stats.stop_reason = "eog"
                     break
                 if stats.generated_tokens >= max_tokens:
                     stats.stop_reason = "length"
                     break
+            tokens.extend(certain)
             stats.decode_s = time.perf_counter() - decode_start
+            yield Round(index=stats.rounds, tokens=certain, drafted=len(draft.tokens), accepted=result.accepted,
+                        kind=kind.name if kind is not None else None, chosen=chosen,
+                        draft_s=t_drafted - t, verify_s=t_verified - t_drafted)
         stats.decode_s = time.perf_counter() - decode_start
 
     def lengths_change_the_output(self, params: SamplingParams) -> bool:

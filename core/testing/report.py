@@ -35,7 +35,7 @@ def subject_for(spec: PluginSpec, fixtures: ContractFixtures, options: dict[str,
     spec.resolve_options(settings)  # an unknown or ill-typed option is the user's error, reported up front
     if spec.kind == "drafter" and spec.capabilities.get("target_architecture") == "gemma4" \
             and "model" in spec.options and "model" not in settings:
-        # a Gemma 4 assistant: built on first use (tens of seconds, then cached), by the checks that make one
+        # a Gemma 4 assistant: the tiny one, written on first use by the checks that make one
         make = lambda: spec.create({**settings, "model": str(fixtures.tiny_gemma4_assistant_path)})
     else:
         make = lambda: spec.create(settings)

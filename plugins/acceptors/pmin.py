@@ -52,4 +52,4 @@ class PMinAcceptor:
 
 @hookimpl
 def register_acceptors(register):
-    register("p-min", PMinAcceptor, options={"p_min": (float, 0.1, "accept a drafted token when the target gives it at least this probability")})
+    register("p-min", PMinAcceptor, options={"p_min": (float, "accept a drafted token when the target gives it at least this probability")})

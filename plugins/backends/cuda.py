@@ -43,12 +43,12 @@ class CUDABackend(Backend):
 @hookimpl
 def register_backends(register):
     register("cuda", CUDABackend, aliases=("gpu",), options={
-        "dtype": (str, "bfloat16", f"activations (and dense weights): {', '.join(DTYPES)}"),
-        "device": (int, 0, "CUDA device index"),
-        "batch_invariant": (bool, False, "attention in float64 (see the cpu backend); the weight kernels still "
+        "dtype": (str, f"activations (and dense weights): {', '.join(DTYPES)}"),
+        "device": (int, "CUDA device index"),
+        "batch_invariant": (bool, "attention in float64 (see the cpu backend); the weight kernels still "
                             "vary with the number of rows, so on the GPU this alone does not make verify passes "
                             "exact"),
-        "weights": (str, "compact", f"how weights are held: {', '.join(WEIGHT_MODES)} (compact: GGUF 4-bit codes "
+        "weights": (str, f"how weights are held: {', '.join(WEIGHT_MODES)} (compact: GGUF 4-bit codes "
                     "in torch's int4 kernel, other types int8 per row; dense: bfloat16)"),
-        "graphs": (bool, True, "decode/verify steps of up to 16 tokens as CUDA graphs over a static cache"),
+        "graphs": (bool, "decode/verify steps of up to 16 tokens as CUDA graphs over a static cache"),
     })

@@ -129,11 +129,11 @@ class GemmaAssistantDrafter(DrafterBase):
 def register_drafters(register):
     register("gemma-assistant", GemmaAssistantDrafter, aliases=("gemma4-assistant",),
              capabilities={"target_architecture": TARGET_ARCHITECTURE}, options={
-        "model": (str, "", "the assistant GGUF (gemma4-assistant), e.g. mtp-gemma-4-31B-it.gguf (also --draft-model)"),
-        "head": (str, "auto", "output head: auto (the file's centroid head if it has one), dense (llama.cpp's "
+        "model": (str, "the assistant GGUF (gemma4-assistant), e.g. mtp-gemma-4-31B-it.gguf (also --draft-model)"),
+        "head": (str, "output head: auto (the file's centroid head if it has one), dense (llama.cpp's "
                               "choice: the tied head over the whole vocabulary), centroids"),
-        "centroid_top_k": (int, DEFAULT_CENTROID_TOP_K, "centroids kept by the centroid head (transformers' "
+        "centroid_top_k": (int, "centroids kept by the centroid head (transformers' "
                                                         "centroid_intermediate_top_k; GGUF files do not record it)"),
-        "sample": (bool, True, "at temperature > 0, sample drafts from the assistant's warped softmax and report it "
+        "sample": (bool, "at temperature > 0, sample drafts from the assistant's warped softmax and report it "
                                "as q; false: argmax drafts as llama.cpp (the acceptor then uses the one-hot rule)"),
     })

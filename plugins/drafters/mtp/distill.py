@@ -108,14 +108,14 @@ def stdlib_texts(n: int, rng: random.Random, chars: int = 4000) -> list[str]:
 
 
 def _prompt_ids(gguf, tokenizer, text: str) -> list[int]:
+    """`text` as a user turn of the model's chat template, or raw when the model has none."""
     from outrider.errors import ModelFileError
-    from outrider.io.chat import apply_chat_template
+    from outrider.io.chat import prompt_ids
 
     try:
-        return tokenizer.encode(apply_chat_template(gguf, tokenizer, [{"role": "user", "content": text}]),
-                                add_bos=False)
+        return prompt_ids(gguf, tokenizer, text)
     except ModelFileError:
-        return tokenizer.encode(text)
+        return prompt_ids(gguf, tokenizer, text, chat=False)
 
 
 @torch.inference_mode()
@@ -314,18 +314,14 @@ def _bar(total: float, desc: str):
                 "[{elapsed}<{remaining}] {postfix}")
 
 
-def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
-            echo: Callable[[str], None] = print) -> DistillReport:
+def load_trunk(model_name: str):
+    """The target to distill from: (path, GGUF file, CPU model, tokenizer); one without MTP blocks, of a trunk
+    kind the head can copy."""
     from outrider.catalog import resolve_model
     from outrider.io.gguf import GGUFFile
     from outrider.io.tokenizer import Tokenizer
     from outrider.plugins.backends.cpu import CPUBackend
-    from outrider.plugins.drafters.mtp.drafter import mtp_sidecar_path
 
-    start = time.perf_counter()
-    deadline = start + settings.minutes * 60
-    rng, gen = random.Random(settings.seed), torch.Generator().manual_seed(settings.seed)
-    torch.manual_seed(settings.seed)
     path = resolve_model(model_name)
     g = GGUFFile(path)
     if int(g.arch_key("nextn_predict_layers", 0) or 0):
@@ -333,75 +329,69 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     model = CPUBackend().load_model(g)
     if model.architecture not in ("llama", "gemma3"):
         raise ConfigError(f"distill supports llama and gemma3 trunks, not {model.architecture}")
-    tokenizer = Tokenizer.from_gguf(g)
-    out = out or mtp_sidecar_path(path)
-    checkpoint = out.with_suffix(".distill.pt")
-    state = torch.load(checkpoint, weights_only=False) if checkpoint.is_file() and not settings.fresh else None
+    return path, g, model, Tokenizer.from_gguf(g)
 
-    if state is not None:
-        echo(f"resuming from {checkpoint} (step {state['step']})")
-        sequences, vocab_ids = state["sequences"], state["vocab_ids"]
-    else:
-        stop = set(tokenizer.eog_ids)
-        sequences = []
-        budget = 0.3 * (deadline - time.perf_counter())
-        bar = _bar(budget, "target writes training text")
-        t0 = time.perf_counter()
-        for i, text in enumerate(settings.prompts):
-            if time.perf_counter() - t0 > budget:
-                break
-            prompt = _prompt_ids(g, tokenizer, text)
-            temperature = settings.temperature if i % 3 else 0.0
-            sequences.append(prompt + generate(model, prompt, settings.generate_tokens, temperature, gen, stop))
-            bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
-        bar.close()
-        for text in stdlib_texts(settings.stdlib_chunks, rng):
-            ids = tokenizer.encode(text)
-            for j in range(0, max(1, len(ids) - settings.seq_len // 2), settings.seq_len):
-                sequences.append(ids[j:j + settings.seq_len])
-        counts = np.bincount(np.concatenate([np.array(s) for s in sequences]), minlength=model.config.vocab_size)
-        frequent = np.argsort(-counts, kind="stable")[: settings.draft_vocab]
-        vocab_ids = torch.from_numpy(np.sort(frequent).astype(np.int64))
+
+def training_text(model, g, tokenizer, settings: DistillSettings, budget: float, rng: random.Random,
+                  gen: torch.Generator) -> list[list[int]]:
+    """The corpus, as token sequences: what the target writes from the built-in prompts (within `budget`
+    seconds; every third greedily, the rest at the settings' temperature), then standard-library chunks."""
+    stop = set(tokenizer.eog_ids)
+    sequences = []
+    bar = _bar(budget, "target writes training text")
+    t0 = time.perf_counter()
+    for i, text in enumerate(settings.prompts):
+        if time.perf_counter() - t0 > budget:
+            break
+        prompt = _prompt_ids(g, tokenizer, text)
+        temperature = settings.temperature if i % 3 else 0.0
+        sequences.append(prompt + generate(model, prompt, settings.generate_tokens, temperature, gen, stop))
+        bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
+    bar.close()
+    for text in stdlib_texts(settings.stdlib_chunks, rng):
+        ids = tokenizer.encode(text)
+        for j in range(0, max(1, len(ids) - settings.seq_len // 2), settings.seq_len):
+            sequences.append(ids[j:j + settings.seq_len])
+    return sequences
+
+
+def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent token ids of the corpus, ascending (FR-Spec's reduced output layer)."""
+    counts = np.bincount(np.concatenate([np.array(s) for s in sequences]), minlength=vocab_size)
+    frequent = np.argsort(-counts, kind="stable")[:size]
+    return torch.from_numpy(np.sort(frequent).astype(np.int64))
+
+
+def teacher_split(model, sequences: list[list[int]], vocab_ids: torch.Tensor, settings: DistillSettings,
+                  budget: float) -> tuple[list[Sample], list[Sample]]:
+    """The target's distributions over the corpus cut into pieces, shuffled, within `budget` seconds (pieces
+    not reached are left out, unless a fixed step count asks for all), split into (held-out, training)."""
+    from tqdm import tqdm
+
     vocab_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
     vocab_index[vocab_ids] = torch.arange(len(vocab_ids))
     pieces = [s[j:j + settings.seq_len] for s in sequences for j in range(0, len(s), settings.seq_len)]
     pieces = [p for p in pieces if len(p) >= 8]
     order = list(range(len(pieces)))
     random.Random(settings.seed + 1).shuffle(order)
-    from tqdm import tqdm
-
-    # half of what is left goes to the target's distributions, at most: pieces not reached are left out
-    teacher_budget = 0.5 * max(deadline - time.perf_counter(), 0)
     samples, t0 = [], time.perf_counter()
     for i in tqdm(order, desc="the target's distributions", unit="seq", leave=False):
-        if samples and time.perf_counter() - t0 > teacher_budget and not settings.steps:
+        if samples and time.perf_counter() - t0 > budget and not settings.steps:
             break
         samples.append(teacher(model, pieces[i], vocab_index, settings.top_k))
     n_held = max(1, int(len(samples) * settings.held_out))
-    held, train = samples[:n_held], samples[n_held:] or samples[:1]
+    return samples[:n_held], samples[n_held:] or samples[:1]
 
-    head = TrainableHead(model, g, vocab_ids)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
-    step = 0
-    kl_start = heldout_kl(head, held)
-    if state is not None:
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, kl_start = state["step"], state["kl_start"]
-    echo(f"{len(train)} training and {len(held)} held-out sequences; draft vocabulary {len(vocab_ids)} of "
-         f"{model.config.vocab_size}; held-out KL {heldout_kl(head, held):.3f} nats")
 
-    def save() -> None:
-        checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"step": step, "head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                    "sequences": sequences, "vocab_ids": vocab_ids, "kl_start": kl_start}, checkpoint)
-
-    train_budget = max(deadline - time.perf_counter() - 0.1 * settings.minutes * 60, 0)
-    bar = None if settings.steps else _bar(train_budget, "training the MTP head")
+def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[Sample], step: int,
+          settings: DistillSettings, budget: float, save: Callable[[int], None]) -> int:
+    """Train from `step` for `settings.steps` steps, or for `budget` seconds when that is 0, saving a
+    checkpoint every two minutes; the step count reached."""
+    bar = None if settings.steps else _bar(budget, "training the MTP head")
     t0, last_save = time.perf_counter(), time.perf_counter()
     target_steps = step + settings.steps
-    while (step < target_steps) if settings.steps else (time.perf_counter() - t0 < train_budget):
-        s = train[step % len(train)]
+    while (step < target_steps) if settings.steps else (time.perf_counter() - t0 < budget):
+        s = samples[step % len(samples)]
         ce, kl = sample_loss(head, s)
         optimizer.zero_grad()
         ce.backward()
@@ -412,11 +402,57 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
             bar.set_postfix_str(f"step {step} KL {kl.item():.3f}")
             bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
         if time.perf_counter() - last_save > 120:
-            save()
+            save(step)
             last_save = time.perf_counter()
     if bar is not None:
         bar.close()
-    save()
+    return step
+
+
+def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
+            echo: Callable[[str], None] = print) -> DistillReport:
+    """The whole run, resumable: the trunk, the corpus and draft vocabulary (or the checkpoint's), the
+    target's distributions, training, the sidecar, and the held-out evaluation. The time budget goes 30% to
+    writing text, half of the rest at most to the target's distributions, and training ends with 10% left."""
+    from outrider.plugins.drafters.mtp.drafter import mtp_sidecar_path
+
+    start = time.perf_counter()
+    deadline = start + settings.minutes * 60
+    rng, gen = random.Random(settings.seed), torch.Generator().manual_seed(settings.seed)
+    torch.manual_seed(settings.seed)
+    path, g, model, tokenizer = load_trunk(model_name)
+    out = out or mtp_sidecar_path(path)
+    checkpoint = out.with_suffix(".distill.pt")
+    state = torch.load(checkpoint, weights_only=False) if checkpoint.is_file() and not settings.fresh else None
+
+    if state is not None:
+        echo(f"resuming from {checkpoint} (step {state['step']})")
+        sequences, vocab_ids = state["sequences"], state["vocab_ids"]
+    else:
+        sequences = training_text(model, g, tokenizer, settings, 0.3 * (deadline - time.perf_counter()), rng, gen)
+        vocab_ids = draft_vocabulary(sequences, model.config.vocab_size, settings.draft_vocab)
+    held, train_samples = teacher_split(model, sequences, vocab_ids, settings,
+                                        0.5 * max(deadline - time.perf_counter(), 0))
+
+    head = TrainableHead(model, g, vocab_ids)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
+    step = 0
+    kl_start = heldout_kl(head, held)
+    if state is not None:
+        head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, kl_start = state["step"], state["kl_start"]
+    echo(f"{len(train_samples)} training and {len(held)} held-out sequences; draft vocabulary {len(vocab_ids)} of "
+         f"{model.config.vocab_size}; held-out KL {heldout_kl(head, held):.3f} nats")
+
+    def save(step: int) -> None:
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"step": step, "head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                    "sequences": sequences, "vocab_ids": vocab_ids, "kl_start": kl_start}, checkpoint)
+
+    budget = max(deadline - time.perf_counter() - 0.1 * settings.minutes * 60, 0)
+    step = train(head, optimizer, train_samples, step, settings, budget, save)
+    save(step)
     kl_end = heldout_kl(head, held)
     size = write_sidecar(out, head, g, vocab_ids)
     report = DistillReport(out, step, time.perf_counter() - start, kl_start, kl_end, size)

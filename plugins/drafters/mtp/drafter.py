@@ -242,9 +242,9 @@ class MTPDrafter(DrafterBase):
 @hookimpl
 def register_drafters(register):
     register("mtp", MTPDrafter, aliases=("nextn",), options={
-        "model": (str, "", "an MTP sidecar GGUF (also --draft-model); default: the target's own nextn blocks, "
+        "model": (str, "an MTP sidecar GGUF (also --draft-model); default: the target's own nextn blocks, "
                            "else the head `outrider distill` cached for it"),
-        "sample": (bool, True, "at temperature > 0, sample drafts from the head's q (the acceptor uses the full-q "
+        "sample": (bool, "at temperature > 0, sample drafts from the head's q (the acceptor uses the full-q "
                                "rule); false: argmax drafts"),
-        "context": (int, 4096, "the MTP blocks' KV cache length"),
+        "context": (int, "the MTP blocks' KV cache length"),
     })
