@@ -28,7 +28,7 @@ from outrider.models.decoder import Decoder
 from outrider.models.kv_cache import KVCache
 from outrider.models.layers import ATTENTION_DTYPE, Rotary, attention, attention_mask
 from outrider.models.linear import ACTIVATIONS, NATIVE_ACT, PackedLinear, rms_norm
-from outrider.models.stack import add_layer
+from outrider.models.stack import add_layer, attention_half, mlp_half
 from outrider.models.weight_forms import load_linear
 from outrider.native.codes import KV_MODES
 
@@ -351,12 +351,11 @@ class Gemma4(Decoder):
         eps = self.config.eps
         self._masks.clear()
         for i, l in enumerate(self.layers):
-            o = self._attention(i, l, x, start, cache, prompt)
-            x = l.wo(o, out_norm=l.post_attn_norm, residual=x, eps=eps, prompt=prompt)
-            gate_up = l.w_gate_up(x, in_norm=l.ffn_norm, eps=eps, prompt=prompt)
+            x = attention_half(l, x, lambda qkv: self._attend(i, l, qkv, start, cache), eps, prompt)
             if l.experts is None:
-                x = l.w_down(gate_up, act=ACT, out_norm=l.post_ffn_norm, residual=x, eps=eps, prompt=prompt)
-            else:
+                x = mlp_half(l, x, ACT, eps, prompt)
+            else:  # the dense MLP and the experts, each post-normed, summed, normed again
+                gate_up = l.w_gate_up(x, in_norm=l.ffn_norm, eps=eps, prompt=prompt)
                 mlp = l.w_down(gate_up, act=ACT, out_norm=l.post_ffn_norm_1, eps=eps, prompt=prompt)
                 x = x + rms_norm(mlp + l.experts(x), l.post_ffn_norm, eps)
             if per_layer is not None:  # act(gate) * per-layer input, as the two halves of one row
@@ -367,11 +366,11 @@ class Gemma4(Decoder):
                 x = x * l.out_scale
         return x
 
-    def _attention(self, i: int, l: _Layer, x: torch.Tensor, start: int, cache: KVCache, prompt: bool):
+    def _attend(self, i: int, l: _Layer, qkv: torch.Tensor, start: int, cache: KVCache) -> torch.Tensor:
+        """Layer i's heads over the cache from its fused projections (its own K/V, or a source layer's)."""
         cfg = self.config
-        t, hd, n_q, n_kv = x.shape[0], cfg.head_dim[i], cfg.n_heads[i], cfg.n_kv_heads[i]
+        t, hd, n_q, n_kv = qkv.shape[0], cfg.head_dim[i], cfg.n_heads[i], cfg.n_kv_heads[i]
         rotary, src = self._rotary(i), cfg.kv_source_layer[i]
-        qkv = l.wqkv(x, in_norm=l.attn_norm, eps=cfg.eps, prompt=prompt)
         if self.kernels is not None:
             return self.kernels.attend(qkv.contiguous(), cache.keys[src], cache.values[src], start, n_q, n_kv, hd,
                                        rotary.cos, rotary.sin, l.q_norm, l.k_norm, cfg.eps, l.window or 0, 1.0,
@@ -387,7 +386,7 @@ class Gemma4(Decoder):
             keys, values = cache.keys[src][:, :end], cache.values[src][:, :end]
         key = (start, t, l.window)
         if key not in self._masks:
-            self._masks[key] = attention_mask(start, t, l.window, x.device)
+            self._masks[key] = attention_mask(start, t, l.window, qkv.device)
         first_key, mask = self._masks[key]
         return attention(q.transpose(0, 1), keys, values, first_key, mask, 1.0)
 

@@ -101,15 +101,28 @@ class Attention:
             return self.kernels.attend(qkv, cache.keys[layer], cache.values[layer], start, self.n_heads,
                                        self.n_kv_heads, self.head_dim, rotary.cos, rotary.sin, q_norm, k_norm,
                                        self.eps, window or 0, self.scale, 0, False)
+        q, k, v = self._heads(qkv, start, rotary, q_norm, k_norm)
+        keys, values = cache.write(layer, start, k, v)
+        first_key, mask = self._mask(start, qkv.shape[0], window, qkv.device)
+        return attention(q, keys, values, first_key, mask, self.scale)
+
+    def over_rows(self, qkv: torch.Tensor, rotary: Rotary, q_norm: torch.Tensor | None = None,
+                  k_norm: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+        """Rows at positions 0..T-1 attending over each other only, with no cache, in torch: the
+        differentiable form (the MTP head's training), the same equations as `__call__`'s torch path."""
+        q, k, v = self._heads(qkv, 0, rotary, q_norm, k_norm)
+        first_key, mask = attention_mask(0, qkv.shape[0], window, qkv.device)
+        return attention(q, k, v, first_key, mask, self.scale)
+
+    def _heads(self, qkv: torch.Tensor, start: int, rotary: Rotary, q_norm, k_norm):
+        """(q [heads, T, d], k and v [kv_heads, T, d]) of fused projections: q/k norms (Gemma), then rotary."""
         t, n_q, n_qk = qkv.shape[0], self.n_heads, self.n_heads + self.n_kv_heads
         qkv = qkv.view(t, n_qk + self.n_kv_heads, self.head_dim)
         q, k = qkv[:, :n_q], qkv[:, n_q:n_qk]
         if q_norm is not None:
             q, k = rms_norm(q, q_norm, self.eps), rms_norm(k, k_norm, self.eps)
         qk = rotary(torch.cat([q, k], dim=1), start).transpose(0, 1)
-        keys, values = cache.write(layer, start, qk[n_q:], qkv[:, n_qk:].transpose(0, 1))
-        first_key, mask = self._mask(start, t, window, qkv.device)
-        return attention(qk[:n_q], keys, values, first_key, mask, self.scale)
+        return qk[:n_q], qk[n_q:], qkv[:, n_qk:].transpose(0, 1)
 
     def _mask(self, start: int, t: int, window: int | None, device) -> tuple[int, torch.Tensor | None]:
         key = (start, t, window)

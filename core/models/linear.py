@@ -95,6 +95,21 @@ class DenseLinear:
         return [self.weight]
 
 
+class StackedLinear(DenseLinear):
+    """A DenseLinear whose rows are the given tensors stacked at each call (q, k and v as one projection):
+    they stay apart, e.g. as trainable parameters, while the layer runs fused."""
+
+    def __init__(self, *parts: torch.Tensor):
+        self.parts = parts
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.parts)
+
+
 class PackedLinear:
     def __init__(self, kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  group: int, n_out: int, k: int):

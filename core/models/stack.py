@@ -1,10 +1,12 @@
 """The transformer layers of the llama-like architectures, as one object: a list of per-layer weights
-(`LayerWeights`) run either by the CPU kernels' `LayerStack` in one native call, or by a Python loop
-over the same five calls per layer (the torch path, and the reference the native stack must match)."""
+(`LayerWeights`) run either by the CPU kernels' `LayerStack` in one native call, or by a Python loop of
+`decoder_layer`, the one torch form of a layer: the torch path, the reference the native stack must
+match, and what the static (CUDA graph) step, Gemma 4's layers and the MTP head's training call too."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -35,6 +37,26 @@ class LayerWeights:
         return self.wqkv, self.wo, self.w_gate_up, self.w_down
 
 
+def attention_half(l, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor], eps: float,
+                   prompt: bool = False) -> torch.Tensor:
+    """x + post_norm(o(attend(qkv(norm(x))))): `attend` maps the fused q/k/v rows to the heads' outputs."""
+    o = attend(l.wqkv(x, in_norm=l.attn_norm, eps=eps, prompt=prompt))
+    return l.wo(o, out_norm=l.post_attn_norm, residual=x, eps=eps, prompt=prompt)
+
+
+def mlp_half(l, x: torch.Tensor, act: str, eps: float, prompt: bool = False) -> torch.Tensor:
+    """x + post_norm(down(act(gate) * up(norm(x))))."""
+    gate_up = l.w_gate_up(x, in_norm=l.ffn_norm, eps=eps, prompt=prompt)
+    return l.w_down(gate_up, act=act, out_norm=l.post_ffn_norm, residual=x, eps=eps, prompt=prompt)
+
+
+def decoder_layer(l, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor], eps: float, act: str,
+                  prompt: bool = False) -> torch.Tensor:
+    """One pre-norm layer `l` (a `LayerWeights`, or anything with its fields) over rows x [T, hidden]. Where
+    the rows attend (a KV cache, a static cache, or only each other) is `attend`'s business."""
+    return mlp_half(l, attention_half(l, x, attend, eps, prompt), act, eps, prompt)
+
+
 class LayerStack:
     """`run(x, start, cache, prompt)`: x [T, hidden] at positions start..start+T-1 through every layer,
     writing the cache. Native (one call per forward) when the attention and every linear run on the CPU
@@ -55,13 +77,9 @@ class LayerStack:
     def run(self, x: torch.Tensor, start: int, cache: KVCache, prompt: bool) -> torch.Tensor:
         if self.native is not None:
             return self.native.run(x, start, cache.keys, cache.values, prompt, None)
-        eps = self.eps
         for i, l in enumerate(self.layers):
-            qkv = l.wqkv(x, in_norm=l.attn_norm, eps=eps, prompt=prompt)
-            o = self.attention(qkv, i, start, cache, l.rotary, l.q_norm, l.k_norm, l.window)
-            x = l.wo(o, out_norm=l.post_attn_norm, residual=x, eps=eps, prompt=prompt)
-            gate_up = l.w_gate_up(x, in_norm=l.ffn_norm, eps=eps, prompt=prompt)
-            x = l.w_down(gate_up, act=self.act, out_norm=l.post_ffn_norm, residual=x, eps=eps, prompt=prompt)
+            attend = lambda qkv: self.attention(qkv, i, start, cache, l.rotary, l.q_norm, l.k_norm, l.window)
+            x = decoder_layer(l, x, attend, self.eps, self.act, prompt)
         return x
 
 

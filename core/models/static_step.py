@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from outrider.models.kv_cache import KVCache
 from outrider.models.layers import attention
 from outrider.models.linear import rms_norm
+from outrider.models.stack import decoder_layer
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # rows a step is padded to: k + 1 = 1..16 verify shapes in five graphs
 STATIC_ARCHITECTURES = ("llama", "gemma3")  # whose forward `StaticStepModel.step` reproduces
@@ -130,13 +131,9 @@ class StaticStepModel:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         masks = {w: self._mask(positions, cache, w) for w in {l.window for l in stack.layers}}
-        eps = stack.eps
         for i, l in enumerate(stack.layers):
-            qkv = l.wqkv(x, in_norm=l.attn_norm, eps=eps)
-            o = self.static_attention(qkv, i, positions, cache, l, masks[l.window])
-            x = l.wo(o, out_norm=l.post_attn_norm, residual=x, eps=eps)
-            gate_up = l.w_gate_up(x, in_norm=l.ffn_norm, eps=eps)
-            x = l.w_down(gate_up, act=stack.act, out_norm=l.post_ffn_norm, residual=x, eps=eps)
+            attend = lambda qkv: self.static_attention(qkv, i, positions, cache, l, masks[l.window])
+            x = decoder_layer(l, x, attend, stack.eps, stack.act)
         h = rms_norm(x, m.output_norm, m.config.eps)
         return m.output(h, softcap=self.softcap), h
 

@@ -1,13 +1,15 @@
-"""The `mtp` drafter as one package: the head and the drafter that runs it (drafter.py), the training that
-makes a head for a model that shipped without one (distill.py), and its `outrider distill` command
-(command.py, added to the CLI through the `register_commands` hook)."""
+"""The `mtp` drafter as one package: the head in its drafting and its training form, one forward (head.py),
+the drafter that runs it (drafter.py), the training that makes a head for a model that shipped without one
+(distill.py), and its `outrider distill` command (command.py, added to the CLI through the
+`register_commands` hook)."""
 
 from __future__ import annotations
 
 from outrider.hookspecs import hookimpl
-from outrider.plugins.drafters.mtp.drafter import MTPDrafter, MTPHead, mtp_sidecar_path, register_drafters
+from outrider.plugins.drafters.mtp.drafter import MTPDrafter, mtp_sidecar_path, register_drafters
+from outrider.plugins.drafters.mtp.head import MTPHead, TrainableHead
 
-__all__ = ["MTPDrafter", "MTPHead", "mtp_sidecar_path", "register_drafters", "register_commands"]
+__all__ = ["MTPDrafter", "MTPHead", "TrainableHead", "mtp_sidecar_path", "register_drafters", "register_commands"]
 
 
 @hookimpl

@@ -15,7 +15,6 @@ rows. The sidecar GGUF lands at `mtp_sidecar_path(target)`, where `--drafter mtp
 
 from __future__ import annotations
 
-import math
 import random
 import sysconfig
 import time
@@ -25,11 +24,9 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from outrider.errors import ConfigError
-from outrider.models.gemma3 import local_layers
-from outrider.models.linear import torch_post_steps
+from outrider.plugins.drafters.mtp.head import TrainableHead, _permute
 
 PROMPTS = (
     "Explain how a hash table works, with a short example in Python.",
@@ -154,93 +151,6 @@ def teacher(model, tokens: list[int], vocab_index: torch.Tensor, top_k: int) -> 
 # ------------------------------------------------------------------------------------------------ the head
 
 
-def _permute(n_heads: int, w: torch.Tensor) -> torch.Tensor:
-    """HF row order -> GGUF's (convert_hf_to_gguf's permute for llama q/k); inverse of llama's unpermute."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)
-
-
-def _unpermute(n_heads: int, w: torch.Tensor) -> torch.Tensor:
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
-
-
-class TrainableHead(torch.nn.Module):
-    """The MTP block in plain differentiable torch, for training over whole sequences (no cache): the same
-    equations the drafter runs, with the trunk's rotary, window and norms."""
-
-    def __init__(self, model, g, vocab_ids: torch.Tensor):
-        super().__init__()
-        cfg = model.config
-        self.arch, self.cfg = model.architecture, cfg
-        self.model = model
-        self.n_heads, self.n_kv, self.hd, self.eps = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.eps
-        last = cfg.n_layers - 1
-        load = lambda name: g.load(f"blk.{last}.{name}.weight").float()
-        param = lambda t: torch.nn.Parameter(t.float().clone())
-        hidden = cfg.hidden_size
-        q, k = load("attn_q"), load("attn_k")
-        if self.arch == "llama":
-            q, k = _unpermute(cfg.n_heads, q), _unpermute(cfg.n_kv_heads, k)
-        self.w = torch.nn.ParameterDict({
-            "attn_norm": param(load("attn_norm")), "ffn_norm": param(load("ffn_norm")),
-            "attn_q": param(q), "attn_k": param(k), "attn_v": param(load("attn_v")),
-            "attn_output": param(load("attn_output")), "ffn_gate": param(load("ffn_gate")),
-            "ffn_up": param(load("ffn_up")), "ffn_down": param(load("ffn_down")),
-            # the hidden part starts as the identity: the head begins as "the trunk's last layer, once more"
-            "eh_proj": param(torch.cat([0.1 * torch.eye(hidden), torch.eye(hidden)], dim=1)),
-            "enorm": param(torch.ones(hidden)), "hnorm": param(torch.ones(hidden)),
-            "shared_head_norm": param(model.output_norm.float()),
-            "shared_head_head": param(model.output.rows(vocab_ids).float()),
-        })
-        if self.arch == "gemma3":
-            for name in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
-                self.w[name] = param(load(name))
-            local = local_layers(g, cfg.n_layers + 1)[cfg.n_layers]  # block n_layers, as the drafter reads it
-            self.rotary = model.local_rotary if local else model.global_rotary
-            self.window = cfg.sliding_window if local else None
-            self.scale = cfg.attention_scale
-            self.act = lambda x: F.gelu(x, approximate="tanh")
-        else:
-            self.rotary, self.window, self.scale, self.act = model.rotary, None, 1 / math.sqrt(cfg.head_dim), F.silu
-
-    def rms(self, x, name):
-        return F.rms_norm(x, (x.shape[-1],), self.w[name], self.eps)
-
-    def forward(self, tokens: torch.Tensor, h_prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(draft-vocabulary logits [T, V_d], post-norm hidden [T, H]) of rows 0..T-1 = (x_p, h_{p-1})."""
-        w, t = self.w, tokens.shape[0]
-        with torch.no_grad():
-            e = self.model.embed(tokens).float()
-        x = torch.cat([self.rms(e, "enorm"), self.rms(h_prev, "hnorm")], -1) @ w["eh_proj"].T
-        a = self.rms(x, "attn_norm")
-        q = (a @ w["attn_q"].T).view(t, self.n_heads, self.hd)
-        k = (a @ w["attn_k"].T).view(t, self.n_kv, self.hd)
-        v = (a @ w["attn_v"].T).view(t, self.n_kv, self.hd)
-        if self.arch == "gemma3":
-            q, k = self.rms(q, "attn_q_norm"), self.rms(k, "attn_k_norm")
-        cos, sin = self.rotary.cos[:t, None].float(), self.rotary.sin[:t, None].float()
-        q = q * cos + torch.roll(q, self.hd // 2, -1) * sin
-        k = k * cos + torch.roll(k, self.hd // 2, -1) * sin
-        pos = torch.arange(t)
-        mask = pos[None, :] <= pos[:, None]
-        if self.window:
-            mask = mask & (pos[:, None] - pos[None, :] < self.window)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=mask, scale=self.scale, enable_gqa=self.n_heads != self.n_kv)
-        o = o[0].transpose(0, 1).reshape(t, -1) @ w["attn_output"].T
-        if self.arch == "gemma3":
-            x = x + self.rms(o, "post_attention_norm")
-            f = self.rms(x, "ffn_norm")
-            x = x + self.rms((self.act(f @ w["ffn_gate"].T) * (f @ w["ffn_up"].T)) @ w["ffn_down"].T, "post_ffw_norm")
-        else:
-            x = x + o
-            f = self.rms(x, "ffn_norm")
-            x = x + (self.act(f @ w["ffn_gate"].T) * (f @ w["ffn_up"].T)) @ w["ffn_down"].T
-        h = self.rms(x, "shared_head_norm")
-        # the final softcap (gemma), as the drafter's head applies it after its matmul
-        softcap = float(getattr(self.cfg, "final_logit_softcap", 0.0) or 0.0)
-        return torch_post_steps(h @ w["shared_head_head"].T, None, None, softcap, self.eps), h
-
-
 def shifted(hidden: torch.Tensor) -> torch.Tensor:
     """h_{p-1} for every row p (a zero row before position 0, as the drafter does)."""
     return torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
@@ -284,7 +194,7 @@ def write_sidecar(path: Path, head: TrainableHead, g, vocab_ids: torch.Tensor) -
         elif isinstance(value, str):
             w.add_string(key, value)
         elif isinstance(value, list) and key.endswith("sliding_window_pattern"):
-            w.add_array(key, list(value) + [head.window is not None])
+            w.add_array(key, list(value) + [head.layer.window is not None])
     w.add_block_count(b + 1)
     w.add_uint32(f"{arch}.nextn_predict_layers", 1)
     p = f"blk.{b}."

@@ -26,17 +26,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from outrider.catalog import outrider_home, resolve_model
-from outrider.errors import ConfigError, ModelFileError
+from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
 from outrider.io.gguf import GGUFFile
 from outrider.models.layers import PREFILL_CHUNK, trunk_layers
-from outrider.models.linear import rms_norm
-from outrider.models.stack import LayerStack
-from outrider.models.weight_forms import load_linear
+from outrider.plugins.drafters.mtp.head import MTPHead
 from outrider.spec.drafter import (
     NEEDS_MTP_HEAD,
     NEEDS_TARGET_HIDDEN,
@@ -59,62 +56,6 @@ def mtp_sidecar_path(target_path: str | Path) -> Path:
 
 def head_count(g: GGUFFile) -> int:
     return int(g.arch_key("nextn_predict_layers", 0) or 0)
-
-
-class MTPHead:
-    """One MTP block: the trunk-kind decoder block and the nextn projections around it, on the target's
-    backend, with its own one-layer KV cache."""
-
-    def __init__(self, g: GGUFFile, b: int, target: Target, max_len: int):
-        model = target.model
-        self.model, self.eps = model, model.config.eps
-        dtype, device, packed = model.dtype, model.device, model.native
-        p = f"blk.{b}.nextn."
-        has = lambda name: p + name + ".weight" in g.tensors
-        norm = lambda name: g.load(p + name + ".weight").to(dtype).to(device)
-        for name in ("eh_proj", "enorm", "hnorm"):
-            if not has(name):
-                raise ModelFileError(f"{g.path}: MTP block {b} lacks {p}{name}.weight; the file is not an MTP head")
-        self.eh_proj = load_linear(g, [p + "eh_proj.weight"], packed, dtype, device)
-        self.enorm, self.hnorm = norm("enorm"), norm("hnorm")
-        self.head_norm = norm("shared_head_norm") if has("shared_head_norm") else model.output_norm
-        self.embed_table = norm("embed_tokens") if has("embed_tokens") else None
-        self.softcap = getattr(model.config, "final_logit_softcap", 0.0)
-        self.ids = None  # reduced draft vocabulary: row r of the head is target token ids[r]
-        if has("shared_head_head"):
-            self.head = load_linear(g, [p + "shared_head_head.weight"], packed, dtype, device)
-            rows = g.tensors[p + "shared_head_head.weight"].shape[0]
-            if p + "draft_vocab" in g.tensors:
-                ids = np.frombuffer(g.raw(p + "draft_vocab"), dtype=np.int32)
-                self.ids = torch.from_numpy(ids.astype(np.int64))
-                if len(ids) != rows or int(ids.max()) >= model.config.vocab_size or int(ids.min()) < 0:
-                    raise ModelFileError(f"{g.path}: {p}draft_vocab must hold {rows} target ids below "
-                                         f"{model.config.vocab_size}; rewrite it with `outrider distill`")
-            elif rows != model.config.vocab_size:
-                raise ModelFileError(f"{g.path}: {p}shared_head_head has {rows} rows, the target's vocabulary "
-                                     f"{model.config.vocab_size}, and no {p}draft_vocab maps them")
-        else:
-            self.head = model.output
-        self.stack = LayerStack([model.block(g, b)], model.attention, self.eps, model.activation)
-        self.cache = model.attention.new_cache(1, max_len, device)
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed_table[tokens] if self.embed_table is not None else self.model.embed(tokens)
-
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits of the last row over the head's rows, post-norm hidden [T, H]) for rows at start..start+T-1."""
-        x = torch.cat([rms_norm(self.embed(tokens), self.enorm, self.eps),
-                       rms_norm(hidden.to(self.enorm.dtype), self.hnorm, self.eps)], dim=-1)
-        x = self.stack.run(self.eh_proj(x), start, self.cache, False)
-        self.cache.length = start + tokens.shape[0]
-        h = rms_norm(x, self.head_norm, self.eps)
-        return self.head(h[-1:], softcap=self.softcap)[0].float(), h
-
-    def full_logits(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
-        if self.ids is None:
-            return logits[:vocab].cpu()
-        full = torch.full((vocab,), float("-inf"))
-        return full.scatter_(0, self.ids, logits.cpu())
 
 
 def find_head_file(target: Target, model: str) -> GGUFFile:

@@ -1,0 +1,149 @@
+"""The MTP head, in its two forms: `MTPHead` drafts (the backend's kernels, its own KV cache, no gradients)
+and `TrainableHead` is what `outrider distill` trains (parameters, whole sequences, gradients). Both are
+one forward, `mtp_rows`: the token's embedding and the target's previous hidden state, each RMS-normed,
+concatenated and projected (eh_proj), one decoder block of the trunk's kind (`decoder_layer`, or the native
+stack that matches it), the head's norm. tests/test_mtp.py checks that the two give the same rows."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from outrider.errors import ModelFileError
+from outrider.io.gguf import GGUFFile
+from outrider.models.gemma3 import local_layers
+from outrider.models.linear import StackedLinear, rms_norm
+from outrider.models.stack import LayerStack, LayerWeights, decoder_layer
+from outrider.models.weight_forms import load_linear
+from outrider.spec.drafter import Target
+
+
+def mtp_rows(embedded: torch.Tensor, hidden: torch.Tensor, enorm: torch.Tensor, hnorm: torch.Tensor, eh_proj,
+             block: Callable[[torch.Tensor], torch.Tensor], head_norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """The head's post-norm hidden rows h' = rms(block(eh_proj([rms(E[x_p], enorm), rms(h_{p-1}, hnorm)])))."""
+    x = torch.cat([rms_norm(embedded, enorm, eps), rms_norm(hidden, hnorm, eps)], dim=-1)
+    return rms_norm(block(eh_proj(x)), head_norm, eps)
+
+
+class MTPHead:
+    """One MTP block: the trunk-kind decoder block and the nextn projections around it, on the target's
+    backend, with its own one-layer KV cache."""
+
+    def __init__(self, g: GGUFFile, b: int, target: Target, max_len: int):
+        model = target.model
+        self.model, self.eps = model, model.config.eps
+        dtype, device, packed = model.dtype, model.device, model.native
+        p = f"blk.{b}.nextn."
+        has = lambda name: p + name + ".weight" in g.tensors
+        norm = lambda name: g.load(p + name + ".weight").to(dtype).to(device)
+        for name in ("eh_proj", "enorm", "hnorm"):
+            if not has(name):
+                raise ModelFileError(f"{g.path}: MTP block {b} lacks {p}{name}.weight; the file is not an MTP head")
+        self.eh_proj = load_linear(g, [p + "eh_proj.weight"], packed, dtype, device)
+        self.enorm, self.hnorm = norm("enorm"), norm("hnorm")
+        self.head_norm = norm("shared_head_norm") if has("shared_head_norm") else model.output_norm
+        self.embed_table = norm("embed_tokens") if has("embed_tokens") else None
+        self.softcap = getattr(model.config, "final_logit_softcap", 0.0)
+        self.ids = None  # reduced draft vocabulary: row r of the head is target token ids[r]
+        if has("shared_head_head"):
+            self.head = load_linear(g, [p + "shared_head_head.weight"], packed, dtype, device)
+            rows = g.tensors[p + "shared_head_head.weight"].shape[0]
+            if p + "draft_vocab" in g.tensors:
+                ids = np.frombuffer(g.raw(p + "draft_vocab"), dtype=np.int32)
+                self.ids = torch.from_numpy(ids.astype(np.int64))
+                if len(ids) != rows or int(ids.max()) >= model.config.vocab_size or int(ids.min()) < 0:
+                    raise ModelFileError(f"{g.path}: {p}draft_vocab must hold {rows} target ids below "
+                                         f"{model.config.vocab_size}; rewrite it with `outrider distill`")
+            elif rows != model.config.vocab_size:
+                raise ModelFileError(f"{g.path}: {p}shared_head_head has {rows} rows, the target's vocabulary "
+                                     f"{model.config.vocab_size}, and no {p}draft_vocab maps them")
+        else:
+            self.head = model.output
+        self.stack = LayerStack([model.block(g, b)], model.attention, self.eps, model.activation)
+        self.cache = model.attention.new_cache(1, max_len, device)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_table[tokens] if self.embed_table is not None else self.model.embed(tokens)
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits of the last row over the head's rows, post-norm hidden [T, H]) for rows at start..start+T-1."""
+        block = lambda x: self.stack.run(x, start, self.cache, False)
+        h = mtp_rows(self.embed(tokens), hidden.to(self.enorm.dtype), self.enorm, self.hnorm, self.eh_proj, block,
+                     self.head_norm, self.eps)
+        self.cache.length = start + tokens.shape[0]
+        return self.head(h[-1:], softcap=self.softcap)[0].float(), h
+
+    def full_logits(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
+        if self.ids is None:
+            return logits[:vocab].cpu()
+        full = torch.full((vocab,), float("-inf"))
+        return full.scatter_(0, self.ids, logits.cpu())
+
+
+def _permute(n_heads: int, w: torch.Tensor) -> torch.Tensor:
+    """HF row order -> GGUF's (convert_hf_to_gguf's permute for llama q/k); inverse of llama's unpermute."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def _unpermute(n_heads: int, w: torch.Tensor) -> torch.Tensor:
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+class TrainableHead(torch.nn.Module):
+    """The MTP block as trainable parameters, run over whole sequences without a cache: `mtp_rows` and
+    `decoder_layer` with attention over the rows themselves (`Attention.over_rows`), in differentiable
+    torch. `MTPHead` runs the same two functions on the backend's kernels."""
+
+    def __init__(self, model, g, vocab_ids: torch.Tensor):
+        super().__init__()
+        cfg = model.config
+        self.arch, self.cfg = model.architecture, cfg
+        self.model = model
+        self.eps = cfg.eps
+        last = cfg.n_layers - 1
+        load = lambda name: g.load(f"blk.{last}.{name}.weight").float()
+        param = lambda t: torch.nn.Parameter(t.float().clone())
+        hidden = cfg.hidden_size
+        q, k = load("attn_q"), load("attn_k")
+        if self.arch == "llama":
+            q, k = _unpermute(cfg.n_heads, q), _unpermute(cfg.n_kv_heads, k)
+        self.w = torch.nn.ParameterDict({
+            "attn_norm": param(load("attn_norm")), "ffn_norm": param(load("ffn_norm")),
+            "attn_q": param(q), "attn_k": param(k), "attn_v": param(load("attn_v")),
+            "attn_output": param(load("attn_output")), "ffn_gate": param(load("ffn_gate")),
+            "ffn_up": param(load("ffn_up")), "ffn_down": param(load("ffn_down")),
+            # the hidden part starts as the identity: the head begins as "the trunk's last layer, once more"
+            "eh_proj": param(torch.cat([0.1 * torch.eye(hidden), torch.eye(hidden)], dim=1)),
+            "enorm": param(torch.ones(hidden)), "hnorm": param(torch.ones(hidden)),
+            "shared_head_norm": param(model.output_norm.float()),
+            "shared_head_head": param(model.output.rows(vocab_ids).float()),
+        })
+        opt = lambda name: self.w[name] if name in self.w else None
+        if self.arch == "gemma3":
+            for name in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
+                self.w[name] = param(load(name))
+            local = local_layers(g, cfg.n_layers + 1)[cfg.n_layers]  # block n_layers, as the drafter reads it
+            rotary = model.local_rotary if local else model.global_rotary
+            window = cfg.sliding_window if local else None
+        else:
+            rotary, window = model.rotary, None
+        w, lin = self.w, lambda *names: StackedLinear(*(self.w[n] for n in names))
+        # the block as the trunk's layers are held, on the parameters (q, k, v and gate, up trained apart)
+        self.layer = LayerWeights(lin("attn_q", "attn_k", "attn_v"), lin("attn_output"), lin("ffn_gate", "ffn_up"),
+                                  lin("ffn_down"), w["attn_norm"], w["ffn_norm"], rotary, window, opt("attn_q_norm"),
+                                  opt("attn_k_norm"), opt("post_attention_norm"), opt("post_ffw_norm"))
+        self.eh_proj, self.head = lin("eh_proj"), lin("shared_head_head")
+        self.softcap = float(getattr(cfg, "final_logit_softcap", 0.0) or 0.0)
+
+    def forward(self, tokens: torch.Tensor, h_prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft-vocabulary logits [T, V_d], post-norm hidden [T, H]) of rows 0..T-1 = (x_p, h_{p-1})."""
+        with torch.no_grad():
+            e = self.model.embed(tokens).float()
+        l, attention = self.layer, self.model.attention
+        attend = lambda qkv: attention.over_rows(qkv, l.rotary, l.q_norm, l.k_norm, l.window)
+        block = lambda x: decoder_layer(l, x, attend, self.eps, self.model.activation)
+        w = self.w
+        h = mtp_rows(e, h_prev, w["enorm"], w["hnorm"], self.eh_proj, block, w["shared_head_norm"], self.eps)
+        return self.head(h, softcap=self.softcap), h
