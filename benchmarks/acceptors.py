@@ -20,7 +20,8 @@ import torch
 from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.plugins.acceptors.sampled import SampledAcceptor
 from outrider.spec.acceptance import VerifyRound
-from outrider.spec.sampling import PositionRandom, SamplingParams, warp
+from outrider.spec.random_streams import PositionRandom
+from outrider.spec.sampling import SamplingParams, warp
 
 
 def make_rounds(vocab: int, k: int, rounds: int, with_q: bool, params: SamplingParams, seed: int = 0):

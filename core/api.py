@@ -29,7 +29,8 @@ from outrider.spec.drafter import (
     Target,
     draft_loop,
 )
-from outrider.spec.sampling import PositionRandom, SamplingParams, argmax_token, sample_at, warp
+from outrider.spec.random_streams import PositionRandom
+from outrider.spec.sampling import SamplingParams, argmax_token, sample_at, warp
 
 _CONTRACTS = ("BackendContract", "DrafterContract", "AcceptorContract")
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from importlib import import_module
 from importlib.metadata import entry_points

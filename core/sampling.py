@@ -6,6 +6,7 @@ It goes in the next release."""
 import warnings
 
 from outrider.spec.acceptance import AcceptResult  # noqa: F401
+from outrider.spec.random_streams import PositionRandom  # noqa: F401
 from outrider.spec.sampling import *  # noqa: F403
 
 warnings.warn("outrider.sampling is deprecated: import from outrider.api", DeprecationWarning, stacklevel=2)

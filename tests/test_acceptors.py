@@ -21,7 +21,8 @@ from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.plugins.acceptors.pmin import PMinAcceptor
 from outrider.plugins.acceptors.sampled import SampledAcceptor
 from outrider.spec.acceptance import Acceptor, AcceptResult, VerifyRound
-from outrider.spec.sampling import PositionRandom, SamplingParams, sample_at, warp
+from outrider.spec.random_streams import PositionRandom
+from outrider.spec.sampling import SamplingParams, sample_at, warp
 from outrider.testing.stats import chi2_sf, chi2_test
 from outrider.testing.toy import ToyModel
 

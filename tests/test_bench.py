@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from outrider import bench
 from outrider.bench.results import PAIRED_COLUMNS
-from outrider.errors import ConfigError
 from outrider.cli import main
+from outrider.errors import ConfigError
 from outrider.testing.tiny_models import write_tiny_llama
 
 SHORT_PROMPTS = {"code": "def f(x):\n    return x + 1\n\ndef f(x):\n", "story": "Once upon a time"}

@@ -23,7 +23,8 @@ from outrider.plugins.acceptors.pmin import PMinAcceptor
 from outrider.plugins.backends.cpu import CPUBackend
 from outrider.registry import build_registry
 from outrider.spec.drafter import Draft, DrafterBase
-from outrider.spec.sampling import PositionRandom, sample_at, warp
+from outrider.spec.random_streams import PositionRandom
+from outrider.spec.sampling import sample_at, warp
 from outrider.testing.checks import CHECKS, Subject
 from outrider.testing.report import run_check, run_contract
 

@@ -18,8 +18,9 @@ import torch
 from outrider.io.gguf import GGUFFile
 from outrider.models.static_step import STATIC_ARCHITECTURES
 from outrider.spec.drafter import Draft, DrafterBase, Target
+from outrider.spec.random_streams import PositionRandom
 from outrider.spec.runner import Runner
-from outrider.spec.sampling import PositionRandom, SamplingParams, warp
+from outrider.spec.sampling import SamplingParams, warp
 from outrider.testing.argmax_stable import assert_argmax_stable, greedy_with_gaps, near_tie_rate, verify_drift
 from outrider.testing.contracts import BackendContract
 from outrider.testing.stats import chi2_test

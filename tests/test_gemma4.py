@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracles.gemma4_fixtures import VARIANTS, cached_fixture
+from oracles.llama_cpp import ReferenceUnavailable
 
 from outrider.errors import ModelFileError
 from outrider.io.chat import apply_chat_template
 from outrider.io.gguf import GGUFFile
 from outrider.io.tokenizer import Tokenizer
 from outrider.models import load_model
-
-from oracles.gemma4_fixtures import VARIANTS, cached_fixture
-from oracles.llama_cpp import ReferenceUnavailable
 
 transformers = pytest.importorskip("transformers")
 

@@ -17,6 +17,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from oracles.gemma4_assistant import TransformersAssistant, cached_assistant, load_transformers_assistant  # noqa: E402
+from oracles.llama_cpp import ReferenceUnavailable  # noqa: E402
+
 from outrider.errors import ConfigError  # noqa: E402
 from outrider.io.gguf import GGUFFile  # noqa: E402
 from outrider.io.tokenizer import Tokenizer  # noqa: E402
@@ -28,8 +31,6 @@ from outrider.spec.drafter import DraftControls, Target  # noqa: E402
 from outrider.spec.runner import Runner  # noqa: E402
 from outrider.spec.sampling import SamplingParams, warp  # noqa: E402
 from outrider.testing.fixtures import plain_greedy  # noqa: E402
-from oracles.gemma4_assistant import TransformersAssistant, cached_assistant, load_transformers_assistant  # noqa: E402
-from oracles.llama_cpp import ReferenceUnavailable  # noqa: E402
 from outrider.testing.stats import chi2_test  # noqa: E402
 
 gemma4_fixtures = pytest.importorskip("oracles.gemma4_fixtures")

@@ -328,9 +328,8 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
     third case has 7 layers listed local-local-local-global-..., so the head's block 7 is global by the
     file's period (not by a period of 6), and a final logit softcap both must apply."""
     from outrider.plugins.drafters.mtp.distill import shifted
-    from outrider.plugins.drafters.mtp.head import TrainableHead
     from outrider.plugins.drafters.mtp.distill import write_sidecar as write_trained
-    from outrider.plugins.drafters.mtp.head import MTPHead
+    from outrider.plugins.drafters.mtp.head import MTPHead, TrainableHead
     from outrider.testing.fixtures import cpu_target
     from outrider.testing.tiny_models import write_tiny_gemma3
 

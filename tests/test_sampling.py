@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from outrider.errors import ConfigError
-from outrider.spec.sampling import PositionRandom, SamplingParams, argmax, argmax_token, sample_at, sample_rows, warp
+from outrider.spec.random_streams import PositionRandom
+from outrider.spec.sampling import SamplingParams, argmax, argmax_token, sample_at, sample_rows, warp
 
 
 def _close(got: torch.Tensor, want: list[float], tol: float = 1e-6) -> None:

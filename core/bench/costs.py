@@ -9,6 +9,7 @@ from typing import Any, Iterable
 
 import torch
 
+
 def read_bandwidth_gbs(size_mb: int = 1024, runs: int = 5) -> float:
     """Sustained read bandwidth: a reduction over a buffer far larger than the cache."""
     buffer = torch.ones(size_mb * (1 << 20) // 4)

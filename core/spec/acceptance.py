@@ -24,7 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from outrider.errors import ConfigError
-from outrider.spec.sampling import PositionRandom, SamplingParams, argmax_token, sample_at, warp
+from outrider.spec.random_streams import PositionRandom
+from outrider.spec.sampling import SamplingParams, argmax_token, sample_at, warp
 
 __all__ = ["VerifyRound", "AcceptResult", "Acceptor", "greedy_round", "sampled_round", "as_acceptor"]
 

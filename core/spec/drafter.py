@@ -23,7 +23,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from outrider.spec.sampling import PositionRandom, SamplingParams, sample_at, warp
+from outrider.spec.random_streams import PositionRandom
+from outrider.spec.sampling import SamplingParams, sample_at, warp
 
 # What a drafter may need from the target, declared in its `needs` capability.
 NEEDS_DRAFT_MODEL = "draft_model"

@@ -19,7 +19,8 @@ from outrider.errors import OutriderError
 from outrider.spec.acceptance import VerifyRound, as_acceptor
 from outrider.spec.drafter import DEFAULT_KIND, Draft, DraftControls, Target, may_give_draft_probs, reads_the_target
 from outrider.spec.length_policy import AdaptiveDraftLength, FixedDraftLength
-from outrider.spec.sampling import PositionRandom, SamplingParams
+from outrider.spec.random_streams import PositionRandom
+from outrider.spec.sampling import SamplingParams
 
 
 @dataclass

@@ -1,12 +1,12 @@
-"""Sampling: warpers, position-coupled randomness and inverse-CDF sampling.
+"""Sampling: warpers and inverse-CDF sampling (the draws come from `outrider.spec.random_streams`).
 
 The rules are docs/acceptance.md's; what they fix for this module:
 
 * :func:`warp` turns raw logits into the distribution that is actually sampled from (temperature, then
   top-k, then top-p). The same function is applied to the target (p) and to the drafter (q).
-* :class:`PositionRandom` gives one uniform draw per absolute sequence position, so that plain decoding
-  (``sample_at(warp(logits_n), rng.uniform(n))``) and speculative decoding with a deterministic drafter
-  produce the same tokens for the same seed.
+* :class:`~outrider.spec.random_streams.PositionRandom` gives one uniform draw per absolute sequence
+  position, so that plain decoding (``sample_at(warp(logits_n), rng.uniform(n))``) and speculative decoding
+  with a deterministic drafter produce the same tokens for the same seed.
 * :func:`sample_at` picks token i iff cum[i-1] <= u * total < cum[i] over the row in vocabulary order,
   so the same draw gives the same token wherever it is made.
 
@@ -16,7 +16,6 @@ The acceptor protocol (one verify round, the result) is in :mod:`outrider.spec.a
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,7 +27,6 @@ from outrider.errors import ConfigError
 __all__ = [
     "SamplingParams",
     "warp",
-    "PositionRandom",
     "sample_at",
     "sample_rows",
     "argmax",
@@ -170,71 +168,6 @@ def argmax_token(row: torch.Tensor) -> int:
 
 def _numpy_can_read(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64, torch.float16) and x.dim() > 0
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Position-coupled randomness
-# ----------------------------------------------------------------------------------------------------------
-
-
-class _Stream:
-    """U[0,1) draws from one numpy Generator, indexed by position, generated lazily in chunks."""
-
-    __slots__ = ("_rng", "_chunks", "_chunk")
-
-    def __init__(self, seed_material, chunk: int) -> None:
-        self._rng = np.random.default_rng(seed_material)
-        self._chunks: list[np.ndarray] = []
-        self._chunk = chunk
-
-    def __call__(self, pos: int) -> float:
-        if pos < 0:
-            raise ValueError(f"position must be >= 0, got {pos}")
-        c, off = divmod(pos, self._chunk)
-        while len(self._chunks) <= c:
-            self._chunks.append(self._rng.random(self._chunk))
-        return float(self._chunks[c][off])
-
-
-class PositionRandom:
-    """Deterministic U[0,1) draws, one per absolute sequence position, from a single seed.
-
-    ``uniform(pos)`` is draw number ``pos`` of ``numpy.random.default_rng(seed).random(...)``; it is what
-    plain decoding and the emitted/recovered/bonus tokens of the acceptors use. ``uniform_aux(pos)`` is an
-    independent stream (``default_rng([seed, 1])``) for the Leviathan acceptance test. ``uniform_draft(pos)``
-    is a third independent stream (``default_rng([seed, 2])``) for drafters that sample (the built-in ones draw
-    through ``outrider.spec.drafter.draft_loop``): a drafter must NOT sample its proposals with
-    ``uniform``/``uniform_aux``, or the guarantee of the acceptance rule is lost.
-    Draws do not depend on the order in which positions are asked for.
-    """
-
-    CHUNK = 1024
-
-    def __init__(self, seed: int | None = None) -> None:
-        if seed is None:
-            seed = secrets.randbits(32)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
-        self.seed = int(seed)
-        self._main = _Stream(self.seed, self.CHUNK)
-        self._aux: _Stream | None = None
-        self._draft: _Stream | None = None
-
-    def uniform(self, pos: int) -> float:
-        return self._main(pos)
-
-    def uniform_aux(self, pos: int) -> float:
-        if self._aux is None:
-            self._aux = _Stream([self.seed, 1], self.CHUNK)
-        return self._aux(pos)
-
-    def uniform_draft(self, pos: int) -> float:
-        if self._draft is None:
-            self._draft = _Stream([self.seed, 2], self.CHUNK)
-        return self._draft(pos)
-
-    def __repr__(self) -> str:
-        return f"PositionRandom(seed={self.seed})"
 
 
 # ----------------------------------------------------------------------------------------------------------

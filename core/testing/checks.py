@@ -23,8 +23,9 @@ from outrider.io.gguf import GGUFFile
 from outrider.models.layers import PREFILL_CHUNK
 from outrider.spec.acceptance import AcceptResult, VerifyRound, as_acceptor
 from outrider.spec.drafter import NEEDS_DRAFT_MODEL, Draft, DraftControls, reads_the_target
+from outrider.spec.random_streams import PositionRandom
 from outrider.spec.runner import Runner
-from outrider.spec.sampling import PositionRandom, SamplingParams, warp
+from outrider.spec.sampling import SamplingParams, warp
 from outrider.testing.fixtures import ARCHITECTURES, CheckSkipped, ContractFixtures, builtin_plugin
 from outrider.testing.stats import chi2_test, tv_distance
 from outrider.testing.toy import CopyingToyModel, ToyModel, exact_law, model_next_logits

@@ -12,7 +12,8 @@ import torch
 from outrider.io.gguf import GGUFFile
 from outrider.io.tokenizer import Tokenizer
 from outrider.spec.drafter import Target
-from outrider.spec.sampling import PositionRandom, SamplingParams, sample_at, warp
+from outrider.spec.random_streams import PositionRandom
+from outrider.spec.sampling import SamplingParams, sample_at, warp
 from outrider.testing.tiny_models import (
     write_tiny_gemma3,
     write_tiny_gemma4,

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from outrider.spec.acceptance import VerifyRound, as_acceptor
-from outrider.spec.sampling import PositionRandom, SamplingParams, warp
+from outrider.spec.random_streams import PositionRandom
+from outrider.spec.sampling import SamplingParams, warp
 
 V = 6  # toy vocabulary
 K = 2  # drafted tokens per round

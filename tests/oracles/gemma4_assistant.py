@@ -211,9 +211,9 @@ def cached_assistant(target_gguf: str | os.PathLike | None, head: str = "dense",
 
     import transformers
 
-    from outrider.paths import outrider_home
     from oracles.gemma4_fixtures import build_once
     from oracles.llama_cpp import LLAMA_CPP_PYTHON
+    from outrider.paths import outrider_home
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
     if target_gguf is not None:

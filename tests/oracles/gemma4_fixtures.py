@@ -102,8 +102,8 @@ def cached_fixture(variant: str, outtype: str = "f32") -> tuple[Path, Path]:
     import torch
     import transformers
 
-    from outrider.paths import outrider_home
     from oracles.llama_cpp import LLAMA_CPP_PYTHON
+    from outrider.paths import outrider_home
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
     digest.update(Path(gemma4_vocabulary.__file__).read_bytes())
