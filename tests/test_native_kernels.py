@@ -672,13 +672,56 @@ def test_attention_with_three_heads_per_kv_group_matches_float64_and_single_quer
 # ------------------------------------------------------------------------------------ other CPU levels
 
 
+def _cpu_has(flag: str) -> bool:
+    try:
+        return any(line.startswith("flags") and flag in line.split() for line in open("/proc/cpuinfo"))
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 CPU levels")
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64", pytest.param(
+    "x86-64-v3 -mavxvnni", marks=pytest.mark.skipif(not _cpu_has("avx_vnni"), reason="the CPU has no AVX-VNNI"))])
 def test_kernels_built_for_other_cpu_levels_pass_the_fast_tests(march):
-    """The AVX2 build (CPUs without AVX-512, like some of our machines) and the portable build (no x86
-    intrinsics, no F16C) take code paths that -march=native skips here: run this file's fast tests on them."""
+    """The AVX2 build (CPUs without AVX-512, like some of our machines), the AVX2 build with AVX-VNNI's
+    256-bit dpbusd (Intel since Alder Lake) and the portable build (no x86 intrinsics, no F16C) take code
+    paths that -march=native skips here: run this file's fast tests on them."""
     env = dict(os.environ, OUTRIDER_NATIVE_MARCH=march)
     done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-m", "not slow", "-p", "no:cacheprovider"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+LOGITS_OF_A_BUILD = """
+import sys, torch
+from outrider.io.gguf import GGUFFile
+from outrider.plugins.backends.cpu import CPUBackend
+from outrider import native
+torch.set_num_threads(1)
+model = CPUBackend().load_model(GGUFFile(sys.argv[1]))
+cache = model.new_cache(64)
+tokens = torch.arange(3, 3 + 24) * 7 % 1000
+with native.activations("int8"):
+    model.forward(tokens[:16], 0, cache)
+    torch.save(model.forward(tokens[16:], 16, cache), sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _cpu_has("avx_vnni"), reason="the CPU has no AVX-VNNI")
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_avx_vnni_gives_the_avx2_builds_bits(which, smollm2_path, gemma3_path, tmp_path):
+    """AVX-VNNI's dpbusd replaces maddubs + madd in the AVX2 int8 tiles: the integer sums are the same, so an
+    8-row verify pass over a real model (Q4_1 and Q8_0; Q4_K, Q5_K and Q6_K) gives the same bits in both builds."""
+    path = {"smollm2": smollm2_path, "gemma3": gemma3_path}[which]
+    out = {}
+    for march in ("x86-64-v3", "x86-64-v3 -mavxvnni"):
+        out[march] = tmp_path / f"{march.replace(' ', '_')}.pt"
+        done = subprocess.run([sys.executable, "-c", LOGITS_OF_A_BUILD, str(path), str(out[march])],
+                              env=dict(os.environ, OUTRIDER_NATIVE_MARCH=march), capture_output=True, text=True,
+                              timeout=900)
+        assert done.returncode == 0, done.stderr[-2000:]
+    plain, vnni = (torch.load(p) for p in out.values())
+    assert plain.shape == (8, plain.shape[1]) and torch.isfinite(plain).all()
+    assert torch.equal(plain, vnni)

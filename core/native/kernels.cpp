@@ -645,12 +645,29 @@ constexpr int64_t INT8_PREFETCH_ROWS = 4;
 #define INT8_VNNI512 1  // the int8 tiles below take the AVX512-VNNI form
 #endif
 
+// acc + the sums of four adjacent products of unsigned u and signed v bytes, per int32 lane: one AVX-VNNI
+// `dpbusd` where the CPU has it (Intel since Alder Lake, AMD since Zen 4), else maddubs + madd. The
+// integer sums are the same either way (maddubs cannot saturate here: at most 2 * 128 * 127 < 32767).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define INT8_DPBUSD256(acc, u, v) _mm256_dpbusd_epi32(acc, u, v)
+#elif defined(__AVXVNNI__)
+#define INT8_DPBUSD256(acc, u, v) _mm256_dpbusd_avx_epi32(acc, u, v)
+#endif
+
+static inline __m256i dot4_add(__m256i acc, __m256i u, __m256i v) {
+#if defined(INT8_DPBUSD256)
+  return INT8_DPBUSD256(acc, u, v);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1)));
+#endif
+}
+
 // A group's codes wc (wu: as maddubs takes them) against 32 codes of x: 8 int32 sums of 4 products, as float
 template <bool SIGNED>
 static inline __m256 group_dot(__m256i wc, __m256i wu, const int8_t* x) {
   __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   if (SIGNED) qx = _mm256_sign_epi8(qx, wc);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(wu, qx), _mm256_set1_epi16(1)));
+  return _mm256_cvtepi32_ps(dot4_add(_mm256_setzero_si256(), wu, qx));
 }
 
 // Weight rows stream from memory once per token: ask for the one INT8_PREFETCH_ROWS ahead of row n.
@@ -778,7 +795,7 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
   const float* sum_lanes = xq.sum_lanes.data() + r0 * groups * 8;
   const int64_t quad_end = groups / 4 * 4;
   const bool lane_zeros = zeros && S == 1;
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   // the scale of lane pair c: group g + c (signed codes) or g, g + 2, g + 1, g + 3 (nibble codes)
   const __m256i chunk_scale = W::SIGNED ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3) : _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
   for (int64_t n = n0; n < n1; ++n) {
@@ -799,12 +816,19 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
         const __m256 ws = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s + g)), chunk_scale);
         for (int r = 0; r < R; ++r) {
           const uint8_t* x = xs + r * k + g * 32;
-          auto part = [&](int j) __attribute__((always_inline)) {
-            return _mm256_maddubs_epi16(q.c[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * j)));
+          auto xv = [&](int j) __attribute__((always_inline)) {
+            return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * j));
           };
+#if defined(INT8_DPBUSD256)
+          __m256i sums = _mm256_setzero_si256();
+          for (int j = 0; j < 4; ++j) sums = dot4_add(sums, q.c[j], xv(j));
+#else  // int16 sums of the four registers add without overflow (see above), then one madd
+          auto part = [&](int j) __attribute__((always_inline)) { return _mm256_maddubs_epi16(q.c[j], xv(j)); };
           const __m256i pairs = _mm256_add_epi16(_mm256_add_epi16(part(0), part(1)), _mm256_add_epi16(part(2), part(3)));
+          const __m256i sums = _mm256_madd_epi16(pairs, ones);
+#endif
           const __m256 product = _mm256_mul_ps(ws, _mm256_loadu_ps(d_lanes + r * groups * 8 + g * 2));
-          chain[r] = _mm256_fmadd_ps(product, _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), chain[r]);
+          chain[r] = _mm256_fmadd_ps(product, _mm256_cvtepi32_ps(sums), chain[r]);
         }
       } else {
         __m256i magnitude[4];
@@ -814,17 +838,18 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
         const __m256 ws_hi = S == 1 ? ws_lo : _mm256_permutevar8x32_ps(own, _mm256_add_epi32(_mm256_add_epi32(chunk_scale, chunk_scale), _mm256_set1_epi32(1)));
         for (int r = 0; r < R; ++r) {
           const uint8_t* x = xs + r * k + g * 32;
-          auto part = [&](int j) __attribute__((always_inline)) {
+          auto part = [&](__m256i acc, int j) __attribute__((always_inline)) {
             const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * j));
-            return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[j], _mm256_sign_epi8(xv, q.c[j])), ones);
+            return dot4_add(acc, magnitude[j], _mm256_sign_epi8(xv, q.c[j]));
           };
+          const __m256i zero = _mm256_setzero_si256();
           const __m256 d = _mm256_loadu_ps(d_lanes + r * groups * 8 + g * 2);
           if (S == 1) {
-            const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(part(0), part(1)), _mm256_add_epi32(part(2), part(3)));
+            const __m256i sums = part(part(part(part(zero, 0), 1), 2), 3);
             chain[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_lo, d), _mm256_cvtepi32_ps(sums), chain[r]);
           } else {  // codes 0-15 (registers 0 and 2) and 16-31 (1 and 3) have their own scales
-            chain[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_lo, d), _mm256_cvtepi32_ps(_mm256_add_epi32(part(0), part(2))), chain[r]);
-            chain[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_hi, d), _mm256_cvtepi32_ps(_mm256_add_epi32(part(1), part(3))), chain[r]);
+            chain[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_lo, d), _mm256_cvtepi32_ps(part(part(zero, 0), 2)), chain[r]);
+            chain[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_hi, d), _mm256_cvtepi32_ps(part(part(zero, 1), 3)), chain[r]);
           }
         }
       }
