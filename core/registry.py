@@ -112,8 +112,9 @@ def signature_default(factory: Callable[..., Any], name: str) -> Any:
 
 def _as_option(name: str, value: Any, factory: Callable[..., Any]) -> Option:
     """An option is declared `(type, help)`; its default is the factory's own (declared once, in the
-    signature, so a direct call and the registry agree). `(type, default, help)` and an `Option` still work in
-    this release, with a DeprecationWarning, and must agree with the signature where it has a default."""
+    signature, so a direct call and the registry agree). 0.1's other shapes, `(type, default, help)`,
+    `(type, default)` and an `Option`, still work in this release, with a DeprecationWarning, and must agree
+    with the signature where it has a default."""
     own = signature_default(factory, name)
     label = getattr(factory, "__qualname__", repr(factory))
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str):
@@ -121,7 +122,7 @@ def _as_option(name: str, value: Any, factory: Callable[..., Any]) -> Option:
             raise TypeError(f"option {name!r}: {label} takes no keyword {name!r} with a default; give the parameter "
                             "a default in the signature (options take their default from there)")
         return Option(name, value[0], own, value[1])
-    if isinstance(value, Option) or (isinstance(value, tuple) and len(value) == 3):
+    if isinstance(value, Option) or (isinstance(value, tuple) and len(value) in (2, 3)):  # 0.1's shapes
         warnings.warn(f"option {name!r} of {label}: declare options as (type, help), the default coming from the "
                       "signature; (type, default, help) and Option go in the next release",
                       DeprecationWarning, stacklevel=4)
@@ -172,9 +173,10 @@ class Registry:
                   capabilities: dict[str, Any] | None = None) -> None:
         caps = {key: getattr(factory, key, default) for key, default in CAPABILITY_DEFAULTS[kind].items()}
         caps.update(capabilities or {})
-        spec = PluginSpec(kind, name, factory, tuple(aliases),
-                          {key: _as_option(key, value, factory) for key, value in (options or {}).items()}, caps,
-                          package)
+        declared = {}
+        for key, value in (options or {}).items():  # a loop, not a comprehension: the warnings' stacklevel
+            declared[key] = _as_option(key, value, factory)
+        spec = PluginSpec(kind, name, factory, tuple(aliases), declared, caps, package)
         for claimed in (name, *spec.aliases):
             owner = self._owner(kind, claimed)
             if owner is not None:

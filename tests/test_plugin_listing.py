@@ -81,6 +81,9 @@ def test_the_old_option_shapes_still_work_with_a_warning():
     with pytest.warns(DeprecationWarning, match="go in the next release"):
         spec = _register({"depth": (int, 4, "how deep"), "strict": Option("strict", bool, False, "be strict")})
     assert (spec.options["depth"].default, spec.options["strict"].default) == (4, False)
+    with pytest.warns(DeprecationWarning, match="go in the next release"):
+        spec = _register({"depth": (int, 4)})
+    assert spec.options["depth"].default == 4
 
 
 def test_an_option_without_a_default_in_the_signature_is_refused():

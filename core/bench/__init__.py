@@ -36,13 +36,13 @@ median over rounds of the ratio within a round (`paired_ratio`).
 
 from outrider.bench.costs import forward_cost_curve, read_bandwidth_gbs, stored_weight_bytes, tensor_bytes
 from outrider.bench.engines import (
-           DRAFTERS,
-           ENGINES,
-           Engine,
-           LlamaCppEngine,
-           OutriderEngine,
-           TransformersEngine,
-           make_engines,
+                                    DRAFTERS,
+                                    ENGINES,
+                                    Engine,
+                                    LlamaCppEngine,
+                                    OutriderEngine,
+                                    TransformersEngine,
+                                    make_engines,
 )
 from outrider.bench.prompts import PROMPTS, prompt_ids
 from outrider.bench.report import draw_chart, markdown, write_json

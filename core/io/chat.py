@@ -82,8 +82,8 @@ def apply_chat_template(gguf_file_or_metadata: GGUFFile | dict[str, Any], tokeni
         raise OutriderError(f"the chat template rejected the conversation: {error}") from None
 
 
-def prompt_ids(gguf_file_or_metadata: GGUFFile | dict[str, Any], tokenizer: Tokenizer, prompt: str | list[dict],
-               chat: bool = True) -> list[int]:
+def prompt_ids(gguf_file_or_metadata: GGUFFile | dict[str, Any] | None, tokenizer: Tokenizer,
+               prompt: str | list[dict], chat: bool = True) -> list[int]:
     """The token ids the model reads for `prompt`: with `chat`, the messages (a string is one user message)
     rendered by the chat template, then encoded as they are (the template writes any BOS itself); without,
     the text encoded with the tokenizer's own BOS. The one place the CLI, the server, bench and distill

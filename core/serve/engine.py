@@ -3,7 +3,7 @@
 Requests come from the event loop as `Job`s; the worker runs them in arrival order and sends each one's
 text back, one event per verify round (the tokens a round emits become certain together), then a `done`
 event with the stats. A job whose client has gone is skipped if it is still waiting, and stopped after
-the round in progress if it is running. Per-request sampling settings go straight to `Runner.generate`;
+the round in progress if it is running. Per-request sampling settings go straight to `Runner.rounds`;
 with `--acceptor auto` the acceptor (greedy at temperature 0, sampled above) is chosen per request from
 two built at start-up, so nothing is re-assembled.
 """

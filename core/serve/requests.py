@@ -3,7 +3,7 @@
 Settings a request leaves out take the server's (`outrider serve -t 0.7 ...`); fields OpenAI defines but
 Outrider does not implement (n > 1, logprobs, logit_bias, penalties, tools) are refused rather than ignored,
 and so is a field neither OpenAI nor llama-server defines, so a client never gets something other than
-what it asked for without knowing. A temperature below `sampling.GREEDY_BELOW` is greedy (SamplingParams).
+what it asked for without knowing. A temperature below `outrider.spec.sampling.GREEDY_BELOW` is greedy (SamplingParams).
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def completion_request(body: Any, defaults: ServerDefaults, tokenizer) -> Genera
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        prompt_ids = tokenizer.encode(prompt)
+        prompt_ids = chat_prompt_ids(None, tokenizer, prompt, chat=False)
     elif (isinstance(prompt, list) and prompt
           and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tokenizer.vocab_size for t in prompt)):
         prompt_ids = list(prompt)

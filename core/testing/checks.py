@@ -168,7 +168,7 @@ def _session(subject: Subject, params: SamplingParams = GREEDY, ask_kind: bool =
         kind = drafter.draft_kind(list(tokens)) if ask_kind else None
         draft = drafter.propose(list(tokens), k)
         if not isinstance(draft, Draft):
-            raise AssertionError(f"propose must return an outrider.spec.drafter.Draft, got {type(draft).__name__}")
+            raise AssertionError(f"propose must return an outrider.api.Draft, got {type(draft).__name__}")
         rounds.append(Round(list(tokens), k, draft, kind))
         accepted = _valid_ids(draft, vocab)[: min(k, i % 3)]  # accept 0, 1 or 2 of the drafts
         drafter.rollback(len(tokens) + len(accepted))
@@ -326,7 +326,7 @@ def draft_kind_none_means_an_empty_draft(subject: Subject) -> None:
         for plain, asked in zip(_session(subject, params), _session(subject, params, ask_kind=True)):
             kind, where = asked.kind, f"draft_kind(tokens of length {len(asked.tokens)} ending {asked.tokens[-3:]})"
             assert kind is None or (isinstance(kind, DraftKind) and 0.0 <= kind.prior <= 1.0), \
-                f"{where} must return None or an outrider.spec.drafter.DraftKind with a prior in [0, 1], got {kind!r}"
+                f"{where} must return None or an outrider.api.DraftKind with a prior in [0, 1], got {kind!r}"
             assert list(asked.draft.tokens) == list(plain.draft.tokens), \
                 f"asking {where} first changed {plain.where()}: {list(asked.draft.tokens)}, " \
                 f"not {list(plain.draft.tokens)}"
@@ -473,7 +473,7 @@ def _q_law(subject: Subject, controls: DraftControls, generations: int) -> None:
                   f"{rate}. A drafter that gives q must draw each draft x from the q row it returns (x ~ q, q warped "
                   "with the run's params); a q for tokens picked another way (argmax, lookup) breaks losslessness: "
                   "give probs=None for those. Whether a position is drafted may depend on its q row, never on the "
-                  "token drawn from it (outrider.spec.drafter.draft_loop)")
+                  "token drawn from it (outrider.api.draft_loop)")
         assert forbidden == 0, f"{detail}; {forbidden} outputs the target cannot produce were emitted"
         assert pval > P_THRESHOLD, detail
 

@@ -51,10 +51,16 @@ class CheckSkipped(Exception):
 
 
 def builtin_plugin(kind: str, name: str):
-    """A built-in plugin's class, found through the registry (the core imports no plugin module)."""
-    from outrider.registry import default_registry
+    """A built-in plugin's class, found through the registry (the core imports no plugin module); the
+    built-ins only, so no third-party package is loaded or can shadow one."""
+    return _builtin_registry().get(kind, name).factory
 
-    return default_registry().get(kind, name).factory
+
+@functools.lru_cache(maxsize=1)
+def _builtin_registry():
+    from outrider.registry import build_registry
+
+    return build_registry(third_party=False)
 
 
 def cpu_target(path: str | Path) -> Target:

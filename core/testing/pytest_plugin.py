@@ -65,7 +65,7 @@ def tiny_gemma3_path(outrider_contract_fixtures):
 
 @pytest.fixture(scope="session")
 def tiny_target(outrider_contract_fixtures):
-    """An `outrider.spec.drafter.Target` for the tiny llama on the CPU backend: what `Drafter.setup` receives."""
+    """An `outrider.api.Target` for the tiny llama on the CPU backend: what `Drafter.setup` receives."""
     return outrider_contract_fixtures.target("llama")
 
 
