@@ -24,7 +24,7 @@ from outrider.spec.drafter import (
     reads_the_target,
 )
 from outrider.spec.runner import Runner
-from outrider.spec.sampling import GREEDY_BELOW, SamplingParams
+from outrider.spec.sampling import SamplingParams
 
 SUPPORTED_NEEDS = {NEEDS_DRAFT_MODEL, NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, NEEDS_MTP_HEAD}
 
@@ -40,9 +40,9 @@ class Assembly:
     warnings: list[str] = field(default_factory=list)
 
 
-def choose_acceptor(name: str, temperature: float) -> str:
+def choose_acceptor(name: str, params: SamplingParams) -> str:
     if name == "auto":
-        return "greedy" if temperature < GREEDY_BELOW else "sampled"
+        return "greedy" if params.greedy else "sampled"
     return name
 
 
@@ -103,7 +103,7 @@ def assemble(config: Config, registry: Registry | None = None) -> Assembly:
     registry = registry or default_registry()
     params = sampling_params(config)
     names = {"backend": config["backend"], "drafter": config["drafter"],
-             "acceptor": choose_acceptor(config["acceptor"], params.temperature)}
+             "acceptor": choose_acceptor(config["acceptor"], params)}
     specs = {kind: registry.get(kind, name) for kind, name in names.items() if kind != "drafter"}
     specs["drafter"] = drafter_spec(registry, names["drafter"])
     options = _plugin_options(config, specs)

@@ -36,25 +36,35 @@ DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its cli
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest ~10 deep (a tool's JSON schema); deeper is a mistake or an attack
 
 
+def _top_field(where: str) -> str | None:
+    """The request field a path such as `messages[2].content` is under."""
+    return where.split(".")[0].split("[")[0] or None
+
+
 def checked_body(value: Any, where: str = "", depth: int = 0) -> None:
     """Raise a 400 naming the field for what JSON allows but a request cannot carry: nesting deeper than
-    MAX_JSON_DEPTH, and strings that are not Unicode (a lone UTF-16 surrogate such as "\\ud800")."""
+    MAX_JSON_DEPTH, and strings that are not Unicode (a lone UTF-16 surrogate such as "\\ud800"). Numbers,
+    booleans and nulls cannot be wrong at a depth that is allowed, so a prompt of token ids costs no path."""
     if depth > MAX_JSON_DEPTH:
-        field = where.split(".")[0].split("[")[0] or None
+        field = _top_field(where)
         raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels (in '{field}')", param=field)
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
             raise APIError(400, f"'{where or 'body'}' holds a string that is not valid Unicode (a lone surrogate "
-                                "such as \\ud800); send UTF-8 text", param=where.split(".")[0].split("[")[0] or None) from None
-    elif isinstance(value, dict):
+                                "such as \\ud800); send UTF-8 text", param=_top_field(where)) from None
+        return
+    checked = lambda item: isinstance(item, (str, dict, list)) or depth + 1 > MAX_JSON_DEPTH
+    if isinstance(value, dict):
         for key, item in value.items():
             checked_body(key, where or "body", depth + 1)
-            checked_body(item, f"{where}.{key}" if where else str(key), depth + 1)
+            if checked(item):
+                checked_body(item, f"{where}.{key}" if where else str(key), depth + 1)
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            checked_body(item, f"{where}[{i}]", depth + 1)
+            if checked(item):
+                checked_body(item, f"{where}[{i}]", depth + 1)
 
 
 def llama_timings(stats: GenerationStats) -> dict[str, Any]:
@@ -173,20 +183,22 @@ def default_stall_timeout(context: int) -> float:
 
 @dataclass
 class ServerState:
-    """What every handler reads, kept on `app.state.server`: the assembled runner's engine and its
-    defaults, the metrics, and the key check."""
+    """What every handler reads, kept on `app.state.server`: the assembled runner's engine (with its
+    metrics and queue), the request defaults, and the key check."""
 
     assembly: Assembly
     engine: GenerationEngine
-    metrics: ServerMetrics
     defaults: ServerDefaults
     authorized: Callable[[Request], None]
-    queue_size: int
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def model_id(self) -> str:
         return self.defaults.model_id
+
+    @property
+    def metrics(self) -> ServerMetrics:
+        return self.engine.metrics
 
 
 def _server(request: Request) -> ServerState:
@@ -215,7 +227,7 @@ def enqueue(server: ServerState, generation) -> Job:
     except QueueFull:
         wait = server.engine.retry_after_s()
         raise APIError(503, f"the server is busy ({server.engine.waiting} requests waiting, the queue holds "
-                            f"{server.queue_size}); retry in {wait} s", type="server_error", code="queue_full",
+                            f"{server.engine.queue_size}); retry in {wait} s", type="server_error", code="queue_full",
                        headers={"Retry-After": str(wait)}) from None
     return job
 
@@ -380,7 +392,7 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
     engine = GenerationEngine(assembly, acceptors_by_greediness(assembly, config["acceptor"]), metrics, queue_size,
                               stall_timeout=stall_timeout or None, request_timeout=request_timeout or None)
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
-    app.state.server = ServerState(assembly, engine, metrics, defaults, key_check(api_keys), queue_size)
+    app.state.server = ServerState(assembly, engine, defaults, key_check(api_keys))
     return app
 
 

@@ -47,17 +47,14 @@ def holder(thread_id: int | None) -> str:
     """What the worker thread is in: the function the runner called last (a plugin's `propose`, `accept`,
     the backend's `forward`), as module:qualname, or the innermost frame when the runner is not on the stack."""
     frame = sys._current_frames().get(thread_id) if thread_id is not None else None
-    stack = []
-    while frame is not None:
-        stack.append(frame)
-        frame = frame.f_back
-    stack.reverse()  # outermost first
-    runner_at = max((i for i, f in enumerate(stack) if f.f_globals.get("__name__") == "outrider.spec.runner"), default=None)
-    if runner_at is not None and runner_at + 1 < len(stack):
-        callee = stack[runner_at + 1]
-    elif stack:
-        callee = stack[-1]
-    else:
+    runner_module, innermost, inner, callee = GenerationStats.__module__, frame, None, None
+    while frame is not None:  # innermost out: the first runner frame is the one that made the call
+        if frame.f_globals.get("__name__") == runner_module:
+            callee = inner or frame
+            break
+        inner, frame = frame, frame.f_back
+    callee = callee or innermost
+    if callee is None:
         return "unknown"
     return f"{callee.f_globals.get('__name__', '?')}:{getattr(callee.f_code, 'co_qualname', callee.f_code.co_name)}"
 
@@ -229,9 +226,7 @@ class GenerationEngine:
                 self._progress_at = now = time.monotonic()
                 if round_.index == 0:
                     metrics.ttft.labels(labels).observe(time.perf_counter() - job.arrival)
-                for token in round_.tokens:
-                    if token not in eog:
-                        text.feed(decoder.push(token))
+                text.feed("".join(decoder.push(token) for token in round_.tokens if token not in eog))
                 piece = text.take()  # a round at a time: its tokens became certain together
                 if piece:
                     job.send("text", piece)

@@ -42,6 +42,7 @@ class DrafterChain:
         self.gives_draft_probs = all(getattr(d, "gives_draft_probs", False) for d in drafters)
         self.may_give_draft_probs = any(may_give_draft_probs(d) for d in drafters)
         self._kinds: dict[tuple[int, DraftKind], DraftKind] = {}
+        self._member_kinds = [getattr(d, "draft_kind", None) or (lambda tokens: DEFAULT_KIND) for d in drafters]
         if reads_the_target(self):
             self.observe = self._observe
 
@@ -62,13 +63,9 @@ class DrafterChain:
             if reads_the_target(d):
                 d.observe(hidden, start, cache)
 
-    def _member_kind(self, i: int, tokens: list[int]) -> DraftKind | None:
-        ask = getattr(self.drafters[i], "draft_kind", None)
-        return ask(tokens) if ask is not None else DEFAULT_KIND
-
     def draft_kind(self, tokens: list[int]) -> DraftKind | None:
-        for i in range(len(self.drafters)):
-            kind = self._member_kind(i, tokens)
+        for i, ask in enumerate(self._member_kinds):
+            kind = ask(tokens)
             if kind is not None:
                 key = (i, kind)
                 if key not in self._kinds:
@@ -78,10 +75,10 @@ class DrafterChain:
 
     def propose(self, tokens: list[int], k: int) -> Draft:
         upkeep = 0.0  # what the members asked spent keeping up with the target (not drafting)
-        for i, d in enumerate(self.drafters):
-            if self._member_kind(i, tokens) is not None:
+        for d, ask in zip(self.drafters, self._member_kinds):
+            if ask(tokens) is not None:
                 draft = d.propose(tokens, k)
-                upkeep += getattr(draft, "upkeep_s", 0.0)
+                upkeep += draft.upkeep_s
                 if draft.tokens:
                     draft.upkeep_s = upkeep
                     return draft

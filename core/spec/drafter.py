@@ -24,7 +24,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from outrider.spec.random_streams import PositionRandom
-from outrider.spec.sampling import SamplingParams, sample_at, warp
+from outrider.spec.sampling import SamplingParams, argmax_token, sample_at, warp
 
 # What a drafter may need from the target, declared in its `needs` capability.
 NEEDS_DRAFT_MODEL = "draft_model"
@@ -91,6 +91,7 @@ class DrafterBase:
 
     gives_draft_probs = False
     needs: frozenset[str] = frozenset()
+
     def setup(self, target: Target) -> None:
         self.target = target
 
@@ -105,6 +106,12 @@ class DrafterBase:
 
     def draft_kind(self, tokens: list[int]) -> DraftKind | None:
         return DEFAULT_KIND
+
+    def draft_from_logits(self, k: int, next_logits: Callable[[list[int]], torch.Tensor], tokens: list[int],
+                          sample: bool) -> Draft:
+        """`draft_loop` with what `begin` gave: this generation's sampling settings, controls and draft
+        stream, the first draft standing after `tokens`."""
+        return draft_loop(k, next_logits, self.params, self.controls, sample, self.draws, len(tokens))
 
 
 def may_give_draft_probs(drafter: Any) -> bool:
@@ -135,14 +142,16 @@ def draft_loop(k: int, next_logits: Callable[[list[int]], torch.Tensor], params:
     sampled = sample and not params.greedy
     for _ in range(k):
         logits = next_logits(drafted)
-        q = warp(logits, params) if sampled else None
-        if controls.draft_p_min > 0:
-            largest = float(q.max()) if q is not None else float(torch.exp(logits.max() - torch.logsumexp(logits, -1)))
-            if largest < controls.draft_p_min:
+        if sampled:
+            q = warp(logits, params)
+            if controls.draft_p_min > 0 and float(q.max()) < controls.draft_p_min:
                 break
-        if q is not None:
             drafted.append(sample_at(q, draws.uniform_draft(position + len(drafted))))
             rows.append(q)
         else:
-            drafted.append(int(logits.argmax()))
+            top = argmax_token(logits)
+            if controls.draft_p_min > 0 and \
+                    float(torch.exp(logits[top] - torch.logsumexp(logits, -1))) < controls.draft_p_min:
+                break
+            drafted.append(top)
     return Draft(drafted, torch.stack(rows) if rows else None)

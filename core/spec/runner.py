@@ -172,10 +172,9 @@ class Runner:
             kind = draft_kind(tokens)
             chosen = self.draft_length.choose(kind) if kind is not None else 0
             k = min(chosen, max_tokens - stats.generated_tokens - 1, self.context - len(tokens))
-            proposed = self.drafter.propose(tokens, k) if k > 0 else Draft()
-            draft = self._clean(proposed, k)
+            draft = self._clean(self.drafter.propose(tokens, k), k) if k > 0 else Draft()
             t_drafted = time.perf_counter()
-            upkeep = min(max(float(getattr(proposed, "upkeep_s", 0.0)), 0.0), t_drafted - t)
+            upkeep = min(max(draft.upkeep_s, 0.0), t_drafted - t)
             batch = torch.tensor([tokens[-1], *draft.tokens], device=self.device)
             out = model.forward(batch, n, cache, hidden=observe is not None)
             logits, hidden = out if observe is not None else (out, None)
@@ -223,7 +222,9 @@ class Runner:
         return gives_q or not getattr(self.acceptor, "lossless", True)
 
     def _clean(self, draft: Draft, k: int) -> Draft:
-        """Keep a misbehaving drafter from crashing the target: at most k ids, all inside the vocabulary."""
+        """Keep a misbehaving drafter from crashing the target: at most k ids, all inside the vocabulary (its
+        `upkeep_s` is kept whatever is dropped: the time was spent)."""
+        upkeep = float(draft.upkeep_s)
         ids = [int(x) for x in draft.tokens[:k]]
         for i, x in enumerate(ids):
             if not 0 <= x < self.vocab_size:
@@ -233,7 +234,7 @@ class Runner:
         # is kept whatever its length: its length depends on the tokens drawn, so dropping it would too
         shortest = max(self.controls.draft_min, 1) if draft.probs is None else 1
         if len(ids) < shortest:
-            return Draft()
+            return Draft(upkeep_s=upkeep)
         probs = draft.probs
         if probs is not None:
             probs = probs[: len(ids)].float().cpu()
@@ -241,4 +242,4 @@ class Runner:
                 probs = torch.nn.functional.pad(probs, (0, self.vocab_size - probs.shape[-1]))
             if probs.shape != (len(ids), self.vocab_size):
                 probs = None
-        return Draft(ids, probs)
+        return Draft(ids, probs, upkeep_s=upkeep)

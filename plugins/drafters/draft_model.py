@@ -15,7 +15,7 @@ from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
 from outrider.io.gguf import GGUFFile
 from outrider.io.tokenizer import Tokenizer
-from outrider.spec.drafter import NEEDS_DRAFT_MODEL, Draft, DraftControls, DrafterBase, Target, draft_loop
+from outrider.spec.drafter import NEEDS_DRAFT_MODEL, Draft, DraftControls, DrafterBase, Target
 from outrider.spec.sampling import SamplingParams
 
 # llama.cpp's rule: ids below this may differ (special tokens), the rest must spell the same.
@@ -77,7 +77,7 @@ class DraftModelDrafter(DrafterBase):
             start += len(pending)
             return logits[: self.vocab_size].float().cpu()
 
-        return draft_loop(k, next_logits, self.params, self.controls, self.sample, self.draws, len(tokens))
+        return self.draft_from_logits(k, next_logits, tokens, self.sample)
 
 
 @hookimpl

@@ -29,7 +29,6 @@ from outrider.spec.drafter import (
     DraftControls,
     DrafterBase,
     Target,
-    draft_loop,
 )
 from outrider.spec.sampling import SamplingParams
 
@@ -122,7 +121,7 @@ class GemmaAssistantDrafter(DrafterBase):
             logits, h = self.assistant.forward(inputs, pos, kv)
             return logits[0][: self.vocab_size].float().cpu()
 
-        return draft_loop(k, next_logits, self.params, self.controls, self.sample, self.draws, len(tokens))
+        return self.draft_from_logits(k, next_logits, tokens, self.sample)
 
 
 @hookimpl

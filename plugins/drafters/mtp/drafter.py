@@ -42,7 +42,6 @@ from outrider.spec.drafter import (
     DrafterBase,
     DraftKind,
     Target,
-    draft_loop,
 )
 from outrider.spec.sampling import SamplingParams
 
@@ -173,7 +172,7 @@ class MTPDrafter(DrafterBase):
                 chain.append(h[-1:])
             return head.full_logits(logits, self.vocab).float().cpu()
 
-        draft = draft_loop(k, next_logits, self.params, self.controls, self.sample, self.draws, len(tokens))
+        draft = self.draft_from_logits(k, next_logits, tokens, self.sample)
         draft.upkeep_s = upkeep_s
         for head in self.heads:  # drafted rows are not the target's: only rows up to t0's stay
             head.cache.truncate(n + 1)
