@@ -340,6 +340,7 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
         from outrider.models.gemma3 import local_layers
 
         assert local_layers(target.gguf, 8)[7] is False  # block 7 = 3 mod 4: global, by hand (not 7 % 6 < 5)
+        assert target.model.logit_softcap == 3.0  # both heads read it from here: it must be the file's
     else:
         target = fx.target(arch)
     model, g = target.model, target.gguf

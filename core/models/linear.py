@@ -39,7 +39,6 @@ GROUP = 32
 INT4_TYPES = {Q.Q4_0, Q.Q4_1, Q.Q4_K}
 FLOAT_TYPES = {Q.F32, Q.F16, Q.BF16}
 WEIGHT_MODES = ("compact", "dense")
-LINEAR_FORMS = ("native", "quantized", "dense")  # how a weight is held (see weight_forms.load_linear)
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 KIND_Q4, KIND_Q8, KIND_F32, KIND_Q5 = (WEIGHT_KINDS[name] for name in ("q4", "q8", "f32", "q5"))
 INT5_TYPES = {Q.Q5_0, Q.Q5_1, Q.Q5_K}

@@ -49,7 +49,7 @@ class LlamaConfig:
         )
 
 
-def _unpermute(n_heads: int):
+def unpermute_qk(n_heads: int):
     # convert_hf_to_gguf permutes Q/K rows so ggml's interleaved rope matches HF's rotate_half;
     # undoing it lets llama use the same half-split (NEOX) rotary as every other architecture.
     def rows(w: torch.Tensor) -> torch.Tensor:
@@ -58,10 +58,17 @@ def _unpermute(n_heads: int):
     return rows
 
 
+def permute_qk(n_heads: int):
+    """convert_hf_to_gguf's permutation itself, the inverse of `unpermute_qk`: rows written back to a GGUF."""
+    def rows(w: torch.Tensor) -> torch.Tensor:
+        return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)
+    return rows
+
+
 class _Layer:
     def __init__(self, g: GGUFFile, i: int, cfg: LlamaConfig, packed: bool | str, dtype: torch.dtype, device):
         p = f"blk.{i}."
-        unpermute = {p + "attn_q.weight": _unpermute(cfg.n_heads), p + "attn_k.weight": _unpermute(cfg.n_kv_heads)}
+        unpermute = {p + "attn_q.weight": unpermute_qk(cfg.n_heads), p + "attn_k.weight": unpermute_qk(cfg.n_kv_heads)}
         linear = lambda *names: load_linear(g, [p + n + ".weight" for n in names], packed, dtype, device, unpermute)
         self.wqkv = linear("attn_q", "attn_k", "attn_v")
         self.wo = linear("attn_output")

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from outrider.errors import ConfigError
-from outrider.plugins.drafters.mtp.head import TrainableHead, _permute
+from outrider.models.llama import permute_qk
+from outrider.plugins.drafters.mtp.head import TrainableHead
 
 PROMPTS = (
     "Explain how a hash table works, with a short example in Python.",
@@ -139,7 +140,7 @@ def teacher(model, tokens: list[int], vocab_index: torch.Tensor, top_k: int) -> 
     """The target's hidden states and top-k next-token probabilities (restricted to the draft vocabulary)."""
     # a prompt-mode forward (every row's hidden kept): the fast summation order, as a prefill
     _, hidden = model.forward(torch.tensor(tokens), 0, model.new_cache(len(tokens)), hidden=True, last_only=True)
-    logits = model.output(hidden, softcap=getattr(model.config, "final_logit_softcap", 0.0), prompt=True)
+    logits = model.output(hidden, softcap=model.logit_softcap, prompt=True)
     probs = torch.softmax(logits.float().clone(), -1)
     p, ids = probs.topk(top_k, dim=-1)
     mapped = vocab_index[ids]
@@ -201,7 +202,7 @@ def write_sidecar(path: Path, head: TrainableHead, g, vocab_ids: torch.Tensor) -
     for name, param in head.w.items():
         t = param.detach().float()
         if arch == "llama" and name in ("attn_q", "attn_k"):
-            t = _permute(cfg.n_heads if name == "attn_q" else cfg.n_kv_heads, t)
+            t = permute_qk(cfg.n_heads if name == "attn_q" else cfg.n_kv_heads)(t)
         nextn = name in ("eh_proj", "enorm", "hnorm", "shared_head_norm", "shared_head_head")
         array = t.numpy().astype(np.float16 if t.dim() == 2 else np.float32)
         w.add_tensor(p + ("nextn." if nextn else "") + name + ".weight", array)
@@ -347,13 +348,14 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     head = TrainableHead(model, g, vocab_ids)
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
     step = 0
-    kl_start = heldout_kl(head, held)
     if state is not None:
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
-        step, kl_start = state["step"], state["kl_start"]
+        step = state["step"]
+    kl_now = heldout_kl(head, held)
+    kl_start = state["kl_start"] if state is not None else kl_now  # the untrained head's, kept across resumes
     echo(f"{len(train_samples)} training and {len(held)} held-out sequences; draft vocabulary {len(vocab_ids)} of "
-         f"{model.config.vocab_size}; held-out KL {heldout_kl(head, held):.3f} nats")
+         f"{model.config.vocab_size}; held-out KL {kl_now:.3f} nats")
 
     def save(step: int) -> None:
         checkpoint.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from outrider.errors import ModelFileError
 from outrider.io.gguf import GGUFFile
 from outrider.models.gemma3 import local_layers
 from outrider.models.linear import StackedLinear, rms_norm
+from outrider.models.llama import unpermute_qk
 from outrider.models.stack import LayerStack, LayerWeights, decoder_layer
 from outrider.models.weight_forms import load_linear
 from outrider.spec.drafter import Target
@@ -45,7 +46,7 @@ class MTPHead:
         self.enorm, self.hnorm = norm("enorm"), norm("hnorm")
         self.head_norm = norm("shared_head_norm") if has("shared_head_norm") else model.output_norm
         self.embed_table = norm("embed_tokens") if has("embed_tokens") else None
-        self.softcap = getattr(model.config, "final_logit_softcap", 0.0)
+        self.softcap = model.logit_softcap
         self.ids = None  # reduced draft vocabulary: row r of the head is target token ids[r]
         if has("shared_head_head"):
             self.head = load_linear(g, [p + "shared_head_head.weight"], packed, dtype, device)
@@ -82,15 +83,6 @@ class MTPHead:
         return full.scatter_(0, self.ids, logits.cpu())
 
 
-def _permute(n_heads: int, w: torch.Tensor) -> torch.Tensor:
-    """HF row order -> GGUF's (convert_hf_to_gguf's permute for llama q/k); inverse of llama's unpermute."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, -1).transpose(1, 2).reshape(w.shape)
-
-
-def _unpermute(n_heads: int, w: torch.Tensor) -> torch.Tensor:
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
-
-
 class TrainableHead(torch.nn.Module):
     """The MTP block as trainable parameters, run over whole sequences without a cache: `mtp_rows` and
     `decoder_layer` with attention over the rows themselves (`Attention.over_rows`), in differentiable
@@ -108,7 +100,7 @@ class TrainableHead(torch.nn.Module):
         hidden = cfg.hidden_size
         q, k = load("attn_q"), load("attn_k")
         if self.arch == "llama":
-            q, k = _unpermute(cfg.n_heads, q), _unpermute(cfg.n_kv_heads, k)
+            q, k = unpermute_qk(cfg.n_heads)(q), unpermute_qk(cfg.n_kv_heads)(k)
         self.w = torch.nn.ParameterDict({
             "attn_norm": param(load("attn_norm")), "ffn_norm": param(load("ffn_norm")),
             "attn_q": param(q), "attn_k": param(k), "attn_v": param(load("attn_v")),
@@ -135,7 +127,7 @@ class TrainableHead(torch.nn.Module):
                                   lin("ffn_down"), w["attn_norm"], w["ffn_norm"], rotary, window, opt("attn_q_norm"),
                                   opt("attn_k_norm"), opt("post_attention_norm"), opt("post_ffw_norm"))
         self.eh_proj, self.head = lin("eh_proj"), lin("shared_head_head")
-        self.softcap = float(getattr(cfg, "final_logit_softcap", 0.0) or 0.0)
+        self.softcap = model.logit_softcap
 
     def forward(self, tokens: torch.Tensor, h_prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft-vocabulary logits [T, V_d], post-norm hidden [T, H]) of rows 0..T-1 = (x_p, h_{p-1})."""
