@@ -23,6 +23,13 @@ from outrider.io.gguf import GGUFFile
 from outrider.plugins.backends.cpu import CPUBackend
 
 MODES = ("float32", "int8")
+EXTENSIONS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def vector_extensions() -> list[str]:
+    """The CPU's vector extensions that decide which kernels run (lscpu's names), to print beside every figure."""
+    flags = set(native._cpu_flags().split())
+    return [name for name in EXTENSIONS if name in flags]
 
 
 def main() -> None:
@@ -36,6 +43,8 @@ def main() -> None:
                         help="forwards as a prompt: logits of the last row only (llama-bench -p compares with this)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    print(f"CPU vector extensions: {' '.join(vector_extensions()) or 'none of ' + ' '.join(EXTENSIONS)}; "
+          f"kernels built with {' '.join(native.cflags())}")
     for path in args.models:
         model = CPUBackend().load_model(GGUFFile(path))
         cache = model.new_cache(args.prefix + max(args.rows) + 1)
@@ -44,6 +53,11 @@ def main() -> None:
         model.forward(torch.randint(0, high, (args.prefix,), generator=gen), 0, cache)
         blocks = {k: torch.randint(0, high, (k,), generator=gen) for k in args.rows}
         seconds = {(mode, k): [] for mode in MODES for k in args.rows}
+        for mode in MODES:  # one untimed forward of each shape first: the timed ones find warm caches alike
+            with native.activations(mode):
+                for k in args.rows:
+                    model.forward(blocks[k], args.prefix, cache, last_only=args.prompt)
+                    cache.truncate(args.prefix)
         for _ in range(args.reps):
             for mode in MODES:
                 with native.activations(mode):
