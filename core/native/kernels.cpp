@@ -504,8 +504,9 @@ static void with_format(int64_t kind, const torch::Tensor& codes, const torch::T
 // 16-entry table lookup and at half the width, that ran at 0.08x llama.cpp's decode (perf: 80% of the
 // cycles in the tiles). Here, as in llama.cpp, each row of x is first quantized on its own to int8 in
 // blocks of 32 (d = amax / 127, q = round(x / d)), and a weight group meets it in integer arithmetic:
-// u8 x s8 pairs (`maddubs`), pairs of those to int32 (`madd`), one float multiply-add per group with the
-// combined scale s_g * d_g; the zero of a group adds z_g * d_g * sum(q). A row of x is quantized the same
+// u8 x s8 products summed four to an int32 lane (`maddubs` + `madd` on AVX2, one `dpbusd` with AVX-VNNI or
+// AVX512-VNNI), four groups per step, then per row and step one conversion and one float multiply-add with
+// the combined scales s_g * d_g; the zero of a group adds z_g * d_g * sum(q). A row of x is quantized the same
 // way whatever other rows come with it, and each (weight row, x row) pair runs the same instructions in
 // the same order for every tile size: row independence holds as in the float kernels.
 #if defined(__AVX2__) && defined(__FMA__)
@@ -648,15 +649,17 @@ constexpr int64_t INT8_PREFETCH_ROWS = 4;
 // acc + the sums of four adjacent products of unsigned u and signed v bytes, per int32 lane: one AVX-VNNI
 // `dpbusd` where the CPU has it (Intel since Alder Lake, AMD since Zen 4), else maddubs + madd. The
 // integer sums are the same either way (maddubs cannot saturate here: at most 2 * 128 * 127 < 32767).
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define INT8_DPBUSD256(acc, u, v) _mm256_dpbusd_epi32(acc, u, v)
-#elif defined(__AVXVNNI__)
-#define INT8_DPBUSD256(acc, u, v) _mm256_dpbusd_avx_epi32(acc, u, v)
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+constexpr bool HAS_DPBUSD256 = true;
+#else
+constexpr bool HAS_DPBUSD256 = false;
 #endif
 
 static inline __m256i dot4_add(__m256i acc, __m256i u, __m256i v) {
-#if defined(INT8_DPBUSD256)
-  return INT8_DPBUSD256(acc, u, v);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, v);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, v);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1)));
 #endif
@@ -795,7 +798,6 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
   const float* sum_lanes = xq.sum_lanes.data() + r0 * groups * 8;
   const int64_t quad_end = groups / 4 * 4;
   const bool lane_zeros = zeros && S == 1;
-  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   // the scale of lane pair c: group g + c (signed codes) or g, g + 2, g + 1, g + 3 (nibble codes)
   const __m256i chunk_scale = W::SIGNED ? _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3) : _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
   for (int64_t n = n0; n < n1; ++n) {
@@ -819,14 +821,14 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
           auto xv = [&](int j) __attribute__((always_inline)) {
             return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * j));
           };
-#if defined(INT8_DPBUSD256)
           __m256i sums = _mm256_setzero_si256();
-          for (int j = 0; j < 4; ++j) sums = dot4_add(sums, q.c[j], xv(j));
-#else  // int16 sums of the four registers add without overflow (see above), then one madd
-          auto part = [&](int j) __attribute__((always_inline)) { return _mm256_maddubs_epi16(q.c[j], xv(j)); };
-          const __m256i pairs = _mm256_add_epi16(_mm256_add_epi16(part(0), part(1)), _mm256_add_epi16(part(2), part(3)));
-          const __m256i sums = _mm256_madd_epi16(pairs, ones);
-#endif
+          if constexpr (HAS_DPBUSD256) {
+            for (int j = 0; j < 4; ++j) sums = dot4_add(sums, q.c[j], xv(j));
+          } else {  // int16 sums of the four registers add without overflow (see above), then one madd
+            auto part = [&](int j) __attribute__((always_inline)) { return _mm256_maddubs_epi16(q.c[j], xv(j)); };
+            const __m256i pairs = _mm256_add_epi16(_mm256_add_epi16(part(0), part(1)), _mm256_add_epi16(part(2), part(3)));
+            sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+          }
           const __m256 product = _mm256_mul_ps(ws, _mm256_loadu_ps(d_lanes + r * groups * 8 + g * 2));
           chain[r] = _mm256_fmadd_ps(product, _mm256_cvtepi32_ps(sums), chain[r]);
         }
