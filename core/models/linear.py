@@ -23,6 +23,7 @@ plain decoding.
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Sequence
 
 import numpy as np
@@ -119,6 +120,10 @@ class PackedLinear:
         self.codes = codes.contiguous()
         self.scales = scales.to(torch.float32).contiguous()  # see RowReader in kernels.cpp for why not float16
         self.zeros = (torch.empty(0) if zeros is None else zeros.to(torch.float32)).contiguous()
+        # AVX512-VNNI builds also hold the lane form, what the int8 kernels read (float32 activations and
+        # row lookups read the codes above); OUTRIDER_LANE_TILES=0 leaves it out (to measure against)
+        lanes = self.kernels.HAS_LANE_TILES and os.environ.get("OUTRIDER_LANE_TILES", "1") != "0"
+        self.lanes = lane_form(kind, self.codes, self.scales, self.zeros, group, n_out, k) if lanes else []
 
     def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
                  act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -127,18 +132,48 @@ class PackedLinear:
             residual = residual.expand(*x.shape[:-1], self.n_out).contiguous()
         return self.kernels.linear(x.contiguous(), self.kind, self.codes, self.scales, self.zeros, self.group,
                                    self.n_out, self.k, in_norm, eps, NATIVE_ACT[act], residual, out_norm, softcap,
-                                   prompt)
+                                   prompt, self.lanes)
 
     def held(self):
         """This weight as the kernels' `HeldLinear`, the form `LayerStack` takes its linears in."""
         return self.kernels.HeldLinear(kind=self.kind, codes=self.codes, scales=self.scales, zeros=self.zeros,
-                                       group=self.group, n_out=self.n_out, k=self.k)
+                                       group=self.group, n_out=self.n_out, k=self.k, lanes=self.lanes)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.kernels.dequantize_rows(ids, self.kind, self.codes, self.scales, self.zeros, self.group, self.k)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.scales, self.zeros]
+        return [self.codes, self.scales, self.zeros, *self.lanes]
+
+
+LANES = 16  # weight rows per block of the lane form
+
+
+def lane_form(kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, n_out: int,
+              k: int) -> list[torch.Tensor]:
+    """The weight as the lane tiles of `kernels.cpp` read it (see there): blocks of 16 rows, each group's codes
+    with int32 lane j holding four adjacent codes of row j (int8 codes + 128, as unsigned bytes); scales and
+    zeros [block, scales per row, 16]. [] where there is no lane tile: float32 weights, or a row count that
+    is not a multiple of 16."""
+    if kind == KIND_F32 or n_out % LANES:
+        return []
+    blocks, groups = n_out // LANES, k // GROUP
+    per_row = lambda t: t.reshape(blocks, LANES, -1).transpose(1, 2).contiguous()  # [block, count, 16]
+    if kind == KIND_Q8:
+        c = codes.reshape(blocks, LANES, groups, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8) ^ 0x80
+    else:
+        width = 16 if kind == KIND_Q4 else 20
+        g = codes.reshape(blocks, LANES, groups, width)
+        nibbles = g[..., :16].reshape(blocks, LANES, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256)
+        c = nibbles
+        if kind == KIND_Q5:  # bit 4 of each code as 64-bit masks: (low, high) x four dwords, bit 4j + t
+            word = g[..., 16:].to(torch.int64)
+            word = word[..., 0] | word[..., 1] << 8 | word[..., 2] << 16 | word[..., 3] << 24
+            bits = ((word.unsqueeze(-1) >> torch.arange(32)) & 1).to(torch.uint8)  # [block, 16, groups, 32]
+            bits = bits.reshape(blocks, LANES, groups, 2, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(-1, 64)
+            masks = torch.from_numpy(np.packbits(bits.numpy(), axis=-1, bitorder="little")).reshape(blocks, groups, 64)
+            c = torch.cat([nibbles, masks], dim=-1)
+    return [c.contiguous().reshape(-1), per_row(scales), per_row(zeros) if zeros.numel() else zeros]
 
 
 # ------------------------------------------------------------------------ GGUF blocks to codes

@@ -1142,6 +1142,154 @@ static bool run_int8_matmul(int64_t, const torch::Tensor&, const torch::Tensor&,
                             const float*, int64_t, int64_t, float*, int64_t) { return false; }
 #endif
 
+// Lane tiles (AVX512-VNNI): 16 weight rows interleaved so that int32 lane j of a register belongs to
+// weight row j of a block of 16, and four adjacent codes of that row fill it; x's four codes meet them as
+// one broadcast dword. A lane then sums a whole group in integers (8 dpbusd steps), and a row of x pays
+// one conversion, scale product and multiply-add per group for 16 outputs at once, where the four-group
+// steps above paid one per four groups for one output: a quarter of the float work, which is what a
+// verify pass over many rows is bound by. No lanes are summed across, so there is no reduction either.
+// The layout (made once at load, `outrider.models.linear.lane_form`), per block of 16 rows and group:
+// 4-bit: 256 bytes, register m (64 bytes) holding bytes 4m..4m+3 of each row's 16 (low nibbles: codes
+// 4m.., high: 16 + 4m..); 5-bit: the same, then 8 64-bit masks of bit 4 (low m = 0..3, high m = 0..3;
+// bit 4j + t for row j's code t of the four); 8-bit: 512 bytes, register c holding codes 4c..4c+3 of each
+// row, as w + 128 (unsigned: dpbusd's unsigned side, against x's signed codes; the 128 x sum(x) this adds
+// is taken off by starting each sum at -128 x sum(x), a number per row and group). Scales and zeros as
+// [block][group x S][16].
+#if defined(INT8_VNNI512)
+constexpr bool HAS_LANE_TILES = true;
+
+struct LaneWeights {
+  const uint8_t* codes;
+  const float *scales, *zeros;
+};
+
+constexpr int64_t LANE_PREFETCH_BYTES = 4096;
+
+template <int KIND, int S, int R>
+static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, const int32_t* starts, int64_t r0, float* y,
+                      int64_t ldy, int64_t b0, int64_t b1) {
+  constexpr int64_t BYTES = KIND == KIND_Q4 ? 256 : KIND == KIND_Q5 ? 320 : 512;
+  const int64_t groups = xq.groups, k = xq.k, count = groups * S;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* p = w.codes + b * groups * BYTES;
+    const float* s = w.scales + b * count * 16;
+    const float* z = w.zeros ? w.zeros + b * count * 16 : nullptr;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* pg = p + g * BYTES;
+      // the weights stream from memory once per pass: ask for those LANE_PREFETCH_BYTES ahead (the next
+      // block's too), every line of them
+      for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + LANE_PREFETCH_BYTES + i), _MM_HINT_T0);
+      if constexpr (KIND == KIND_Q8) {
+        __m512i c[8];
+        for (int i = 0; i < 8; ++i) c[i] = _mm512_loadu_si512(pg + 64 * i);
+        const __m512 ws_a = _mm512_loadu_ps(s + g * S * 16), ws_b = S == 2 ? _mm512_loadu_ps(s + g * S * 16 + 16) : ws_a;
+        for (int r = 0; r < R; ++r) {
+          const int32_t* x = reinterpret_cast<const int32_t*>(xq.q.data() + (r0 + r) * k + g * 32);
+          const int32_t* st = starts + ((r0 + r) * groups + g) * 2;  // per half: -128 x sum(x)
+          __m512i a = _mm512_set1_epi32(S == 1 ? st[0] + st[1] : st[0]);
+          __m512i e = S == 1 ? _mm512_setzero_si512() : _mm512_set1_epi32(st[1]);
+          for (int i = 0; i < 4; ++i) {
+            a = _mm512_dpbusd_epi32(a, c[i], _mm512_set1_epi32(x[i]));
+            e = _mm512_dpbusd_epi32(e, c[4 + i], _mm512_set1_epi32(x[4 + i]));
+          }
+          const __m512 d = _mm512_set1_ps(xq.d[(r0 + r) * groups + g]);
+          if constexpr (S == 1) {
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws_a, d), _mm512_cvtepi32_ps(_mm512_add_epi32(a, e)), acc[r]);
+          } else {
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws_a, d), _mm512_cvtepi32_ps(a), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws_b, d), _mm512_cvtepi32_ps(e), acc[r]);
+          }
+        }
+      } else {
+        __m512i lo[4], hi[4];
+        for (int m = 0; m < 4; ++m) {
+          const __m512i raw = _mm512_loadu_si512(pg + 64 * m);
+          lo[m] = _mm512_and_si512(raw, nibble);
+          hi[m] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+          if constexpr (KIND == KIND_Q5) {
+            uint64_t mask_lo, mask_hi;
+            std::memcpy(&mask_lo, pg + 256 + 8 * m, 8);
+            std::memcpy(&mask_hi, pg + 256 + 32 + 8 * m, 8);
+            lo[m] = _mm512_or_si512(lo[m], _mm512_maskz_mov_epi8(mask_lo, bit4));
+            hi[m] = _mm512_or_si512(hi[m], _mm512_maskz_mov_epi8(mask_hi, bit4));
+          }
+        }
+        const __m512 ws = _mm512_loadu_ps(s + g * 16);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* x = reinterpret_cast<const int32_t*>(xq.q.data() + (r0 + r) * k + g * 32);
+          __m512i a = _mm512_setzero_si512(), e = _mm512_setzero_si512();
+          for (int m = 0; m < 4; ++m) {
+            a = _mm512_dpbusd_epi32(a, lo[m], _mm512_set1_epi32(x[m]));
+            e = _mm512_dpbusd_epi32(e, hi[m], _mm512_set1_epi32(x[4 + m]));
+          }
+          const __m512 d = _mm512_set1_ps(xq.d[(r0 + r) * groups + g]);
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws, d), _mm512_cvtepi32_ps(_mm512_add_epi32(a, e)), acc[r]);
+        }
+      }
+      if (z) {  // each group's zero times x's block sum (per 16 where the scales are)
+        for (int h = 0; h < S; ++h) {
+          const __m512 wz = _mm512_loadu_ps(z + (g * S + h) * 16);
+          for (int r = 0; r < R; ++r) {
+            const float sum = S == 1 ? xq.sum32[(r0 + r) * groups + g] : xq.sum16[((r0 + r) * groups + g) * 2 + h];
+            acc[r] = _mm512_fmadd_ps(wz, _mm512_set1_ps(sum), acc[r]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy + b * 16, acc[r]);
+  }
+}
+
+template <int KIND, int S>
+static void lane_matmul(const LaneWeights& w, const QuantizedRows& xq, const int32_t* starts, float* y, int64_t n_out) {
+  const int64_t rows = xq.rows;
+  at::parallel_for(0, n_out / 16, 1, [&](int64_t b0, int64_t b1) {
+    int64_t r = 0;
+    for (; r + INT8_MAX_TILE <= rows; r += INT8_MAX_TILE)
+      lane_tile<KIND, S, INT8_MAX_TILE>(w, xq, starts, r, y + r * n_out, n_out, b0, b1);
+    switch (rows - r) {
+      case 7: lane_tile<KIND, S, 7>(w, xq, starts, r, y + r * n_out, n_out, b0, b1); break;
+      case 6: lane_tile<KIND, S, 6>(w, xq, starts, r, y + r * n_out, n_out, b0, b1); break;
+      case 5: lane_tile<KIND, S, 5>(w, xq, starts, r, y + r * n_out, n_out, b0, b1); break;
+      case 4: lane_tile<KIND, S, 4>(w, xq, starts, r, y + r * n_out, n_out, b0, b1); break;
+      case 3: lane_tile<KIND, S, 3>(w, xq, starts, r, y + r * n_out, n_out, b0, b1); break;
+      case 2: lane_tile<KIND, S, 2>(w, xq, starts, r, y + r * n_out, n_out, b0, b1); break;
+      case 1: lane_tile<KIND, S, 1>(w, xq, starts, r, y + r * n_out, n_out, b0, b1); break;
+      default: break;
+    }
+  });
+}
+
+// lanes: the lane form's tensors (codes, scales, zeros or empty)
+static void run_lane_matmul(int64_t kind, int64_t group, const std::vector<torch::Tensor>& lanes, const float* x,
+                            int64_t rows, int64_t k, float* y, int64_t n_out) {
+  TORCH_CHECK(lanes.size() == 3 && n_out % 16 == 0, "linear: a lane form is 3 tensors over a multiple of 16 rows");
+  QuantizedRows xq;
+  quantize_rows(x, rows, k, xq);
+  const LaneWeights w{lanes[0].data_ptr<uint8_t>(), lanes[1].data_ptr<float>(), held(lanes[2])};
+  if (kind == KIND_Q4) return lane_matmul<KIND_Q4, 1>(w, xq, nullptr, y, n_out);
+  if (kind == KIND_Q5) return lane_matmul<KIND_Q5, 1>(w, xq, nullptr, y, n_out);
+  TORCH_CHECK(kind == KIND_Q8 && (group == 32 || group == 16), "linear: no lane tile for kind ", kind);
+  std::vector<int32_t> starts(rows * k / 16);  // -128 x the sum of x's codes per 16
+  for (int64_t i = 0; i < rows * k / 16; ++i) {
+    int32_t sum = 0;
+    for (int j = 0; j < 16; ++j) sum += xq.q[i * 16 + j];
+    starts[i] = -128 * sum;
+  }
+  if (group == 32) lane_matmul<KIND_Q8, 1>(w, xq, starts.data(), y, n_out);
+  else lane_matmul<KIND_Q8, 2>(w, xq, starts.data(), y, n_out);
+}
+#else
+constexpr bool HAS_LANE_TILES = false;
+static void run_lane_matmul(int64_t, int64_t, const std::vector<torch::Tensor>&, const float*, int64_t, int64_t,
+                            float*, int64_t) {
+  TORCH_CHECK(false, "linear: this build has no lane tiles");
+}
+#endif
+
 // Whether quantized weights meet int8 activations (above) or float32 ones: one setting per process,
 // chosen by the CPU backend (`-o backend.activations`), read by every linear call. int8 is the default
 // where it was measured faster for every row count (1-512): AVX2 without AVX-512 (the float kernels lack
@@ -1266,10 +1414,12 @@ static void blas_prompt_matmul(const W& w, int64_t groups, const float* x, int64
 
 static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Tensor& scales,
                        const torch::Tensor& zeros, int64_t group, int64_t groups, const float* x, int64_t rows,
-                       int64_t k, float* y, int64_t n_out, bool prompt) {
+                       int64_t k, float* y, int64_t n_out, bool prompt, const std::vector<torch::Tensor>& lanes) {
   // int8 activations take every row, prompt rows too: a prefill then gives each row the bits a single
   // step would, so replaying a sequence from scratch agrees with decoding it (as float32 nearly does)
-  if (int8_activations.load(std::memory_order_relaxed) && run_int8_matmul(kind, codes, scales, zeros, group, x, rows, k, y, n_out)) return;
+  const bool int8 = int8_activations.load(std::memory_order_relaxed);
+  if (int8 && !lanes.empty()) return run_lane_matmul(kind, group, lanes, x, rows, k, y, n_out);
+  if (int8 && run_int8_matmul(kind, codes, scales, zeros, group, x, rows, k, y, n_out)) return;
   with_format(kind, codes, scales, zeros, group, k, [&](const auto& w) {
 #if defined(__AVX512F__)
     if (prompt && rows >= PROMPT_PANEL_MIN_ROWS) return panel_matmul(w, groups, x, rows, k, y, n_out);
@@ -1290,7 +1440,7 @@ constexpr int64_t POST_BLOCK = 16384, POST_PARALLEL_MIN = 32768;
 torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
                      int64_t group, int64_t n_out, int64_t k, c10::optional<torch::Tensor> in_norm, double eps,
                      int64_t act, c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> out_norm,
-                     double softcap, bool prompt) {
+                     double softcap, bool prompt, const std::vector<torch::Tensor>& lanes) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "linear: x must be contiguous float32");
   TORCH_CHECK(k % 32 == 0, "linear: K must be a multiple of 32");
   int64_t rows = x.numel() / x.size(-1);
@@ -1318,7 +1468,7 @@ torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::
   torch::Tensor y = torch::empty(shape, x.options());
   float* out = y.data_ptr<float>();
   int64_t groups = k / 32;
-  run_matmul(kind, codes, scales, zeros, group, groups, xin, rows, k, out, n_out, prompt);
+  run_matmul(kind, codes, scales, zeros, group, groups, xin, rows, k, out, n_out, prompt, lanes);
   if (out_norm.has_value() || residual.has_value() || softcap > 0) {
     const float* res = residual.has_value() ? residual->data_ptr<float>() : nullptr;
     // Without a norm the steps are elementwise, so a row may be split into blocks of columns (a multiple
@@ -1613,10 +1763,12 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
 struct HeldLinear {
   int64_t kind, group, n_out, k;
   torch::Tensor codes, scales, zeros;
+  std::vector<torch::Tensor> lanes;  // the lane form, where the weight has one (PackedLinear.lanes)
   torch::Tensor operator()(const torch::Tensor& x, c10::optional<torch::Tensor> in_norm, double eps, int64_t act,
                            c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> out_norm,
                            bool prompt) const {
-    return linear(x, kind, codes, scales, zeros, group, n_out, k, in_norm, eps, act, residual, out_norm, 0.0, prompt);
+    return linear(x, kind, codes, scales, zeros, group, n_out, k, in_norm, eps, act, residual, out_norm, 0.0, prompt,
+                  lanes);
   }
 };
 
@@ -1713,9 +1865,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // shape, which a positional call could swap without an error.
   py::class_<HeldLinear>(m, "HeldLinear", py::module_local())
       .def(py::init([](int64_t kind, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, int64_t group,
-                       int64_t n_out, int64_t k) { return HeldLinear{kind, group, n_out, k, codes, scales, zeros}; }),
+                       int64_t n_out, int64_t k, std::vector<torch::Tensor> lanes) {
+             return HeldLinear{kind, group, n_out, k, codes, scales, zeros, lanes};
+           }),
            py::kw_only(), py::arg("kind"), py::arg("codes"), py::arg("scales"), py::arg("zeros"), py::arg("group"),
-           py::arg("n_out"), py::arg("k"))
+           py::arg("n_out"), py::arg("k"), py::arg("lanes") = std::vector<torch::Tensor>{})
       .def_readonly("kind", &HeldLinear::kind)
       .def_readonly("codes", &HeldLinear::codes)
       .def_readonly("scales", &HeldLinear::scales)
@@ -1747,6 +1901,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // (AVX2 without AVX-512, and AVX512-VNNI).
   m.attr("HAS_INT8_KERNELS") = py::bool_(HAS_INT8_KERNELS);
   m.attr("PREFERS_INT8") = py::bool_(PREFERS_INT8);
+  m.attr("HAS_LANE_TILES") = py::bool_(HAS_LANE_TILES);
   m.def("set_int8_activations", &set_int8_activations, "quantized weights meet int8 (true) or float32 activations");
   m.def("int8_activations", [] { return int8_activations.load(); });
 }
