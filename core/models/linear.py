@@ -120,8 +120,9 @@ class PackedLinear:
         self.codes = codes.contiguous()
         self.scales = scales.to(torch.float32).contiguous()  # see RowReader in kernels.cpp for why not float16
         self.zeros = (torch.empty(0) if zeros is None else zeros.to(torch.float32)).contiguous()
-        # AVX512-VNNI builds also hold the lane form, what the int8 kernels read (float32 activations and
-        # row lookups read the codes above); OUTRIDER_LANE_TILES=0 leaves it out (to measure against)
+        # AVX2 and AVX512-VNNI builds also hold the lane form, what the int8 kernels read (float32
+        # activations and row lookups read the codes above); OUTRIDER_LANE_TILES=0 leaves it out (to
+        # measure against)
         lanes = self.kernels.HAS_LANE_TILES and os.environ.get("OUTRIDER_LANE_TILES", "1") != "0"
         self.lanes = lane_form(kind, self.codes, self.scales, self.zeros, group, n_out, k) if lanes else []
 

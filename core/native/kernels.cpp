@@ -1142,12 +1142,14 @@ static bool run_int8_matmul(int64_t, const torch::Tensor&, const torch::Tensor&,
                             const float*, int64_t, int64_t, float*, int64_t) { return false; }
 #endif
 
-// Lane tiles (AVX512-VNNI): 16 weight rows interleaved so that int32 lane j of a register belongs to
-// weight row j of a block of 16, and four adjacent codes of that row fill it; x's four codes meet them as
-// one broadcast dword. A lane then sums a whole group in integers (8 dpbusd steps), and a row of x pays
-// one conversion, scale product and multiply-add per group for 16 outputs at once, where the four-group
-// steps above paid one per four groups for one output: a quarter of the float work, which is what a
-// verify pass over many rows is bound by. No lanes are summed across, so there is no reduction either.
+// Lane tiles: 16 weight rows interleaved so that int32 lane j of a register belongs to weight row j of a
+// block of 16, and four adjacent codes of that row fill it; x's four codes meet them as one broadcast
+// dword. A lane then sums a whole group in integers (8 dpbusd steps with VNNI), and a row of x pays one
+// conversion, scale product and multiply-add per group for 16 outputs at once, where the four-group steps
+// above paid one per four groups for one output: a quarter of the float work, which is what a verify pass
+// over many rows is bound by. No lanes are summed across, so there is no reduction either, and a row's
+// sums are the same instructions in the same order whatever rows come with it. These replace the tiles
+// above wherever a weight has a lane form (its row count a multiple of 16: every real model's).
 // The layout (made once at load, `outrider.models.linear.lane_form`), per block of 16 rows and group:
 // 4-bit: 256 bytes, register m (64 bytes) holding bytes 4m..4m+3 of each row's 16 (low nibbles: codes
 // 4m.., high: 16 + 4m..); 5-bit: the same, then 8 64-bit masks of bit 4 (low m = 0..3, high m = 0..3;
@@ -1155,7 +1157,7 @@ static bool run_int8_matmul(int64_t, const torch::Tensor&, const torch::Tensor&,
 // row, as w + 128 (unsigned: dpbusd's unsigned side, against x's signed codes; the 128 x sum(x) this adds
 // is taken off by starting each sum at -128 x sum(x), a number per row and group). Scales and zeros as
 // [block][group x S][16].
-#if defined(INT8_VNNI512)
+#if defined(__AVX2__) && defined(__FMA__)
 constexpr bool HAS_LANE_TILES = true;
 
 struct LaneWeights {
@@ -1165,6 +1167,7 @@ struct LaneWeights {
 
 constexpr int64_t LANE_PREFETCH_BYTES = 4096;
 
+#if defined(INT8_VNNI512)
 template <int KIND, int S, int R>
 static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, const int32_t* starts, int64_t r0, float* y,
                       int64_t ldy, int64_t b0, int64_t b1) {
@@ -1242,6 +1245,112 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, const int32
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy + b * 16, acc[r]);
   }
 }
+#else
+// AVX2: the same layout, each 64-byte register as two ymm halves (weight rows 0-7 and 8-15 of the block),
+// taken one after the other. 4- and 5-bit codes: a group's eight maddubs add up in int16 (8 x 2 x 15 x 127
+// < 32767 for 4-bit; 5-bit codes, up to 31, take a madd after each four), then one madd to int32; with
+// AVX-VNNI, dpbusd chains as above. int8 codes (+ 128: maddubs' pairs could overflow int16) take their
+// sign back, and meet x as |w| and x with w's sign, a madd per register; with AVX-VNNI, dpbusd.
+template <int KIND, int S, int R>
+static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, const int32_t* starts, int64_t r0, float* y,
+                      int64_t ldy, int64_t b0, int64_t b1) {
+  constexpr int64_t BYTES = KIND == KIND_Q4 ? 256 : KIND == KIND_Q5 ? 320 : 512;
+  const int64_t groups = xq.groups, k = xq.k, count = groups * S;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones16 = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = b0; b < b1; ++b)
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* p = w.codes + b * groups * BYTES + 32 * half;
+      const float* s = w.scales + b * count * 16 + 8 * half;
+      const float* z = w.zeros ? w.zeros + b * count * 16 + 8 * half : nullptr;
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* pg = p + g * BYTES;
+        if (half == 0)
+          for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + LANE_PREFETCH_BYTES + i), _MM_HINT_T0);
+        auto x_at = [&](int r) __attribute__((always_inline)) {
+          return reinterpret_cast<const int32_t*>(xq.q.data() + (r0 + r) * k + g * 32);
+        };
+        if constexpr (KIND == KIND_Q8) {
+          const __m256 ws_a = _mm256_loadu_ps(s + g * S * 16), ws_b = S == 2 ? _mm256_loadu_ps(s + g * S * 16 + 16) : ws_a;
+          __m256i a[R], e[R];
+          for (int r = 0; r < R; ++r) {
+            const int32_t* st = starts + ((r0 + r) * groups + g) * 2;
+            a[r] = HAS_DPBUSD256 ? _mm256_set1_epi32(S == 1 ? st[0] + st[1] : st[0]) : _mm256_setzero_si256();
+            e[r] = HAS_DPBUSD256 && S == 2 ? _mm256_set1_epi32(st[1]) : _mm256_setzero_si256();
+          }
+          for (int i = 0; i < 8; ++i) {
+            const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 64 * i));
+            const __m256i signed_c = _mm256_xor_si256(c, flip), magnitude = _mm256_abs_epi8(signed_c);
+            for (int r = 0; r < R; ++r) {
+              const __m256i xv = _mm256_set1_epi32(x_at(r)[i]);
+              __m256i& sum = i < 4 ? a[r] : e[r];
+              if constexpr (HAS_DPBUSD256) sum = dot4_add(sum, c, xv);
+              else sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, signed_c)), ones16));
+            }
+          }
+          for (int r = 0; r < R; ++r) {
+            const __m256 d = _mm256_set1_ps(xq.d[(r0 + r) * groups + g]);
+            if constexpr (S == 1) {
+              acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_a, d), _mm256_cvtepi32_ps(_mm256_add_epi32(a[r], e[r])), acc[r]);
+            } else {
+              acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_a, d), _mm256_cvtepi32_ps(a[r]), acc[r]);
+              acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_b, d), _mm256_cvtepi32_ps(e[r]), acc[r]);
+            }
+          }
+        } else {
+          __m256i lo[4], hi[4];
+          for (int m = 0; m < 4; ++m) {
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 64 * m));
+            lo[m] = _mm256_and_si256(raw, nibble);
+            hi[m] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+            if constexpr (KIND == KIND_Q5) {
+              uint32_t mask_lo, mask_hi;
+              const uint8_t* masks = pg - 32 * half + 256;  // this half's 32 bits of each
+              std::memcpy(&mask_lo, masks + 8 * m + 4 * half, 4);
+              std::memcpy(&mask_hi, masks + 32 + 8 * m + 4 * half, 4);
+              lo[m] = _mm256_or_si256(lo[m], bit4_bytes(mask_lo));
+              hi[m] = _mm256_or_si256(hi[m], bit4_bytes(mask_hi));
+            }
+          }
+          const __m256 ws = _mm256_loadu_ps(s + g * 16);
+          for (int r = 0; r < R; ++r) {
+            const int32_t* x = x_at(r);
+            __m256i sum;
+            if constexpr (HAS_DPBUSD256) {
+              __m256i a = _mm256_setzero_si256(), e = _mm256_setzero_si256();
+              for (int m = 0; m < 4; ++m) {
+                a = dot4_add(a, lo[m], _mm256_set1_epi32(x[m]));
+                e = dot4_add(e, hi[m], _mm256_set1_epi32(x[4 + m]));
+              }
+              sum = _mm256_add_epi32(a, e);
+            } else {
+              auto pair = [&](int m) __attribute__((always_inline)) {
+                return _mm256_add_epi16(_mm256_maddubs_epi16(lo[m], _mm256_set1_epi32(x[m])),
+                                        _mm256_maddubs_epi16(hi[m], _mm256_set1_epi32(x[4 + m])));
+              };
+              const __m256i first = _mm256_add_epi16(pair(0), pair(1)), second = _mm256_add_epi16(pair(2), pair(3));
+              sum = KIND == KIND_Q4 ? _mm256_madd_epi16(_mm256_add_epi16(first, second), ones16)
+                                    : _mm256_add_epi32(_mm256_madd_epi16(first, ones16), _mm256_madd_epi16(second, ones16));
+            }
+            const __m256 d = _mm256_set1_ps(xq.d[(r0 + r) * groups + g]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws, d), _mm256_cvtepi32_ps(sum), acc[r]);
+          }
+        }
+        if (z) {
+          for (int h = 0; h < S; ++h) {
+            const __m256 wz = _mm256_loadu_ps(z + (g * S + h) * 16);
+            for (int r = 0; r < R; ++r) {
+              const float sum = S == 1 ? xq.sum32[(r0 + r) * groups + g] : xq.sum16[((r0 + r) * groups + g) * 2 + h];
+              acc[r] = _mm256_fmadd_ps(wz, _mm256_set1_ps(sum), acc[r]);
+            }
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy + b * 16 + 8 * half, acc[r]);
+    }
+}
+#endif
 
 template <int KIND, int S>
 static void lane_matmul(const LaneWeights& w, const QuantizedRows& xq, const int32_t* starts, float* y, int64_t n_out) {
