@@ -492,6 +492,37 @@ def test_int8_rows_do_not_depend_on_the_thread_count(int8_kernels, weights, name
     assert torch.equal(lin(x[:8]), two[:8])
 
 
+LANE_NAMES = ["w.Q4_1", "w.Q4_K", "w.Q5_0", "w.Q5_K", "w.Q8_0", "w.Q6_K"]
+
+
+@pytest.mark.parametrize("name", LANE_NAMES + [LANE_NAMES])
+def test_a_weight_held_for_int8_gives_the_row_form_back_exactly(int8_kernels, weights, name):
+    """With int8 activations a weight is held in its lane form only (where the build has lane tiles). Its row
+    lookups, and its row form when float32 activations are set, must be the file's weight as a weight
+    loaded for float32 holds it, bit for bit; and the int8 product must not depend on which was loaded first."""
+    if not int8_kernels.HAS_LANE_TILES:
+        pytest.skip("this build has no lane tiles")
+    g, reference = weights
+    names = name if isinstance(name, list) else [name]
+    lanes_only = _packed(g, names)
+    assert lanes_only.lanes and lanes_only.codes.numel() == 0
+    with activations("float32"):
+        rows_too = _packed(g, names)
+    assert rows_too.codes.numel() > 0
+    x = torch.randn(5, COLS, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(lanes_only(x), rows_too(x))  # both int8, both lane tiles
+    ids = torch.tensor([0, 17, 95, 17, 40])
+    assert torch.equal(lanes_only.rows(ids), rows_too.rows(ids))
+    torch.testing.assert_close(lanes_only.rows(ids).double(), torch.cat([reference[n] for n in names])[ids],
+                               rtol=0, atol=1e-6)
+    held = lanes_only.held()
+    with activations("float32"):  # the row form comes back, in place: the held copy sees it too
+        assert torch.equal(lanes_only.codes, rows_too.codes) and torch.equal(lanes_only.scales, rows_too.scales)
+        assert torch.equal(lanes_only.zeros, rows_too.zeros)
+        assert held.codes.data_ptr() == lanes_only.codes.data_ptr()
+        assert torch.equal(lanes_only(x), rows_too(x))
+
+
 def test_int8_activations_carry_a_nan_to_its_row_only(int8_kernels, weights):
     """A NaN among the activations makes its own row's outputs NaN, as float32 arithmetic would (the
     block's maximum alone would drop it), and leaves the other rows exactly as they were."""

@@ -9,7 +9,8 @@ how a weight is held decides the speed. Two forms:
   activations in integer dot products (`-o backend.activations`, see `outrider.native.use_activations`). 4-bit types
   (Q4_0, Q4_1, Q4_K) as packed nibbles, 5-bit types (Q5_0, Q5_1, Q5_K) as nibbles plus a word of high
   bits, Q6_K and Q8_0 as int8 codes, one scale (and zero) per 32 weights, per 16 for Q6_K; float tensors
-  as float32.
+  as float32. With int8 activations on AVX2 or AVX512-VNNI the same codes are held in the lane form
+  instead (`lane_form`: 16 weight rows interleaved per block, what the kernels' lane tiles read).
 - `DenseLinear` (`weights = dense`, the CUDA backend, or where the kernels cannot be built): the
   dequantized matrix in the model's dtype, through torch.
 
@@ -24,6 +25,7 @@ plain decoding.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Callable, Sequence
 
 import numpy as np
@@ -33,6 +35,7 @@ from gguf import GGMLQuantizationType as Q
 
 from outrider.errors import ConfigError
 from outrider.io.gguf import GGUFFile
+from outrider.native import when_float32
 from outrider.native.codes import ACTIVATIONS as ACTIVATION_CODES
 from outrider.native.codes import WEIGHT_KINDS
 
@@ -120,11 +123,24 @@ class PackedLinear:
         self.codes = codes.contiguous()
         self.scales = scales.to(torch.float32).contiguous()  # see RowReader in kernels.cpp for why not float16
         self.zeros = (torch.empty(0) if zeros is None else zeros.to(torch.float32)).contiguous()
-        # AVX2 and AVX512-VNNI builds also hold the lane form, what the int8 kernels read (float32
-        # activations and row lookups read the codes above); OUTRIDER_LANE_TILES=0 leaves it out (to
-        # measure against)
+        # AVX2 and AVX512-VNNI builds hold the lane form, what the int8 kernels read; with int8 activations
+        # it is the only form held (see hold_rows). OUTRIDER_LANE_TILES=0 leaves it out (to measure against).
         lanes = self.kernels.HAS_LANE_TILES and os.environ.get("OUTRIDER_LANE_TILES", "1") != "0"
         self.lanes = lane_form(kind, self.codes, self.scales, self.zeros, group, n_out, k) if lanes else []
+        if self.lanes and self.kernels.int8_activations():
+            self.codes, self.scales = self.codes.new_empty(0), self.scales.new_empty(0)
+            self.zeros = self.zeros.new_empty(0)
+            _LANES_ONLY.add(self)
+
+    def hold_rows(self) -> None:
+        """The row form back, from the lane form, for float32 activations (`outrider.native.use_activations`
+        calls this on every such weight): in place, since LayerStack's HeldLinear shares these tensors."""
+        if self.codes.numel() or not self.lanes:
+            return
+        codes, scales, zeros = self.kernels.lane_rows(torch.arange(self.n_out), self.kind, self.lanes, self.group,
+                                                      self.k)
+        self.codes.set_(codes), self.scales.set_(scales), self.zeros.set_(zeros)
+        _LANES_ONLY.discard(self)
 
     def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
                  act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -141,6 +157,10 @@ class PackedLinear:
                                        group=self.group, n_out=self.n_out, k=self.k, lanes=self.lanes)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.codes.numel() and self.lanes:  # those rows in the row form, then as ever
+            codes, scales, zeros = self.kernels.lane_rows(ids.reshape(-1), self.kind, self.lanes, self.group, self.k)
+            return self.kernels.dequantize_rows(torch.arange(ids.numel()), self.kind, codes, scales, zeros,
+                                                self.group, self.k)
         return self.kernels.dequantize_rows(ids, self.kind, self.codes, self.scales, self.zeros, self.group, self.k)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -148,6 +168,15 @@ class PackedLinear:
 
 
 LANES = 16  # weight rows per block of the lane form
+_LANES_ONLY: weakref.WeakSet[PackedLinear] = weakref.WeakSet()  # weights holding their lane form only
+
+
+def _hold_rows_everywhere() -> None:
+    for linear in list(_LANES_ONLY):
+        linear.hold_rows()
+
+
+when_float32(_hold_rows_everywhere)
 
 
 def lane_form(kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, n_out: int,

@@ -122,6 +122,13 @@ def load():
 
 
 ACTIVATION_MODES = ("auto", "int8", "float32")
+_FLOAT32_HOOKS: list = []
+
+
+def when_float32(hook) -> None:
+    """`hook()` runs whenever float32 activations are set: weights held for int8 ones only (the lane
+    form, `outrider.models.linear`) take their row form back."""
+    _FLOAT32_HOOKS.append(hook)
 
 
 def check_activations_mode(mode: str) -> None:
@@ -142,6 +149,9 @@ def use_activations(mode: str) -> bool:
         raise ConfigError("activations=int8 needs a CPU with AVX2 and FMA (these kernels were built without "
                           "them); use -o backend.activations float32")
     kernels.set_int8_activations(on)
+    if not on:
+        for hook in _FLOAT32_HOOKS:
+            hook()
     return on
 
 

@@ -1528,6 +1528,8 @@ static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Te
   // step would, so replaying a sequence from scratch agrees with decoding it (as float32 nearly does)
   const bool int8 = int8_activations.load(std::memory_order_relaxed);
   if (int8 && !lanes.empty()) return run_lane_matmul(kind, group, lanes, x, rows, k, y, n_out);
+  TORCH_CHECK(codes.numel() || kind == KIND_F32, "linear: this weight is held in its lane form only (for int8 "
+              "activations); PackedLinear.hold_rows() gives it its row form back");
   if (int8 && run_int8_matmul(kind, codes, scales, zeros, group, x, rows, k, y, n_out)) return;
   with_format(kind, codes, scales, zeros, group, k, [&](const auto& w) {
 #if defined(__AVX512F__)
@@ -1624,6 +1626,52 @@ torch::Tensor dequantize_rows(torch::Tensor rows, int64_t kind, torch::Tensor co
   };
   with_format(kind, codes, scales, zeros, group, k, rows_of);
   return out;
+}
+
+// Rows `rows` of a weight held in its lane form (see "Lane tiles"), back in the row form: codes, scales
+// and zeros as PackedLinear holds them, for the row lookups of an embedding and for float32 activations.
+std::vector<torch::Tensor> lane_rows(torch::Tensor rows, int64_t kind, std::vector<torch::Tensor> lanes, int64_t group,
+                                     int64_t k) {
+  TORCH_CHECK(lanes.size() == 3 && (kind == KIND_Q4 || kind == KIND_Q5 || kind == KIND_Q8),
+              "lane_rows: a lane form is 3 tensors of a 4-, 5- or 8-bit weight");
+  auto idx = rows.to(torch::kInt64).contiguous();
+  const int64_t n = idx.numel(), groups = k / 32, count = groups * (kind == KIND_Q8 ? 32 / group : 1);
+  const int64_t lane_bytes = kind == KIND_Q4 ? 256 : kind == KIND_Q5 ? 320 : 512;
+  const int64_t row_bytes = kind == KIND_Q4 ? 16 : kind == KIND_Q5 ? 20 : 32;
+  const int64_t blocks = lanes[1].numel() / (count * 16);
+  torch::Tensor codes = torch::empty({n, groups * row_bytes}, torch::dtype(kind == KIND_Q8 ? torch::kInt8 : torch::kUInt8));
+  torch::Tensor scales = torch::empty({n, count}, torch::dtype(torch::kFloat32));
+  torch::Tensor zeros = lanes[2].numel() ? torch::empty({n, count}, torch::dtype(torch::kFloat32)) : torch::empty({0});
+  const uint8_t* lc = lanes[0].data_ptr<uint8_t>();
+  const float *ls = lanes[1].data_ptr<float>(), *lz = lanes[2].numel() ? lanes[2].data_ptr<float>() : nullptr;
+  uint8_t* out = static_cast<uint8_t*>(codes.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = idx.data_ptr<int64_t>()[i], b = row / 16, j = row % 16;
+    TORCH_CHECK(row >= 0 && b < blocks, "lane_rows: row ", row, " out of range");
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = lc + (b * groups + g) * lane_bytes;
+      uint8_t* o = out + (i * groups + g) * row_bytes;
+      if (kind == KIND_Q8) {
+        for (int c = 0; c < 32; ++c) o[c] = p[64 * (c / 4) + 4 * j + c % 4] ^ 0x80;
+        continue;
+      }
+      for (int c = 0; c < 16; ++c) o[c] = p[64 * (c / 4) + 4 * j + c % 4];
+      if (kind == KIND_Q5) {
+        uint32_t word = 0;  // bit c: code c's bit 4
+        for (int c = 0; c < 32; ++c) {
+          uint64_t mask;
+          std::memcpy(&mask, p + 256 + 32 * (c / 16) + 8 * ((c % 16) / 4), 8);
+          word |= static_cast<uint32_t>((mask >> (4 * j + c % 4)) & 1) << c;
+        }
+        std::memcpy(o + 16, &word, 4);
+      }
+    }
+    for (int64_t c = 0; c < count; ++c) {
+      scales.data_ptr<float>()[i * count + c] = ls[(b * count + c) * 16 + j];
+      if (lz) zeros.data_ptr<float>()[i * count + c] = lz[(b * count + c) * 16 + j];
+    }
+  }
+  return {codes, scales, zeros};
 }
 
 // -------------------------------------------------------------------------------------- attention
@@ -1969,6 +2017,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = py::call_guard<py::gil_scoped_release>;
   m.def("linear", &linear, "y = post(W @ pre(x)) with W held as GGUF codes and float32 scales", no_gil());
   m.def("dequantize_rows", &dequantize_rows, "rows of a held weight as float32", no_gil());
+  m.def("lane_rows", &lane_rows, "rows of a weight's lane form in the row form", no_gil());
   m.def("attend", &attend, "rotary, cache write and attention for a block of tokens", no_gil());
   // local: two builds may share a process. Keyword-only arguments: many are tensors or ints of the same
   // shape, which a positional call could swap without an error.

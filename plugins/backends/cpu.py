@@ -5,6 +5,9 @@ the kernels quantize activations to int8 first (the fast path on AVX2) or keep t
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import torch
 
 from outrider.hookspecs import hookimpl
@@ -32,7 +35,19 @@ class CPUBackend(Backend):
                 native.use_activations(self.activations)  # one setting for the process's kernels
             except native.NativeUnavailable:
                 pass  # load_model warns and runs dense
-        return super().load_model(g)
+        model = super().load_model(g)
+        _return_freed_memory()
+        return model
+
+
+def _return_freed_memory() -> None:
+    """Loading passes the weights through transient forms (GGUF blocks, codes, the lane form) whose freed
+    pages glibc keeps; hand them back, or the process's resident size stays about 20% above what the model
+    holds (Gemma 3 270M: 841 -> 674 MB). Elsewhere than glibc, nothing to do."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 @hookimpl
