@@ -1746,6 +1746,22 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
       for (int b = 0; b < 8; ++b) _mm256_storeu_ps(&scores[c][j + 8 * b], s[b]);
     }
   }
+  if (j < end) {  // the last 16, 32 or 48 keys (one block's), in up to six ymm chains: the v16f loop below
+    // kept its sums on the stack here (16% of attention in an 8-row verify, perf)
+    const int64_t chains = (end - j) / 8;
+    for (int c = 0; c < Q; ++c) {
+      __m256 s[6];
+      for (int b = 0; b < 6; ++b) s[b] = _mm256_setzero_ps();
+      for (int64_t e = 0; e < d; ++e) {
+        const float* row = keys + key_offset(d, e, j);
+        const __m256 qe = _mm256_set1_ps(q[c][e]);
+        for (int b = 0; b < 6; ++b)
+          if (b < chains) s[b] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(row + 8 * b), s[b]);
+      }
+      for (int b = 0; b < chains; ++b) _mm256_storeu_ps(&scores[c][j + 8 * b], s[b]);
+    }
+    j = end;
+  }
 #endif
   for (; j + KEY_BLOCK <= end; j += KEY_BLOCK) {
     v16f s[Q][4] = {};
