@@ -1711,6 +1711,24 @@ struct AttendArgs {
 
 // Q heads h0..h0+Q-1 of token t (at position p), all of kv group g: each head's scores, softmax and
 // weighted values are the same float operations, in the same order, as if it were computed alone.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// Scores of one query over keys j .. j + 8 * chains - 1 (within one key block), each a sum over e in
+// order, in `chains` <= MAX ymm chains.
+template <int MAX>
+static inline void ymm_scores(const float* keys, const float* q, int64_t d, int64_t j, int64_t chains, float* out) {
+  __m256 s[MAX];
+  for (int b = 0; b < MAX; ++b) s[b] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < d; ++e) {
+    const float* row = keys + key_offset(d, e, j);
+    const __m256 qe = _mm256_set1_ps(q[e]);
+    for (int b = 0; b < MAX; ++b)
+      if (b < chains) s[b] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(row + 8 * b), s[b]);
+  }
+  for (int b = 0; b < MAX; ++b)
+    if (b < chains) _mm256_storeu_ps(out + 8 * b, s[b]);
+}
+#endif
+
 template <int Q>
 static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, int64_t g, float* scores_buf,
                          float* out) {
@@ -1734,32 +1752,11 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   // GCC moved the 64-byte vectors of the loop below through the stack on AVX2 (a quarter of a decode
   // step, perf): the same sums, one head at a time, in eight ymm chains
-  for (; j + KEY_BLOCK <= end; j += KEY_BLOCK) {
-    for (int c = 0; c < Q; ++c) {
-      __m256 s[8];
-      for (int b = 0; b < 8; ++b) s[b] = _mm256_setzero_ps();
-      for (int64_t e = 0; e < d; ++e) {
-        const float* row = keys + key_offset(d, e, j);
-        const __m256 qe = _mm256_set1_ps(q[c][e]);
-        for (int b = 0; b < 8; ++b) s[b] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(row + 8 * b), s[b]);
-      }
-      for (int b = 0; b < 8; ++b) _mm256_storeu_ps(&scores[c][j + 8 * b], s[b]);
-    }
-  }
-  if (j < end) {  // the last 16, 32 or 48 keys (one block's), in up to six ymm chains: the v16f loop below
-    // kept its sums on the stack here (16% of attention in an 8-row verify, perf)
-    const int64_t chains = (end - j) / 8;
-    for (int c = 0; c < Q; ++c) {
-      __m256 s[6];
-      for (int b = 0; b < 6; ++b) s[b] = _mm256_setzero_ps();
-      for (int64_t e = 0; e < d; ++e) {
-        const float* row = keys + key_offset(d, e, j);
-        const __m256 qe = _mm256_set1_ps(q[c][e]);
-        for (int b = 0; b < 6; ++b)
-          if (b < chains) s[b] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(row + 8 * b), s[b]);
-      }
-      for (int b = 0; b < chains; ++b) _mm256_storeu_ps(&scores[c][j + 8 * b], s[b]);
-    }
+  for (; j + KEY_BLOCK <= end; j += KEY_BLOCK)
+    for (int c = 0; c < Q; ++c) ymm_scores<8>(keys, q[c], d, j, 8, &scores[c][j]);
+  if (j < end) {  // the last 16, 32 or 48 keys (one block's): the v16f loop below kept its sums on the
+    // stack here too (16% of attention in an 8-row verify, perf)
+    for (int c = 0; c < Q; ++c) ymm_scores<6>(keys, q[c], d, j, (end - j) / 8, &scores[c][j]);
     j = end;
   }
 #endif
