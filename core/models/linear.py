@@ -125,8 +125,8 @@ class PackedLinear:
         self.zeros = (torch.empty(0) if zeros is None else zeros.to(torch.float32)).contiguous()
         # AVX2 and AVX512-VNNI builds hold the lane form, what the int8 kernels read; with int8 activations
         # it is the only form held (see hold_rows). OUTRIDER_LANE_TILES=0 leaves it out (to measure against).
-        lanes = self.kernels.HAS_LANE_TILES and os.environ.get("OUTRIDER_LANE_TILES", "1") != "0"
-        self.lanes = lane_form(kind, self.codes, self.scales, self.zeros, group, n_out, k) if lanes else []
+        use_lanes = self.kernels.HAS_LANE_TILES and os.environ.get("OUTRIDER_LANE_TILES", "1") != "0"
+        self.lanes = lane_form(kind, self.codes, self.scales, self.zeros, group, n_out, k) if use_lanes else []
         if self.lanes and self.kernels.int8_activations():
             self.codes, self.scales = self.codes.new_empty(0), self.scales.new_empty(0)
             self.zeros = self.zeros.new_empty(0)

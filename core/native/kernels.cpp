@@ -398,22 +398,31 @@ static void tile(const W& w, int64_t groups, const float* x, int64_t ldx, float*
   }
 }
 
+// `tile(std::integral_constant<int, R>{}, r0)` for rows r0 .. r0 + R - 1 of x: tiles of MAX rows, then one of the rest
+// (a tile's row count is a template argument, so its accumulators live in registers)
+template <int MAX, class Tile>
+static inline void over_row_tiles(int64_t rows, Tile&& tile) {
+  int64_t r = 0;
+  for (; r + MAX <= rows; r += MAX) tile(std::integral_constant<int, MAX>{}, r);
+  switch (rows - r) {
+    case 7: if constexpr (MAX > 7) { tile(std::integral_constant<int, 7>{}, r); } break;
+    case 6: if constexpr (MAX > 6) { tile(std::integral_constant<int, 6>{}, r); } break;
+    case 5: if constexpr (MAX > 5) { tile(std::integral_constant<int, 5>{}, r); } break;
+    case 4: if constexpr (MAX > 4) { tile(std::integral_constant<int, 4>{}, r); } break;
+    case 3: tile(std::integral_constant<int, 3>{}, r); break;
+    case 2: tile(std::integral_constant<int, 2>{}, r); break;
+    case 1: tile(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+
 template <class W>
 static void matmul(const W& w, int64_t groups, const float* x, int64_t rows, int64_t k, float* y, int64_t n_out) {
   // A grain of 16 output rows keeps the two halves of a small matrix on two threads.
   at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
-    int64_t r = 0;
-    for (; r + MAX_TILE <= rows; r += MAX_TILE) tile<W, MAX_TILE>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1);
-    switch (rows - r) {
-      case 7: if constexpr (MAX_TILE > 7) { tile<W, 7>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1); } break;
-      case 6: if constexpr (MAX_TILE > 6) { tile<W, 6>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1); } break;
-      case 5: if constexpr (MAX_TILE > 5) { tile<W, 5>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1); } break;
-      case 4: if constexpr (MAX_TILE > 4) { tile<W, 4>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1); } break;
-      case 3: tile<W, 3>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1); break;
-      case 2: tile<W, 2>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1); break;
-      case 1: tile<W, 1>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1); break;
-      default: break;
-    }
+    over_row_tiles<MAX_TILE>(rows, [&](auto row_count, int64_t r) {
+      tile<W, decltype(row_count)::value>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1);
+    });
   });
 }
 
@@ -1097,21 +1106,10 @@ constexpr int INT8_MAX_TILE = 8;
 template <class W>
 static void int8_matmul(const W& w, const float* scales, const float* zeros, const QuantizedRows& xq, float* y,
                         int64_t n_out) {
-  const int64_t rows = xq.rows;
   at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
-    int64_t r = 0;
-    for (; r + INT8_MAX_TILE <= rows; r += INT8_MAX_TILE)
-      int8_tile<W, INT8_MAX_TILE>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1);
-    switch (rows - r) {
-      case 7: int8_tile<W, 7>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); break;
-      case 6: int8_tile<W, 6>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); break;
-      case 5: int8_tile<W, 5>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); break;
-      case 4: int8_tile<W, 4>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); break;
-      case 3: int8_tile<W, 3>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); break;
-      case 2: int8_tile<W, 2>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); break;
-      case 1: int8_tile<W, 1>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1); break;
-      default: break;
-    }
+    over_row_tiles<INT8_MAX_TILE>(xq.rows, [&](auto row_count, int64_t r) {
+      int8_tile<W, decltype(row_count)::value>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1);
+    });
   });
 }
 
@@ -1354,21 +1352,10 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, const int32
 
 template <int KIND, int S>
 static void lane_matmul(const LaneWeights& w, const QuantizedRows& xq, const int32_t* starts, float* y, int64_t n_out) {
-  const int64_t rows = xq.rows;
   at::parallel_for(0, n_out / 16, 1, [&](int64_t b0, int64_t b1) {
-    int64_t r = 0;
-    for (; r + INT8_MAX_TILE <= rows; r += INT8_MAX_TILE)
-      lane_tile<KIND, S, INT8_MAX_TILE>(w, xq, starts, r, y + r * n_out, n_out, b0, b1);
-    switch (rows - r) {
-      case 7: lane_tile<KIND, S, 7>(w, xq, starts, r, y + r * n_out, n_out, b0, b1); break;
-      case 6: lane_tile<KIND, S, 6>(w, xq, starts, r, y + r * n_out, n_out, b0, b1); break;
-      case 5: lane_tile<KIND, S, 5>(w, xq, starts, r, y + r * n_out, n_out, b0, b1); break;
-      case 4: lane_tile<KIND, S, 4>(w, xq, starts, r, y + r * n_out, n_out, b0, b1); break;
-      case 3: lane_tile<KIND, S, 3>(w, xq, starts, r, y + r * n_out, n_out, b0, b1); break;
-      case 2: lane_tile<KIND, S, 2>(w, xq, starts, r, y + r * n_out, n_out, b0, b1); break;
-      case 1: lane_tile<KIND, S, 1>(w, xq, starts, r, y + r * n_out, n_out, b0, b1); break;
-      default: break;
-    }
+    over_row_tiles<INT8_MAX_TILE>(xq.rows, [&](auto row_count, int64_t r) {
+      lane_tile<KIND, S, decltype(row_count)::value>(w, xq, starts, r, y + r * n_out, n_out, b0, b1);
+    });
   });
 }
 
