@@ -94,14 +94,11 @@ def test_an_option_without_a_default_in_the_signature_is_refused():
 def test_every_built_in_plugin_declares_its_options_in_the_one_shape():
     import warnings
 
-    from outrider.registry import BUILTIN_MODULES, Registry
+    from outrider.registry import build_registry
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        registry = Registry()
-        for name in BUILTIN_MODULES:
-            registry.add_plugin(__import__(name, fromlist=["x"]), name, "built-in")
-        registry.collect()
+        registry = build_registry(third_party=False)
     assert registry.get("backend", "cpu").options["weights"].default == "compact"
 
 

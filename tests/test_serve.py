@@ -50,8 +50,7 @@ class Server:
         if draft_max is not None:
             flags["draft_max"] = draft_max
         config = resolve_config(flags, option_flags=options)
-        keys = {"api_keys": api_keys} if api_keys is not None else {}
-        self.app = create_app(assemble(config), config, queue_size=QUEUE_SIZE, **keys, **app_kwargs)
+        self.app = create_app(assemble(config), config, queue_size=QUEUE_SIZE, api_keys=api_keys, **app_kwargs)
         self.model_id = self.app.state.server.model_id
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

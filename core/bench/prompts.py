@@ -62,16 +62,13 @@ PROMPTS: dict[str, str] = {
 def prompt_ids(model_path: str | os.PathLike, text: str, chat: bool = True) -> tuple[list[int], bool]:
     """Token ids for `text` (chat template applied when the model has one and `chat`), and whether the
     template was applied. The same ids are fed to every engine, so tokenizers cannot differ."""
-    from outrider.errors import ModelFileError
     from outrider.io.chat import prompt_ids as chat_prompt_ids
+    from outrider.io.chat import template_or_raw_ids
     from outrider.io.gguf import GGUFFile
     from outrider.io.tokenizer import Tokenizer
 
     gguf = GGUFFile(model_path)
     tokenizer = Tokenizer.from_gguf(gguf)
     if chat:
-        try:
-            return chat_prompt_ids(gguf, tokenizer, text), True
-        except ModelFileError:  # no template in the file and none built in: raw text it is
-            pass
+        return template_or_raw_ids(gguf, tokenizer, text)
     return chat_prompt_ids(gguf, tokenizer, text, chat=False), False

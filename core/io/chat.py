@@ -96,6 +96,16 @@ def prompt_ids(gguf_file_or_metadata: GGUFFile | dict[str, Any] | None, tokenize
     return tokenizer.encode(apply_chat_template(gguf_file_or_metadata, tokenizer, messages), add_bos=False)
 
 
+def template_or_raw_ids(gguf_file_or_metadata: GGUFFile | dict[str, Any] | None, tokenizer: Tokenizer,
+                        text: str) -> tuple[list[int], bool]:
+    """`text` as a user turn of the chat template, or raw (the tokenizer's BOS first) where the model has
+    no template; and whether the template was applied (what bench and distill feed every model)."""
+    try:
+        return prompt_ids(gguf_file_or_metadata, tokenizer, text), True
+    except ModelFileError:
+        return prompt_ids(gguf_file_or_metadata, tokenizer, text, chat=False), False
+
+
 def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str:
     return tokenizer.tokens[token_id] if token_id is not None else ""
 

@@ -70,7 +70,6 @@ class StaticStepModel:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         scale = getattr(model, "embed_scale", None)
         self.embed_scale = None if scale is None else scale.to(self.device)
-        self.softcap = float(getattr(model.config, "final_logit_softcap", 0.0) or 0.0)
         self.rows = torch.arange(self.buckets[-1], device=self.device)
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
 
@@ -135,7 +134,7 @@ class StaticStepModel:
             attend = lambda qkv: self.static_attention(qkv, i, positions, cache, l, masks[l.window])
             x = decoder_layer(l, x, attend, stack.eps, stack.act)
         h = rms_norm(x, m.output_norm, m.config.eps)
-        return m.output(h, softcap=self.softcap), h
+        return m.output(h, softcap=m.logit_softcap), h
 
     @staticmethod
     def _mask(positions: torch.Tensor, cache: StaticKVCache, window: int | None) -> torch.Tensor:

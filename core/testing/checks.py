@@ -26,9 +26,14 @@ from outrider.spec.drafter import NEEDS_DRAFT_MODEL, Draft, DraftControls, reads
 from outrider.spec.random_streams import PositionRandom
 from outrider.spec.runner import Runner
 from outrider.spec.sampling import SamplingParams, warp
-from outrider.testing.fixtures import ARCHITECTURES, CheckSkipped, ContractFixtures, builtin_plugin
+from outrider.testing.fixtures import ARCHITECTURES, ContractFixtures, builtin_plugin
 from outrider.testing.stats import chi2_test, tv_distance
 from outrider.testing.toy import CopyingToyModel, ToyModel, exact_law, model_next_logits
+
+
+class CheckSkipped(Exception):
+    """The check does not apply to this plugin (a capability makes it meaningless, or hardware is missing)."""
+
 
 # A prompt with repeats, so drafters that look things up have something to find.
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]

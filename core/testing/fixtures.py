@@ -46,10 +46,6 @@ def plain_sampled(model: Any, prompt: list[int], n: int, params: SamplingParams)
     return tokens[len(prompt):]
 
 
-class CheckSkipped(Exception):
-    """The check does not apply to this plugin (a capability makes it meaningless, or hardware is missing)."""
-
-
 def builtin_plugin(kind: str, name: str):
     """A built-in plugin's class, found through the registry (the core imports no plugin module); the
     built-ins only, so no third-party package is loaded or can shadow one."""

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from outrider.errors import ConfigError
+from outrider.io.chat import template_or_raw_ids
 from outrider.models.llama import permute_qk
 from outrider.plugins.drafters.mtp.head import TrainableHead
 
@@ -103,17 +104,6 @@ def stdlib_texts(n: int, rng: random.Random, chars: int = 4000) -> list[str]:
         start = rng.randrange(0, max(1, len(text) - chars))
         texts.append(text[start:start + chars])
     return texts
-
-
-def _prompt_ids(gguf, tokenizer, text: str) -> list[int]:
-    """`text` as a user turn of the model's chat template, or raw when the model has none."""
-    from outrider.errors import ModelFileError
-    from outrider.io.chat import prompt_ids
-
-    try:
-        return prompt_ids(gguf, tokenizer, text)
-    except ModelFileError:
-        return prompt_ids(gguf, tokenizer, text, chat=False)
 
 
 @torch.inference_mode()
@@ -254,7 +244,7 @@ def training_text(model, g, tokenizer, settings: DistillSettings, budget: float,
     for i, text in enumerate(settings.prompts):
         if time.perf_counter() - t0 > budget:
             break
-        prompt = _prompt_ids(g, tokenizer, text)
+        prompt, _ = template_or_raw_ids(g, tokenizer, text)
         temperature = settings.temperature if i % 3 else 0.0
         sequences.append(prompt + generate(model, prompt, settings.generate_tokens, temperature, gen, stop))
         bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
@@ -392,7 +382,7 @@ def heldout_acceptance(model, g, tokenizer, sidecar: Path, n: int, draft_max: in
     runner = Runner(target, drafter, GreedyAcceptor(), draft_max=draft_max, context=1024)
     drafted, accepted = [0] * draft_max, [0] * draft_max
     for text in HELD_OUT_PROMPTS:
-        list(runner.generate(_prompt_ids(g, tokenizer, text), n, SamplingParams()))
+        list(runner.generate(template_or_raw_ids(g, tokenizer, text)[0], n, SamplingParams()))
         for j, (d, a) in enumerate(zip(runner.stats.drafted_at, runner.stats.accepted_at)):
             drafted[j] += d
             accepted[j] += a
