@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from oracles import gemma4_fixtures  # noqa: E402
 from oracles.gemma4_assistant import TransformersAssistant, cached_assistant, load_transformers_assistant  # noqa: E402
 from oracles.llama_cpp import ReferenceUnavailable  # noqa: E402
 
@@ -32,8 +33,6 @@ from outrider.spec.runner import Runner  # noqa: E402
 from outrider.spec.sampling import SamplingParams, warp  # noqa: E402
 from outrider.testing.fixtures import plain_greedy  # noqa: E402
 from outrider.testing.stats import chi2_test  # noqa: E402
-
-gemma4_fixtures = pytest.importorskip("oracles.gemma4_fixtures")
 
 PROMPT = [12, 40, 41, 42, 43, 12, 40, 41, 42, 43, 12, 40]
 TOP_K = 2  # the fixture assistants' centroid_intermediate_top_k
