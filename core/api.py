@@ -56,9 +56,7 @@ __all__ = [
     "Acceptor", "VerifyRound", "AcceptResult", "greedy_round", "sampled_round",
     # sampling
     "SamplingParams", "GREEDY_BELOW", "warp", "sample_at", "sample_rows", "argmax_token", "PositionRandom",
-    # the contract suite and its helpers (need pytest)
-    *_TESTING,
-]
+]  # the contract suite and its helpers (_TESTING) are attributes only: `import *` must not pull in pytest
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import time
@@ -158,17 +159,18 @@ def served_model_id(config: Config) -> str:
 
 def key_check(api_keys: list[str] | None):
     """A check of a request's `Authorization: Bearer KEY` against `api_keys` (None or empty: every request
-    passes), comparing with every key in constant time, so the answer's timing tells nothing about a key."""
-    keys = [key.encode() for key in api_keys or [] if key]
+    passes), comparing the SHA-256 of the given key with every key's in constant time: digests of one length,
+    so the answer's timing tells nothing about a key, its length included."""
+    keys = [hashlib.sha256(key.encode()).digest() for key in api_keys or [] if key]
 
     def check(request: Request) -> None:
         if not keys:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        given_bytes = given.strip().encode(errors="replace")
+        given_digest = hashlib.sha256(given.strip().encode(errors="replace")).digest()
         matched = False
         for key in keys:
-            matched |= hmac.compare_digest(key, given_bytes)
+            matched |= hmac.compare_digest(key, given_digest)
         if scheme.lower() != "bearer" or not matched:
             raise APIError(401, "a valid API key is required: send Authorization: Bearer <key>",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
