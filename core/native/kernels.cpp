@@ -1100,7 +1100,8 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
 
 // Rows of x per pass over the weights: 2 x 8 accumulators (zmm: 16 of 32 registers; ymm: all 16, so some
 // spill, and still 8 rows cost less than two passes of 4 once the weights do not fit the cache: Gemma 3 on
-// AVX2, 6 and 8 rows -18% and -11%)
+// x86-64-v3 AVX2 build (avx2, fma, f16c), one thread, 2-vCPU AMD EPYC: 6 and 8 rows -18% and -11%;
+// docs/bench/avx2.md, 'Eight rows per pass')
 constexpr int INT8_MAX_TILE = 8;
 
 template <class W>
