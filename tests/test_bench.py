@@ -254,6 +254,10 @@ with open({log!r}, "a") as log:
 if {fail}:
     print("error: failed to load model", file=sys.stderr)
     sys.exit(3)
+if "," in value("-p"):  # a cost curve: a k-token forward after -d tokens takes 10 ms x (1 + (k - 1) / 10)
+    print(json.dumps([{{"n_prompt": k, "n_gen": 0, "n_depth": int(value("-d")), "avg_ts": k / (0.01 * (1 + (k - 1) / 10))}}
+                      for k in map(int, value("-p").split(","))]))
+    sys.exit(0)
 # prompt processing at 400 tok/s, generation at 50 tok/s, as llama-bench -o json lists its tests
 print(json.dumps([{{"n_prompt": int(value("-p")), "n_gen": 0, "n_depth": 0, "avg_ts": 400.0}},
                   {{"n_prompt": 0, "n_gen": int(value("-n")), "n_depth": 0, "avg_ts": 50.0}}]))
@@ -319,6 +323,28 @@ def test_cli_bench_puts_llama_bench_beside_outrider(tiny, short_prompts, tmp_pat
     ours = cells[0]["runs"][0]["decode_tokens_per_s"]
     assert cells[0]["paired"]["vs_llama_bench"] == pytest.approx(ours / 50.0)
     assert "| vs llama-bench |" in result.output
+
+
+def test_cli_bench_cost_curve_puts_llama_bench_beside_outrider(tiny, short_prompts, tmp_path):
+    """With --cost-curve and a llama-bench, the peer's k-token forwards after the same 128-token prefix
+    (`-p 1,...,16 -n 0 -d 128`) stand beside ours, as ratios and times: the fake's pass costs
+    10 ms x (1 + (k - 1) / 10), so k = 16 is 2.5 steps and 25 ms."""
+    path, log = _fake_llama_bench(tmp_path)
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(main, ["bench", "--models", str(tiny), "--tokens", "3", "--runs", "1",
+                                       "--prompts", "story", "--temperatures", "0", "--drafters", "none",
+                                       "--engines", "outrider,llama-bench", "--llama-bench", str(path), "--cost-curve",
+                                       "--no-bandwidth", "--json-out", str(out), "--chart", ""])
+    assert result.exit_code == 0, result.output
+    calls = log.read_text().splitlines()
+    ks = ",".join(str(k) for k in range(1, 17))
+    assert f"-p {ks} -n 0 -d 128 -r 5 -o json" in calls[-1]
+    entry = json.loads(out.read_text())["models"][str(tiny)]
+    assert entry["peer_forward_cost_curve"]["llama-bench"]["16"] == pytest.approx(2.5)
+    assert entry["peer_forward_ms"]["llama-bench"]["1"] == pytest.approx(10.0)
+    assert entry["forward_cost_curve"]["1"] == 1.0 and len(entry["forward_ms"]) == 16
+    assert "| llama-bench cost | 1.00 | 1.10 |" in result.output
+    assert "| llama-bench ms | 10.00 | 11.00 |" in result.output
 
 
 def test_cli_bench_options_reach_every_outrider_configuration(tiny, short_prompts, tmp_path):

@@ -34,11 +34,19 @@ slow drifts of a shared machine hit all configurations alike; the report gives m
 median over rounds of the ratio within a round (`paired_ratio`).
 """
 
-from outrider.bench.costs import forward_cost_curve, read_bandwidth_gbs, stored_weight_bytes, tensor_bytes
+from outrider.bench.costs import (
+    forward_cost_curve,
+    forward_seconds,
+    read_bandwidth_gbs,
+    relative_costs,
+    stored_weight_bytes,
+    tensor_bytes,
+)
 from outrider.bench.engines import (
                                     DRAFTERS,
                                     ENGINES,
                                     Engine,
+                                    LlamaBenchEngine,
                                     LlamaCppEngine,
                                     OutriderEngine,
                                     TransformersEngine,
@@ -49,7 +57,7 @@ from outrider.bench.report import draw_chart, markdown, write_json
 from outrider.bench.results import RunResult, median, medians, paired_ratio
 from outrider.bench.run import DEFAULT_MODELS, DEFAULT_SAMPLINGS, BenchSettings, Sampling, run_bench
 
-__all__ = ["BenchSettings", "DEFAULT_MODELS", "DEFAULT_SAMPLINGS", "DRAFTERS", "ENGINES", "Engine", "LlamaCppEngine", "OutriderEngine",
-           "PROMPTS", "RunResult", "Sampling", "TransformersEngine", "draw_chart", "forward_cost_curve", "make_engines",
-           "markdown", "median", "medians", "paired_ratio", "prompt_ids", "read_bandwidth_gbs", "run_bench",
+__all__ = ["BenchSettings", "DEFAULT_MODELS", "DEFAULT_SAMPLINGS", "DRAFTERS", "ENGINES", "Engine", "LlamaBenchEngine", "LlamaCppEngine", "OutriderEngine",
+           "PROMPTS", "RunResult", "Sampling", "TransformersEngine", "draw_chart", "forward_cost_curve", "forward_seconds", "make_engines",
+           "markdown", "median", "medians", "paired_ratio", "prompt_ids", "read_bandwidth_gbs", "relative_costs", "run_bench",
            "stored_weight_bytes", "tensor_bytes", "write_json"]

@@ -74,8 +74,8 @@ def tensor_bytes(root: Any) -> int:
     return sum(counted.values())
 
 
-def forward_cost_curve(model, ks: Iterable[int], prompt_len: int = 128, reps: int = 5) -> dict[int, float]:
-    """Median time of one forward over k new tokens, relative to k = 1, after a prompt_len-token prefix."""
+def forward_seconds(model, ks: Iterable[int], prompt_len: int = 128, reps: int = 5) -> dict[int, float]:
+    """Median seconds of one forward over k new tokens after a prompt_len-token prefix, for each k."""
     ks = list(ks)
     high = min(1000, model.config.vocab_size)
     cache = model.new_cache(prompt_len + max(ks) + 1)
@@ -90,4 +90,15 @@ def forward_cost_curve(model, ks: Iterable[int], prompt_len: int = 128, reps: in
             times.append(time.perf_counter() - t)
             cache.truncate(prompt_len)
         seconds[k] = statistics.median(times)
-    return {k: seconds[k] / seconds[ks[0]] for k in ks}
+    return seconds
+
+
+def relative_costs(seconds: dict[int, float]) -> dict[int, float]:
+    """Each k's time over the first k's (the cost curve in single steps)."""
+    first = seconds[next(iter(seconds))]
+    return {k: v / first for k, v in seconds.items()}
+
+
+def forward_cost_curve(model, ks: Iterable[int], prompt_len: int = 128, reps: int = 5) -> dict[int, float]:
+    """Median time of one forward over k new tokens, relative to k = 1, after a prompt_len-token prefix."""
+    return relative_costs(forward_seconds(model, ks, prompt_len, reps))

@@ -166,19 +166,41 @@ class LlamaBenchEngine(Engine):
         n_prompt, n_gen = len(prompt_ids), n_tokens - 1  # the first new token counts to prefill, as for the others
         command = [self.binary, "-m", self.model_path, "-t", str(self.threads), "-p", str(n_prompt), "-n", str(n_gen),
                    "-d", "0", "-r", "1", "-o", "json"]
+        tests = self._tests(command)
+        try:
+            prefill = next(t for t in tests if t["n_prompt"] == n_prompt and t["n_gen"] == 0)
+            decode = next(t for t in tests if t["n_gen"] == n_gen and t["n_prompt"] == 0)
+        except (StopIteration, KeyError, TypeError):
+            raise OutriderError(f"llama-bench printed no prompt and generation tests for -p {n_prompt} -n {n_gen}: "
+                                f"{str(tests)[:200]!r}") from None
+        return RunResult(prefill_s=n_prompt / prefill["avg_ts"], decode_s=n_gen / decode["avg_ts"], n_prompt=n_prompt,
+                         n_generated=n_tokens, n_first=1)
+
+
+    def forward_seconds(self, ks: Iterable[int], prompt_len: int = 128, reps: int = 5) -> dict[int, float]:
+        """Seconds of one k-token forward after a prompt_len-token prefix, for each k: llama-bench's
+        prompt tests `-p k1,k2,... -d prompt_len` (its mean over reps), the peer's side of the cost curve."""
+        ks = list(ks)
+        command = [self.binary, "-m", self.model_path, "-t", str(self.threads), "-p", ",".join(map(str, ks)),
+                   "-n", "0", "-d", str(prompt_len), "-r", str(reps), "-o", "json"]
+        tests = self._tests(command)
+        try:
+            rates = {t["n_prompt"]: t["avg_ts"] for t in tests if t["n_gen"] == 0 and t.get("n_depth", prompt_len) == prompt_len}
+            return {k: k / rates[k] for k in ks}
+        except (KeyError, TypeError, ZeroDivisionError):
+            raise OutriderError(f"llama-bench printed no prompt tests for -p {','.join(map(str, ks))} -d {prompt_len}: "
+                                f"{str(tests)[:200]!r}") from None
+
+    def _tests(self, command: list[str]) -> list:
         done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise OutriderError(f"llama-bench exited with {done.returncode}: {last}")
         try:
             tests = json.loads(done.stdout)
-            prefill = next(t for t in tests if t["n_prompt"] == n_prompt and t["n_gen"] == 0)
-            decode = next(t for t in tests if t["n_gen"] == n_gen and t["n_prompt"] == 0)
-        except (ValueError, StopIteration, KeyError, TypeError):
-            raise OutriderError(f"llama-bench printed no prompt and generation tests for -p {n_prompt} -n {n_gen}: "
-                                f"{done.stdout[:200]!r}") from None
-        return RunResult(prefill_s=n_prompt / prefill["avg_ts"], decode_s=n_gen / decode["avg_ts"], n_prompt=n_prompt,
-                         n_generated=n_tokens, n_first=1)
+        except ValueError:
+            raise OutriderError(f"llama-bench printed no JSON: {done.stdout[:200]!r}") from None
+        return tests if isinstance(tests, list) else []
 
 
 def _counting(draft_class):

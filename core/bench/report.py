@@ -90,12 +90,19 @@ def markdown(report: dict[str, Any]) -> str:
                     lines.append(f"| {c['prompt']} | {_sampling(c)} | {c['config']} | {kind} | {shown} |")
         if entry.get("forward_cost_curve"):
             lines.append("")
-            lines.append("Outrider: cost of a k-token forward relative to a 1-token forward (median of 5):")
+            lines.append("Cost of a k-token forward after a 128-token prefix, relative to a 1-token forward, and its "
+                         "time (Outrider: median of 5; llama-bench: its mean of 5, `-p k -d 128`):")
             lines.append("")
             curve = entry["forward_cost_curve"]
             lines.append("| k | " + " | ".join(curve) + " |")
             lines.append("|---|" + "---|" * len(curve))
-            lines.append("| cost | " + " | ".join(f"{v:.2f}" for v in curve.values()) + " |")
+            lines.append("| Outrider cost | " + " | ".join(f"{v:.2f}" for v in curve.values()) + " |")
+            if entry.get("forward_ms"):
+                lines.append("| Outrider ms | " + " | ".join(f"{v:.2f}" for v in entry["forward_ms"].values()) + " |")
+            for label, theirs in (entry.get("peer_forward_cost_curve") or {}).items():
+                ms = (entry.get("peer_forward_ms") or {}).get(label, {})
+                lines.append(f"| {label} cost | " + " | ".join(f"{theirs[k]:.2f}" if k in theirs else "-" for k in curve) + " |")
+                lines.append(f"| {label} ms | " + " | ".join(f"{ms[k]:.2f}" if k in ms else "-" for k in curve) + " |")
     if report["notes"]:
         lines.append("")
         lines += [f"- {n}" for n in report["notes"]]

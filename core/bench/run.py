@@ -11,12 +11,13 @@ from typing import Any, Callable
 import torch
 
 from outrider.bench import prompts
-from outrider.bench.costs import forward_cost_curve, read_bandwidth_gbs, stored_weight_bytes
-from outrider.bench.engines import DRAFTERS, ENGINES, SINGLE_DRAFTERS, OutriderEngine, make_engines
+from outrider.bench.costs import forward_seconds, read_bandwidth_gbs, relative_costs, stored_weight_bytes
+from outrider.bench.engines import DRAFTERS, ENGINES, SINGLE_DRAFTERS, LlamaBenchEngine, OutriderEngine, make_engines
 from outrider.bench.results import add_ratios, medians
 from outrider.errors import ConfigError
 
 DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
+COST_CURVE_KS = range(1, 17)  # forward lengths of the cost curve: every verify a draft of up to 15 needs
 
 
 @dataclass(frozen=True)
@@ -173,8 +174,18 @@ def run_bench(settings: BenchSettings, echo: Callable[[str], None] = print) -> d
         add_ratios(entry["cells"])
 
         if settings.cost_curve and plain is not None:
-            curve = forward_cost_curve(plain.assembly.runner.target.model, range(1, 17))
-            entry["forward_cost_curve"] = {str(k): v for k, v in curve.items()}
+            seconds = forward_seconds(plain.assembly.runner.target.model, COST_CURVE_KS)
+            entry["forward_cost_curve"] = {str(k): v for k, v in relative_costs(seconds).items()}
+            entry["forward_ms"] = {str(k): 1e3 * v for k, v in seconds.items()}
+            for peer in (e for e in engines if isinstance(e, LlamaBenchEngine)):
+                try:  # the peer's verify cost beside ours: a ratio alone hides how fast the single step is
+                    theirs = peer.forward_seconds(COST_CURVE_KS)
+                except Exception as exc:
+                    note(f"{model}: {peer.label} cost curve skipped: {type(exc).__name__}: {exc}")
+                    continue
+                entry.setdefault("peer_forward_cost_curve", {})[peer.label] = {
+                    str(k): v for k, v in relative_costs(theirs).items()}
+                entry.setdefault("peer_forward_ms", {})[peer.label] = {str(k): 1e3 * v for k, v in theirs.items()}
         for engine in engines:
             engine.close()
         del engines, plain
