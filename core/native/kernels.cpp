@@ -1283,7 +1283,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, const int32
             const __m256i signed_c = _mm256_xor_si256(c, flip), magnitude = _mm256_abs_epi8(signed_c);
             for (int r = 0; r < R; ++r) {
               const __m256i xv = _mm256_set1_epi32(x_at(r)[i]);
-              __m256i& sum = i < 4 ? a[r] : e[r];
+              __m256i& sum = i < 4 || S == 1 ? a[r] : e[r];  // a group of 32: one sum (half the registers)
               if constexpr (HAS_DPBUSD256) sum = dot4_add(sum, c, xv);
               else sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, signed_c)), ones16));
             }
@@ -1715,6 +1715,21 @@ static inline void ymm_scores(const float* keys, const float* q, int64_t d, int6
   for (int b = 0; b < MAX; ++b)
     if (b < chains) _mm256_storeu_ps(out + 8 * b, s[b]);
 }
+
+// out[e0 .. e0 + 8 CHAINS) = inv x the sum over positions first..p of score x value, in that order
+template <int CHAINS>
+static inline void ymm_weighted_values(const float* values, const float* scores, int64_t first, int64_t p, int64_t d,
+                                       int64_t e0, float inv, float* out) {
+  __m256 acc[CHAINS];
+  for (int b = 0; b < CHAINS; ++b) acc[b] = _mm256_setzero_ps();
+  for (int64_t j = first; j <= p; ++j) {
+    const float* v = values + j * d + e0;
+    const __m256 weight = _mm256_set1_ps(scores[j]);
+    for (int b = 0; b < CHAINS; ++b) acc[b] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + 8 * b), acc[b]);
+  }
+  const __m256 scale = _mm256_set1_ps(inv);
+  for (int b = 0; b < CHAINS; ++b) _mm256_storeu_ps(out + e0 + 8 * b, _mm256_mul_ps(acc[b], scale));
+}
 #endif
 
 template <int Q>
@@ -1792,23 +1807,16 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
   }
   const float* values = a.vc + g * a.v_len * d;
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  for (int c = 0; c < Q; ++c) {
+  for (int c = 0; c < Q; ++c)
     for (int64_t e0 = 0; e0 < d; e0 += 64) {
-      const int64_t chunks = std::min<int64_t>(8, (d - e0) / 8);
-      __m256 acc[8];
-      for (int b = 0; b < 8; ++b) acc[b] = _mm256_setzero_ps();
-      for (j = first; j <= p; ++j) {
-        const float* v = values + j * d + e0;
-        const __m256 weight = _mm256_set1_ps(scores[c][j]);
-        for (int b = 0; b < 8; ++b) {
-          if (b >= chunks) break;
-          acc[b] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + 8 * b), acc[b]);
-        }
+      // the chains' count a template argument: a test of it per position and chain cost 10% of attention
+      switch (std::min<int64_t>(8, (d - e0) / 8)) {  // d is a multiple of 16
+        case 8: ymm_weighted_values<8>(values, scores[c], first, p, d, e0, inv[c], out + c * d); break;
+        case 6: ymm_weighted_values<6>(values, scores[c], first, p, d, e0, inv[c], out + c * d); break;
+        case 4: ymm_weighted_values<4>(values, scores[c], first, p, d, e0, inv[c], out + c * d); break;
+        default: ymm_weighted_values<2>(values, scores[c], first, p, d, e0, inv[c], out + c * d); break;
       }
-      const __m256 scale = _mm256_set1_ps(inv[c]);
-      for (int b = 0; b < chunks; ++b) _mm256_storeu_ps(out + c * d + e0 + 8 * b, _mm256_mul_ps(acc[b], scale));
     }
-  }
   return;
 #endif
   for (int64_t e0 = 0; e0 < d; e0 += 64) {
