@@ -386,7 +386,7 @@ ROW_NAMES = ["w.Q4_0", "w.Q4_K", "w.Q5_0", "w.Q5_K", "w.Q8_0", "w.Q5_1", "w.Q6_K
 @pytest.mark.parametrize("name", ROW_NAMES)
 def test_each_output_row_is_bitwise_independent_of_the_others(kernels, weights, name, mode):
     """lin(x) for the first T of 40 rows equals those rows' one-row calls exactly, for every T in 1..40
-    (full tiles of 8 or 4 rows, and every remainder), with and without the fused steps, with float32 and
+    (full tiles of 16, 8 or 4 rows, and every remainder), with and without the fused steps, with float32 and
     with int8 activations (each row quantized on its own). Only calls marked `prompt` may sum in another
     order."""
     if mode == "int8" and not kernels.HAS_INT8_KERNELS:
