@@ -297,7 +297,9 @@ def _split(values: tuple[str, ...]) -> list[str]:
               help="Apply the model's chat template (raw text when the file has none).")
 @click.option("--bandwidth/--no-bandwidth", default=True, show_default=True,
               help="Measure DRAM read bandwidth and print the bound it puts on decode speed.")
-@click.option("--cost-curve", is_flag=True, help="Also print Outrider's k-token forward cost curve.")
+@click.option("--cost-curve", is_flag=True,
+              help="Also print the k-token forward cost curve (k = 1..16) and its times: Outrider's, and "
+                   "llama-bench's when it is an engine.")
 @click.option("-o", "--option", "options", type=(str, str), multiple=True, metavar="KEY VALUE",
               help="Plugin option for every Outrider configuration, e.g. `-o backend.activations float32`.")
 @click.option("--llama-bench", "llama_bench", default="", envvar="LLAMA_BENCH", type=click.Path(dir_okay=False),

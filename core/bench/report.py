@@ -91,7 +91,8 @@ def markdown(report: dict[str, Any]) -> str:
         if entry.get("forward_cost_curve"):
             lines.append("")
             lines.append("Cost of a k-token forward after a 128-token prefix, relative to a 1-token forward, and its "
-                         "time (Outrider: median of 5; llama-bench: its mean of 5, `-p k -d 128`):")
+                         "time (Outrider: every row's logits, median of 5; llama-bench: `-p k -d 128`, a prompt, so its last "
+                         "row's logits only, the cheaper job, mean of 5):")
             lines.append("")
             curve = entry["forward_cost_curve"]
             lines.append("| k | " + " | ".join(curve) + " |")
