@@ -57,7 +57,8 @@ from outrider.bench.report import draw_chart, markdown, write_json
 from outrider.bench.results import RunResult, median, medians, paired_ratio
 from outrider.bench.run import DEFAULT_MODELS, DEFAULT_SAMPLINGS, BenchSettings, Sampling, run_bench
 
-__all__ = ["BenchSettings", "DEFAULT_MODELS", "DEFAULT_SAMPLINGS", "DRAFTERS", "ENGINES", "Engine", "LlamaBenchEngine", "LlamaCppEngine", "OutriderEngine",
-           "PROMPTS", "RunResult", "Sampling", "TransformersEngine", "draw_chart", "forward_cost_curve", "forward_seconds", "make_engines",
-           "markdown", "median", "medians", "paired_ratio", "prompt_ids", "read_bandwidth_gbs", "relative_costs", "run_bench",
-           "stored_weight_bytes", "tensor_bytes", "write_json"]
+__all__ = ["BenchSettings", "DEFAULT_MODELS", "DEFAULT_SAMPLINGS", "DRAFTERS", "ENGINES", "Engine", "LlamaBenchEngine",
+           "LlamaCppEngine", "OutriderEngine", "PROMPTS", "RunResult", "Sampling", "TransformersEngine", "draw_chart",
+           "forward_cost_curve", "forward_seconds", "make_engines", "markdown", "median", "medians", "paired_ratio",
+           "prompt_ids", "read_bandwidth_gbs", "relative_costs", "run_bench", "stored_weight_bytes", "tensor_bytes",
+           "write_json"]

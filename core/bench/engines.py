@@ -185,7 +185,8 @@ class LlamaBenchEngine(Engine):
                    "-n", "0", "-d", str(prompt_len), "-r", str(reps), "-o", "json"]
         tests = self._tests(command)
         try:
-            rates = {t["n_prompt"]: t["avg_ts"] for t in tests if t["n_gen"] == 0 and t.get("n_depth", prompt_len) == prompt_len}
+            rates = {t["n_prompt"]: t["avg_ts"] for t in tests
+                     if t["n_gen"] == 0 and t.get("n_depth", prompt_len) == prompt_len}
             return {k: k / rates[k] for k in ks}
         except (KeyError, TypeError, ZeroDivisionError):
             raise OutriderError(f"llama-bench printed no prompt tests for -p {','.join(map(str, ks))} -d {prompt_len}: "

@@ -90,9 +90,9 @@ def markdown(report: dict[str, Any]) -> str:
                     lines.append(f"| {c['prompt']} | {_sampling(c)} | {c['config']} | {kind} | {shown} |")
         if entry.get("forward_cost_curve"):
             lines.append("")
-            lines.append("Cost of a k-token forward after a 128-token prefix, relative to a 1-token forward, and its "
-                         "time (Outrider: every row's logits, median of 5; llama-bench: `-p k -d 128`, a prompt, so its last "
-                         "row's logits only, the cheaper job, mean of 5):")
+            lines.append("Cost of a k-token forward after a 128-token prefix, relative to a 1-token forward, and "
+                         "its time (Outrider: every row's logits, median of 5; llama-bench: `-p k -d 128`, a prompt, "
+                         "so its last row's logits only, the cheaper job, mean of 5):")
             lines.append("")
             curve = entry["forward_cost_curve"]
             lines.append("| k | " + " | ".join(curve) + " |")
@@ -102,7 +102,8 @@ def markdown(report: dict[str, Any]) -> str:
                 lines.append("| Outrider ms | " + " | ".join(f"{v:.2f}" for v in entry["forward_ms"].values()) + " |")
             for label, theirs in (entry.get("peer_forward_cost_curve") or {}).items():
                 ms = (entry.get("peer_forward_ms") or {}).get(label, {})
-                lines.append(f"| {label} cost | " + " | ".join(f"{theirs[k]:.2f}" if k in theirs else "-" for k in curve) + " |")
+                lines.append(f"| {label} cost | " + " | ".join(f"{theirs[k]:.2f}" if k in theirs else "-"
+                                                           for k in curve) + " |")
                 lines.append(f"| {label} ms | " + " | ".join(f"{ms[k]:.2f}" if k in ms else "-" for k in curve) + " |")
     if report["notes"]:
         lines.append("")
