@@ -398,30 +398,22 @@ static void tile(const W& w, int64_t groups, const float* x, int64_t ldx, float*
   }
 }
 
+// the last tile: `rest` rows, 0 <= rest < MAX, as a template argument
+template <int N, class Tile>
+static inline void last_row_tile(int64_t rest, int64_t r, Tile& tile) {
+  if constexpr (N > 0) {
+    if (rest == N) tile(std::integral_constant<int, N>{}, r);
+    else last_row_tile<N - 1>(rest, r, tile);
+  }
+}
+
 // `tile(std::integral_constant<int, R>{}, r0)` for rows r0 .. r0 + R - 1 of x: tiles of MAX rows, then one of the rest
 // (a tile's row count is a template argument, so its accumulators live in registers)
 template <int MAX, class Tile>
 static inline void over_row_tiles(int64_t rows, Tile&& tile) {
   int64_t r = 0;
   for (; r + MAX <= rows; r += MAX) tile(std::integral_constant<int, MAX>{}, r);
-  switch (rows - r) {
-    case 15: if constexpr (MAX > 15) { tile(std::integral_constant<int, 15>{}, r); } break;
-    case 14: if constexpr (MAX > 14) { tile(std::integral_constant<int, 14>{}, r); } break;
-    case 13: if constexpr (MAX > 13) { tile(std::integral_constant<int, 13>{}, r); } break;
-    case 12: if constexpr (MAX > 12) { tile(std::integral_constant<int, 12>{}, r); } break;
-    case 11: if constexpr (MAX > 11) { tile(std::integral_constant<int, 11>{}, r); } break;
-    case 10: if constexpr (MAX > 10) { tile(std::integral_constant<int, 10>{}, r); } break;
-    case 9: if constexpr (MAX > 9) { tile(std::integral_constant<int, 9>{}, r); } break;
-    case 8: if constexpr (MAX > 8) { tile(std::integral_constant<int, 8>{}, r); } break;
-    case 7: if constexpr (MAX > 7) { tile(std::integral_constant<int, 7>{}, r); } break;
-    case 6: if constexpr (MAX > 6) { tile(std::integral_constant<int, 6>{}, r); } break;
-    case 5: if constexpr (MAX > 5) { tile(std::integral_constant<int, 5>{}, r); } break;
-    case 4: if constexpr (MAX > 4) { tile(std::integral_constant<int, 4>{}, r); } break;
-    case 3: tile(std::integral_constant<int, 3>{}, r); break;
-    case 2: tile(std::integral_constant<int, 2>{}, r); break;
-    case 1: tile(std::integral_constant<int, 1>{}, r); break;
-    default: break;
-  }
+  last_row_tile<MAX - 1>(rows - r, r, tile);
 }
 
 template <class W>
