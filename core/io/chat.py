@@ -82,7 +82,7 @@ def apply_chat_template(gguf_file_or_metadata: GGUFFile | dict[str, Any], tokeni
         raise OutriderError(f"the chat template rejected the conversation: {error}") from None
 
 
-def prompt_ids(gguf_file_or_metadata: GGUFFile | dict[str, Any] | None, tokenizer: Tokenizer,
+def prompt_ids(gguf_file_or_metadata: GGUFFile | dict[str, Any], tokenizer: Tokenizer,
                prompt: str | list[dict], chat: bool = True) -> list[int]:
     """The token ids the model reads for `prompt`: with `chat`, the messages (a string is one user message)
     rendered by the chat template, then encoded as they are (the template writes any BOS itself); without,
@@ -96,7 +96,7 @@ def prompt_ids(gguf_file_or_metadata: GGUFFile | dict[str, Any] | None, tokenize
     return tokenizer.encode(apply_chat_template(gguf_file_or_metadata, tokenizer, messages), add_bos=False)
 
 
-def template_or_raw_ids(gguf_file_or_metadata: GGUFFile | dict[str, Any] | None, tokenizer: Tokenizer,
+def template_or_raw_ids(gguf_file_or_metadata: GGUFFile | dict[str, Any], tokenizer: Tokenizer,
                         text: str) -> tuple[list[int], bool]:
     """`text` as a user turn of the chat template, or raw (the tokenizer's BOS first) where the model has
     no template; and whether the template was applied (what bench and distill feed every model)."""

@@ -170,7 +170,7 @@ def completion_request(body: Any, defaults: ServerDefaults, tokenizer) -> Genera
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        prompt_ids = chat_prompt_ids(None, tokenizer, prompt, chat=False)
+        prompt_ids = tokenizer.encode(prompt)  # the completions endpoint's raw text, BOS first
     elif (isinstance(prompt, list) and prompt
           and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < tokenizer.vocab_size for t in prompt)):
         prompt_ids = list(prompt)
