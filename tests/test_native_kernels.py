@@ -732,7 +732,7 @@ cache = model.new_cache(64)
 tokens = torch.arange(3, 3 + 24) * 7 % 1000
 with native.activations("int8"):
     model.forward(tokens[:16], 0, cache)
-    torch.save(model.forward(tokens[16:], 16, cache), sys.argv[2])
+    torch.save((model.forward(tokens[16:], 16, cache), native.load().HAS_DPBUSD256), sys.argv[2])
 """
 
 
@@ -750,6 +750,7 @@ def test_avx_vnni_gives_the_avx2_builds_bits(which, smollm2_path, gemma3_path, t
                               env=dict(os.environ, OUTRIDER_NATIVE_MARCH=march), capture_output=True, text=True,
                               timeout=900)
         assert done.returncode == 0, done.stderr[-2000:]
-    plain, vnni = (torch.load(p) for p in out.values())
+    (plain, plain_dpbusd), (vnni, vnni_dpbusd) = (torch.load(p) for p in out.values())
+    assert (plain_dpbusd, vnni_dpbusd) == (False, True)  # each build took the path it is named for
     assert plain.shape == (8, plain.shape[1]) and torch.isfinite(plain).all()
     assert torch.equal(plain, vnni)

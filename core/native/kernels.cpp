@@ -527,6 +527,7 @@ struct QuantizedRows {
   int64_t rows = 0, k = 0, groups = 0;
   std::vector<int8_t> q;
   std::vector<float> d, sum32, sum16;
+  std::vector<int32_t> code_sums16;  // the sum of x's codes per 16 (as integers: the int8 lanes' starts)
   // x laid out for the tiles' four-group steps (prepare_vnni_rows, prepare_quad_rows): codes, rows x k,
   // and each block's d spread over the lanes its group takes, rows x groups x 8
   std::vector<uint8_t> stepped;
@@ -550,6 +551,7 @@ static void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedRows
   const int64_t groups = k / 32;
   out.rows = rows, out.k = k, out.groups = groups;
   out.q.resize(rows * k), out.d.resize(rows * groups), out.sum32.resize(rows * groups), out.sum16.resize(rows * groups * 2);
+  out.code_sums16.resize(rows * groups * 2);
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   const __m256i ones16 = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < rows * groups; ++b) {
@@ -583,6 +585,7 @@ static void quantize_rows(const float* x, int64_t rows, int64_t k, QuantizedRows
     out.sum32[b] = d * static_cast<float>(lo + hi);
     out.sum16[2 * b] = d * static_cast<float>(lo);
     out.sum16[2 * b + 1] = d * static_cast<float>(hi);
+    out.code_sums16[2 * b] = lo, out.code_sums16[2 * b + 1] = hi;
   }
 }
 
@@ -1168,7 +1171,7 @@ constexpr int64_t LANE_PREFETCH_BYTES = 4096;
 
 #if defined(INT8_VNNI512)
 template <int KIND, int S, int R>
-static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, const int32_t* starts, int64_t r0, float* y,
+static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0, float* y,
                       int64_t ldy, int64_t b0, int64_t b1) {
   constexpr int64_t BYTES = KIND == KIND_Q4 ? 256 : KIND == KIND_Q5 ? 320 : 512;
   const int64_t groups = xq.groups, k = xq.k, count = groups * S;
@@ -1190,9 +1193,9 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, const int32
         const __m512 ws_a = _mm512_loadu_ps(s + g * S * 16), ws_b = S == 2 ? _mm512_loadu_ps(s + g * S * 16 + 16) : ws_a;
         for (int r = 0; r < R; ++r) {
           const int32_t* x = reinterpret_cast<const int32_t*>(xq.q.data() + (r0 + r) * k + g * 32);
-          const int32_t* st = starts + ((r0 + r) * groups + g) * 2;  // per half: -128 x sum(x)
-          __m512i a = _mm512_set1_epi32(S == 1 ? st[0] + st[1] : st[0]);
-          __m512i e = S == 1 ? _mm512_setzero_si512() : _mm512_set1_epi32(st[1]);
+          const int32_t* sums = xq.code_sums16.data() + ((r0 + r) * groups + g) * 2;  // each sum starts at -128 x sum(x)
+          __m512i a = _mm512_set1_epi32(-128 * (S == 1 ? sums[0] + sums[1] : sums[0]));
+          __m512i e = S == 1 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * sums[1]);
           for (int i = 0; i < 4; ++i) {
             a = _mm512_dpbusd_epi32(a, c[i], _mm512_set1_epi32(x[i]));
             e = _mm512_dpbusd_epi32(e, c[4 + i], _mm512_set1_epi32(x[4 + i]));
@@ -1251,7 +1254,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, const int32
 // AVX-VNNI, dpbusd chains as above. int8 codes (+ 128: maddubs' pairs could overflow int16) take their
 // sign back, and meet x as |w| and x with w's sign, a madd per register; with AVX-VNNI, dpbusd.
 template <int KIND, int S, int R>
-static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, const int32_t* starts, int64_t r0, float* y,
+static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0, float* y,
                       int64_t ldy, int64_t b0, int64_t b1) {
   constexpr int64_t BYTES = KIND == KIND_Q4 ? 256 : KIND == KIND_Q5 ? 320 : 512;
   const int64_t groups = xq.groups, k = xq.k, count = groups * S;
@@ -1274,9 +1277,9 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, const int32
           const __m256 ws_a = _mm256_loadu_ps(s + g * S * 16), ws_b = S == 2 ? _mm256_loadu_ps(s + g * S * 16 + 16) : ws_a;
           __m256i a[R], e[R];
           for (int r = 0; r < R; ++r) {
-            const int32_t* st = starts + ((r0 + r) * groups + g) * 2;
-            a[r] = HAS_DPBUSD256 ? _mm256_set1_epi32(S == 1 ? st[0] + st[1] : st[0]) : _mm256_setzero_si256();
-            e[r] = HAS_DPBUSD256 && S == 2 ? _mm256_set1_epi32(st[1]) : _mm256_setzero_si256();
+            const int32_t* sums = xq.code_sums16.data() + ((r0 + r) * groups + g) * 2;
+            a[r] = HAS_DPBUSD256 ? _mm256_set1_epi32(-128 * (S == 1 ? sums[0] + sums[1] : sums[0])) : _mm256_setzero_si256();
+            e[r] = HAS_DPBUSD256 && S == 2 ? _mm256_set1_epi32(-128 * sums[1]) : _mm256_setzero_si256();
           }
           for (int i = 0; i < 8; ++i) {
             const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 64 * i));
@@ -1284,8 +1287,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, const int32
             for (int r = 0; r < R; ++r) {
               const __m256i xv = _mm256_set1_epi32(x_at(r)[i]);
               __m256i& sum = i < 4 || S == 1 ? a[r] : e[r];  // a group of 32: one sum (half the registers)
-              if constexpr (HAS_DPBUSD256) sum = dot4_add(sum, c, xv);
-              else sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, signed_c)), ones16));
+              sum = HAS_DPBUSD256 ? dot4_add(sum, c, xv) : dot4_add(sum, magnitude, _mm256_sign_epi8(xv, signed_c));
             }
           }
           for (int r = 0; r < R; ++r) {
@@ -1352,18 +1354,19 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, const int32
 #endif
 
 // Rows of x per pass over a lane-form weight: a verify of up to 16 rows (a draft of 15) reads the weights
-// once; at 8 a ninth row paid a second pass, nearly a step. zmm: 16 accumulators and 8 registers of codes
+// once; at 8 a ninth row paid a second pass, nearly a step (the 9-row times below against 8 rows'
+// 6.69 / 12.62 ms native and 15.42 / 27.99 ms x86-64-v3, same runs). zmm: 16 accumulators and 8 registers of codes
 // in 32; ymm: spilled, as at 8, and still fewer passes. 2-vCPU AMD EPYC, one thread, 9 / 12 / 16 rows
 // (benchmarks/activations.py, ms): native (avx512_vnni) SmolLM2 8.37 / 9.87 / 11.72 -> 6.95 / 8.38 /
 // 10.41, Gemma 3 19.13 / 20.66 / 23.25 -> 13.32 / 15.42 / 18.14; x86-64-v3 (avx2, fma, f16c) SmolLM2
-// 17.93 / 22.77 / 29.25 -> 15.73 / 20.34 / 26.40, Gemma 3 36.12 / 43.27 / 54.48 -> 29.73 / 41.14 / 55.42.
+// 17.93 / 22.77 / 29.25 -> 15.73 / 20.34 / 26.40, Gemma 3 36.12 / 43.27 / 54.48 -> 29.73 / 41.14 / 55.42 (no gain at 16 there).
 constexpr int LANE_MAX_TILE = 16;
 
 template <int KIND, int S>
-static void lane_matmul(const LaneWeights& w, const QuantizedRows& xq, const int32_t* starts, float* y, int64_t n_out) {
+static void lane_matmul(const LaneWeights& w, const QuantizedRows& xq, float* y, int64_t n_out) {
   at::parallel_for(0, n_out / 16, 1, [&](int64_t b0, int64_t b1) {
     over_row_tiles<LANE_MAX_TILE>(xq.rows, [&](auto row_count, int64_t r) {
-      lane_tile<KIND, S, decltype(row_count)::value>(w, xq, starts, r, y + r * n_out, n_out, b0, b1);
+      lane_tile<KIND, S, decltype(row_count)::value>(w, xq, r, y + r * n_out, n_out, b0, b1);
     });
   });
 }
@@ -1375,17 +1378,11 @@ static void run_lane_matmul(int64_t kind, int64_t group, const std::vector<torch
   QuantizedRows xq;
   quantize_rows(x, rows, k, xq);
   const LaneWeights w{lanes[0].data_ptr<uint8_t>(), lanes[1].data_ptr<float>(), held(lanes[2])};
-  if (kind == KIND_Q4) return lane_matmul<KIND_Q4, 1>(w, xq, nullptr, y, n_out);
-  if (kind == KIND_Q5) return lane_matmul<KIND_Q5, 1>(w, xq, nullptr, y, n_out);
+  if (kind == KIND_Q4) return lane_matmul<KIND_Q4, 1>(w, xq, y, n_out);
+  if (kind == KIND_Q5) return lane_matmul<KIND_Q5, 1>(w, xq, y, n_out);
   TORCH_CHECK(kind == KIND_Q8 && (group == 32 || group == 16), "linear: no lane tile for kind ", kind);
-  std::vector<int32_t> starts(rows * k / 16);  // -128 x the sum of x's codes per 16
-  for (int64_t i = 0; i < rows * k / 16; ++i) {
-    int32_t sum = 0;
-    for (int j = 0; j < 16; ++j) sum += xq.q[i * 16 + j];
-    starts[i] = -128 * sum;
-  }
-  if (group == 32) lane_matmul<KIND_Q8, 1>(w, xq, starts.data(), y, n_out);
-  else lane_matmul<KIND_Q8, 2>(w, xq, starts.data(), y, n_out);
+  if (group == 32) lane_matmul<KIND_Q8, 1>(w, xq, y, n_out);
+  else lane_matmul<KIND_Q8, 2>(w, xq, y, n_out);
 }
 #else
 constexpr bool HAS_LANE_TILES = false;
@@ -1708,20 +1705,30 @@ struct AttendArgs {
 // Q heads h0..h0+Q-1 of token t (at position p), all of kv group g: each head's scores, softmax and
 // weighted values are the same float operations, in the same order, as if it were computed alone.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// Scores of one query over keys j .. j + 8 * chains - 1 (within one key block), each a sum over e in
-// order, in `chains` <= MAX ymm chains.
-template <int MAX>
-static inline void ymm_scores(const float* keys, const float* q, int64_t d, int64_t j, int64_t chains, float* out) {
-  __m256 s[MAX];
-  for (int b = 0; b < MAX; ++b) s[b] = _mm256_setzero_ps();
+// Scores of one query over keys j .. j + 8 CHAINS - 1 (within one key block), each a sum over e in order
+template <int CHAINS>
+static inline void ymm_scores(const float* keys, const float* q, int64_t d, int64_t j, float* out) {
+  __m256 s[CHAINS];
+  for (int b = 0; b < CHAINS; ++b) s[b] = _mm256_setzero_ps();
   for (int64_t e = 0; e < d; ++e) {
     const float* row = keys + key_offset(d, e, j);
     const __m256 qe = _mm256_set1_ps(q[e]);
-    for (int b = 0; b < MAX; ++b)
-      if (b < chains) s[b] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(row + 8 * b), s[b]);
+    for (int b = 0; b < CHAINS; ++b) s[b] = _mm256_fmadd_ps(qe, _mm256_loadu_ps(row + 8 * b), s[b]);
   }
-  for (int b = 0; b < MAX; ++b)
-    if (b < chains) _mm256_storeu_ps(out + 8 * b, s[b]);
+  for (int b = 0; b < CHAINS; ++b) _mm256_storeu_ps(out + 8 * b, s[b]);
+}
+
+// f(std::integral_constant<int, N>{}) for n = N = 2, 4, 6 or 8 ymm chains (16-float steps: n is even). The
+// count is a template argument: a test of it per position and chain cost 10% of attention in an 8-row
+// verify (x86-64-v3 build: avx2, fma, f16c; 2-vCPU AMD EPYC; perf)
+template <class F>
+static inline void with_chains(int64_t n, F&& f) {
+  switch (n) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    default: f(std::integral_constant<int, 2>{}); break;
+  }
 }
 
 // out[e0 .. e0 + 8 CHAINS) = inv x the sum over positions first..p of score x value, in that order
@@ -1762,12 +1769,14 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
   int64_t j = begin;
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   // GCC moved the 64-byte vectors of the loop below through the stack on AVX2 (a quarter of a decode
-  // step, perf): the same sums, one head at a time, in eight ymm chains
+  // step; x86-64-v3 build, 2-vCPU AMD EPYC, perf): the same sums, one head at a time, in eight ymm chains
   for (; j + KEY_BLOCK <= end; j += KEY_BLOCK)
-    for (int c = 0; c < Q; ++c) ymm_scores<8>(keys, q[c], d, j, 8, &scores[c][j]);
+    for (int c = 0; c < Q; ++c) ymm_scores<8>(keys, q[c], d, j, &scores[c][j]);
   if (j < end) {  // the last 16, 32 or 48 keys (one block's): the v16f loop below kept its sums on the
-    // stack here too (16% of attention in an 8-row verify, perf)
-    for (int c = 0; c < Q; ++c) ymm_scores<6>(keys, q[c], d, j, (end - j) / 8, &scores[c][j]);
+    // stack here too (16% of attention in an 8-row verify, same build and machine, perf)
+    with_chains((end - j) / 8, [&](auto chains) {
+      for (int c = 0; c < Q; ++c) ymm_scores<decltype(chains)::value>(keys, q[c], d, j, &scores[c][j]);
+    });
     j = end;
   }
 #endif
@@ -1817,13 +1826,9 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
   for (int c = 0; c < Q; ++c)
     for (int64_t e0 = 0; e0 < d; e0 += 64) {
-      // the chains' count a template argument: a test of it per position and chain cost 10% of attention
-      switch (std::min<int64_t>(8, (d - e0) / 8)) {  // d is a multiple of 16
-        case 8: ymm_weighted_values<8>(values, scores[c], first, p, d, e0, inv[c], out + c * d); break;
-        case 6: ymm_weighted_values<6>(values, scores[c], first, p, d, e0, inv[c], out + c * d); break;
-        case 4: ymm_weighted_values<4>(values, scores[c], first, p, d, e0, inv[c], out + c * d); break;
-        default: ymm_weighted_values<2>(values, scores[c], first, p, d, e0, inv[c], out + c * d); break;
-      }
+      with_chains(std::min<int64_t>(8, (d - e0) / 8), [&](auto chains) {  // d is a multiple of 16
+        ymm_weighted_values<decltype(chains)::value>(values, scores[c], first, p, d, e0, inv[c], out + c * d);
+      });
     }
   return;
 #endif
@@ -2077,6 +2082,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("HAS_INT8_KERNELS") = py::bool_(HAS_INT8_KERNELS);
   m.attr("PREFERS_INT8") = py::bool_(PREFERS_INT8);
   m.attr("HAS_LANE_TILES") = py::bool_(HAS_LANE_TILES);
+#if defined(__AVX2__) && defined(__FMA__)
+  m.attr("HAS_DPBUSD256") = py::bool_(HAS_DPBUSD256);  // 256-bit dpbusd in the AVX2 tiles (else maddubs + madd)
+#else
+  m.attr("HAS_DPBUSD256") = py::bool_(false);
+#endif
   m.def("set_int8_activations", &set_int8_activations, "quantized weights meet int8 (true) or float32 activations");
   m.def("int8_activations", [] { return int8_activations.load(); });
 }
