@@ -510,7 +510,9 @@ def test_a_weight_held_for_int8_gives_the_row_form_back_exactly(int8_kernels, we
         rows_too = _packed(g, names)
     assert rows_too.codes.numel() > 0
     x = torch.randn(5, COLS, generator=torch.Generator().manual_seed(9))
+    _assert_matmul_close(lanes_only(x), _as_the_int8_kernels_see_it(x) @ torch.cat([reference[n] for n in names]).T)
     assert torch.equal(lanes_only(x), rows_too(x))  # both int8, both lane tiles
+    assert lanes_only.tensors() == lanes_only.lanes  # what a forward reads, for the bandwidth figures
     ids = torch.tensor([0, 17, 95, 17, 40])
     assert torch.equal(lanes_only.rows(ids), rows_too.rows(ids))
     torch.testing.assert_close(lanes_only.rows(ids).double(), torch.cat([reference[n] for n in names])[ids],
@@ -521,6 +523,23 @@ def test_a_weight_held_for_int8_gives_the_row_form_back_exactly(int8_kernels, we
         assert torch.equal(lanes_only.zeros, rows_too.zeros)
         assert held.codes.data_ptr() == lanes_only.codes.data_ptr()
         assert torch.equal(lanes_only(x), rows_too(x))
+        assert [t.data_ptr() for t in lanes_only.tensors()] == [t.data_ptr() for t in
+                                                                (lanes_only.codes, lanes_only.scales, lanes_only.zeros)]
+
+
+def test_a_weight_made_inside_an_int8_block_takes_its_rows_when_the_block_ends(int8_kernels, weights):
+    """`activations("int8")` as a block returns to float32 the way use_activations does, so a weight loaded
+    inside it (held in its lane form only) gets its row form back and still runs, with float32's result."""
+    if not int8_kernels.HAS_LANE_TILES or os.environ.get("OUTRIDER_LANE_TILES") == "0":
+        pytest.skip("no lane tiles: this build has none, or OUTRIDER_LANE_TILES=0")
+    g, reference = weights
+    x = torch.randn(3, COLS, generator=torch.Generator().manual_seed(4))
+    with activations("float32"):
+        with activations("int8"):
+            lin = _packed(g, ["w.Q4_K"])
+            assert lin.codes.numel() == 0
+        assert lin.codes.numel() > 0
+        _assert_matmul_close(lin(x), x.double() @ reference["w.Q4_K"].T)
 
 
 def test_int8_activations_carry_a_nan_to_its_row_only(int8_kernels, weights):

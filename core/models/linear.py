@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from outrider.errors import ConfigError
+from outrider import native
 from outrider.io.gguf import GGUFFile
 from outrider.native import when_float32
 from outrider.native.codes import ACTIVATIONS as ACTIVATION_CODES
@@ -116,8 +117,6 @@ class StackedLinear(DenseLinear):
 class PackedLinear:
     def __init__(self, kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  group: int, n_out: int, k: int):
-        from outrider import native
-
         self.kernels = native.load()
         self.kind, self.group, self.n_out, self.k = kind, group, n_out, k
         self.codes = codes.contiguous()
@@ -164,7 +163,11 @@ class PackedLinear:
         return self.kernels.dequantize_rows(ids, self.kind, self.codes, self.scales, self.zeros, self.group, self.k)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.scales, self.zeros, *self.lanes]
+        """The tensors a forward reads: the lane form with int8 activations, else the row form (with float32
+        ones both are held, and only the rows are read)."""
+        if self.lanes and self.kernels.int8_activations():
+            return list(self.lanes)
+        return [self.codes, self.scales, self.zeros]
 
 
 LANES = 16  # weight rows per block of the lane form
@@ -197,9 +200,7 @@ def lane_form(kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch
         nibbles = g[..., :16].reshape(blocks, LANES, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256)
         c = nibbles
         if kind == KIND_Q5:  # bit 4 of each code as 64-bit masks: (low, high) x four dwords, bit 4j + t
-            word = g[..., 16:].to(torch.int64)
-            word = word[..., 0] | word[..., 1] << 8 | word[..., 2] << 16 | word[..., 3] << 24
-            bits = ((word.unsqueeze(-1) >> torch.arange(32)) & 1).to(torch.uint8)  # [block, 16, groups, 32]
+            bits = torch.from_numpy(_high_bits(g[..., 16:].contiguous().numpy(), 32))  # [block x 16 x groups, 32]
             bits = bits.reshape(blocks, LANES, groups, 2, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(-1, 64)
             masks = torch.from_numpy(np.packbits(bits.numpy(), axis=-1, bitorder="little")).reshape(blocks, groups, 64)
             c = torch.cat([nibbles, masks], dim=-1)

@@ -170,5 +170,5 @@ def activations(mode: str):
     use_activations(mode)
     try:
         yield
-    finally:
-        kernels.set_int8_activations(before)
+    finally:  # through use_activations: back to float32, weights made inside the block take their rows too
+        use_activations("int8" if before else "float32")

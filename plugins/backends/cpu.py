@@ -6,7 +6,6 @@ the kernels quantize activations to int8 first (the fast path on AVX2) or keep t
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 import torch
 
@@ -45,7 +44,7 @@ def _return_freed_memory() -> None:
     pages glibc keeps; hand them back, or the process's resident size stays about 20% above what the model
     holds (Gemma 3 270M, native build, int8 activations, loaded alone: 812 -> 675 MB). Elsewhere than glibc, nothing to do."""
     try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        ctypes.CDLL(None).malloc_trim(0)  # the loaded libc (find_library would run ldconfig per load)
     except (OSError, AttributeError):
         pass
 
