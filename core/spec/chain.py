@@ -10,11 +10,11 @@ from typing import Any
 
 from outrider.registry import PluginSpec
 from outrider.spec.drafter import (
-    DEFAULT_KIND,
     Draft,
     DraftControls,
     DraftKind,
     Target,
+    kind_asker,
     may_give_draft_probs,
     reads_the_target,
 )
@@ -42,7 +42,8 @@ class DrafterChain:
         self.gives_draft_probs = all(getattr(d, "gives_draft_probs", False) for d in drafters)
         self.may_give_draft_probs = any(may_give_draft_probs(d) for d in drafters)
         self._kinds: dict[tuple[int, DraftKind], DraftKind] = {}
-        self._member_kinds = [getattr(d, "draft_kind", None) or (lambda tokens: DEFAULT_KIND) for d in drafters]
+        self._member_kinds = [kind_asker(d) for d in drafters]
+        self._picked: tuple[list[int], int, int] | None = None  # (tokens, their length, member) draft_kind chose
         if reads_the_target(self):
             self.observe = self._observe
 
@@ -64,9 +65,11 @@ class DrafterChain:
                 d.observe(hidden, start, cache)
 
     def draft_kind(self, tokens: list[int]) -> DraftKind | None:
+        self._picked = None
         for i, ask in enumerate(self._member_kinds):
             kind = ask(tokens)
             if kind is not None:
+                self._picked = (tokens, len(tokens), i)
                 key = (i, kind)
                 if key not in self._kinds:
                     self._kinds[key] = DraftKind(f"{self.names[i]}:{kind.name}", kind.prior)
@@ -74,14 +77,19 @@ class DrafterChain:
         return None
 
     def propose(self, tokens: list[int], k: int) -> Draft:
+        # the runner asked draft_kind of these very tokens first: the members before the one it picked have
+        # no draft, and that one has, so neither is asked again (a lookup member's match ran thrice a round)
+        picked, self._picked = self._picked, None
+        first = picked[2] if picked and picked[0] is tokens and picked[1] == len(tokens) else None
         upkeep = 0.0  # what the members asked spent keeping up with the target (not drafting)
-        for d, ask in zip(self.drafters, self._member_kinds):
-            if ask(tokens) is not None:
-                draft = d.propose(tokens, k)
-                upkeep += draft.upkeep_s
-                if draft.tokens:
-                    draft.upkeep_s = upkeep
-                    return draft
+        for i in range(first or 0, len(self.drafters)):
+            if i != first and self._member_kinds[i](tokens) is None:
+                continue
+            draft = self.drafters[i].propose(tokens, k)
+            upkeep += draft.upkeep_s
+            if draft.tokens:
+                draft.upkeep_s = upkeep
+                return draft
         return Draft(upkeep_s=upkeep)
 
 

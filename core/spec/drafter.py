@@ -114,6 +114,11 @@ class DrafterBase:
         return draft_loop(k, next_logits, self.params, self.controls, sample, self.draws, len(tokens))
 
 
+def kind_asker(drafter: Any) -> Callable[[list[int]], DraftKind | None]:
+    """`drafter.draft_kind`, or, for a drafter that does not say, one that always answers DEFAULT_KIND."""
+    return getattr(drafter, "draft_kind", None) or (lambda tokens: DEFAULT_KIND)
+
+
 def may_give_draft_probs(drafter: Any) -> bool:
     """Whether some of `drafter`'s rounds may carry q rows: `may_give_draft_probs` where it says (a chain
     whose members differ), else `gives_draft_probs`."""

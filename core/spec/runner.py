@@ -17,7 +17,7 @@ import torch
 
 from outrider.errors import OutriderError
 from outrider.spec.acceptance import VerifyRound, as_acceptor
-from outrider.spec.drafter import DEFAULT_KIND, Draft, DraftControls, Target, may_give_draft_probs, reads_the_target
+from outrider.spec.drafter import Draft, DraftControls, Target, kind_asker, may_give_draft_probs, reads_the_target
 from outrider.spec.length_policy import AdaptiveDraftLength, FixedDraftLength
 from outrider.spec.random_streams import PositionRandom
 from outrider.spec.sampling import SamplingParams
@@ -142,7 +142,7 @@ class Runner:
                                         timed=not self.lengths_change_the_output(params))
         rng = PositionRandom(params.seed)
         model, cache, acceptor = self.target.model, self.cache, self.acceptor
-        draft_kind = getattr(self.drafter, "draft_kind", None) or (lambda tokens: DEFAULT_KIND)
+        draft_kind = kind_asker(self.drafter)
         observe = self.drafter.observe if reads_the_target(self.drafter) else None
         max_tokens = min(max_tokens, self.context - len(prompt))
 
