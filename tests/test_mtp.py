@@ -363,3 +363,7 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
             logits, h = drafting.forward(torch.tensor(tokens[end - 1:end]), shifted(hidden)[end - 1:end], end - 1)
             torch.testing.assert_close(h[-1].float(), want_h[end - 1], atol=2e-4, rtol=1e-4)
             torch.testing.assert_close(logits, want_logits[end - 1], atol=2e-4, rtol=1e-4)
+            if model.logit_softcap:  # applied, not only read: softcapped logits lie within +-cap (by hand)
+                assert logits.abs().max() < model.logit_softcap
+    if model.logit_softcap:
+        assert want_logits.abs().max() < model.logit_softcap

@@ -127,10 +127,14 @@ class Gemma3(Decoder):
         local = local_layers(g, i + 1)[i]
         return self._weights(i, _Layer(g, i, self.linear_form, self.dtype, self.device), local)
 
+    def position(self, local: bool):
+        """(rotary, window) of a local (sliding-window) or global layer: window None for global ones."""
+        if local:
+            return self.local_rotary, self.config.sliding_window or None
+        return self.global_rotary, None
+
     def _weights(self, i: int, l: _Layer, local: bool | None = None) -> LayerWeights:
-        local = self.config.is_local[i] if local is None else local
-        rotary = self.local_rotary if local else self.global_rotary
-        window = (self.config.sliding_window or None) if local else None
+        rotary, window = self.position(self.config.is_local[i] if local is None else local)
         return LayerWeights(l.wqkv, l.wo, l.w_gate_up, l.w_down, l.attn_norm, l.ffn_norm, rotary, window, l.q_norm,
                             l.k_norm, l.post_attn_norm, l.post_ffn_norm)
 

@@ -116,9 +116,8 @@ class TrainableHead(torch.nn.Module):
         if self.arch == "gemma3":
             for name in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
                 self.w[name] = param(load(name))
-            local = local_layers(g, cfg.n_layers + 1)[cfg.n_layers]  # block n_layers, as the drafter reads it
-            rotary = model.local_rotary if local else model.global_rotary
-            window = cfg.sliding_window if local else None
+            # block n_layers, local or global as the drafter reads it
+            rotary, window = model.position(local_layers(g, cfg.n_layers + 1)[cfg.n_layers])
         else:
             rotary, window = model.rotary, None
         w, lin = self.w, lambda *names: StackedLinear(*(self.w[n] for n in names))
