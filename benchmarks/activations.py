@@ -23,13 +23,6 @@ from outrider.io.gguf import GGUFFile
 from outrider.plugins.backends.cpu import CPUBackend
 
 MODES = ("float32", "int8")
-EXTENSIONS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "amx_int8")
-
-
-def vector_extensions() -> list[str]:
-    """The CPU's vector extensions that decide which kernels run (lscpu's names), to print beside every figure."""
-    flags = set(native._cpu_flags().split())
-    return [name for name in EXTENSIONS if name in flags]
 
 
 def main() -> None:
@@ -43,7 +36,8 @@ def main() -> None:
                         help="forwards as a prompt: logits of the last row only (llama-bench -p compares with this)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"CPU vector extensions: {' '.join(vector_extensions()) or 'none of ' + ' '.join(EXTENSIONS)}; "
+    extensions = " ".join(native.vector_extensions()) or "none of " + " ".join(native.VECTOR_EXTENSIONS)
+    print(f"CPU vector extensions: {extensions}; "
           f"kernels built with {' '.join(native.cflags())}")
     for path in args.models:
         model = CPUBackend().load_model(GGUFFile(path))

@@ -255,8 +255,10 @@ if {fail}:
     print("error: failed to load model", file=sys.stderr)
     sys.exit(3)
 if "," in value("-p"):  # a cost curve: a k-token forward after -d tokens takes 10 ms x (1 + (k - 1) / 10)
-    print(json.dumps([{{"n_prompt": k, "n_gen": 0, "n_depth": int(value("-d")), "avg_ts": k / (0.01 * (1 + (k - 1) / 10))}}
-                      for k in map(int, value("-p").split(","))]))
+    tests = [{{"n_prompt": k, "n_gen": 0, "n_depth": int(value("-d")), "avg_ts": k / (0.01 * (1 + (k - 1) / 10))}}
+             for k in map(int, value("-p").split(","))]
+    # and, last, a test at another depth and speed, which the cost curve must not read
+    print(json.dumps(tests + [{{"n_prompt": 1, "n_gen": 0, "n_depth": 0, "avg_ts": 1.0}}]))
     sys.exit(0)
 # prompt processing at 400 tok/s, generation at 50 tok/s, as llama-bench -o json lists its tests
 print(json.dumps([{{"n_prompt": int(value("-p")), "n_gen": 0, "n_depth": 0, "avg_ts": 400.0}},
@@ -345,6 +347,7 @@ def test_cli_bench_cost_curve_puts_llama_bench_beside_outrider(tiny, short_promp
     assert entry["forward_cost_curve"]["1"] == 1.0 and len(entry["forward_ms"]) == 16
     assert "| llama-bench cost | 1.00 | 1.10 |" in result.output
     assert "| llama-bench ms | 10.00 | 11.00 |" in result.output
+    assert "CPU vector extensions: " in result.output  # which kernels ran, beside the figures
 
 
 def test_cli_bench_options_reach_every_outrider_configuration(tiny, short_prompts, tmp_path):

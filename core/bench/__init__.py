@@ -43,14 +43,14 @@ from outrider.bench.costs import (
     tensor_bytes,
 )
 from outrider.bench.engines import (
-                                    DRAFTERS,
-                                    ENGINES,
-                                    Engine,
-                                    LlamaBenchEngine,
-                                    LlamaCppEngine,
-                                    OutriderEngine,
-                                    TransformersEngine,
-                                    make_engines,
+    DRAFTERS,
+    ENGINES,
+    Engine,
+    LlamaBenchEngine,
+    LlamaCppEngine,
+    OutriderEngine,
+    TransformersEngine,
+    make_engines,
 )
 from outrider.bench.prompts import PROMPTS, prompt_ids
 from outrider.bench.report import draw_chart, markdown, write_json

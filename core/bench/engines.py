@@ -164,9 +164,7 @@ class LlamaBenchEngine(Engine):
 
     def run(self, prompt_ids, n_tokens, temperature, top_p, seed):
         n_prompt, n_gen = len(prompt_ids), n_tokens - 1  # the first new token counts to prefill, as for the others
-        command = [self.binary, "-m", self.model_path, "-t", str(self.threads), "-p", str(n_prompt), "-n", str(n_gen),
-                   "-d", "0", "-r", "1", "-o", "json"]
-        tests = self._tests(command)
+        tests = self._tests(str(n_prompt), n_gen, depth=0, reps=1)
         try:
             prefill = next(t for t in tests if t["n_prompt"] == n_prompt and t["n_gen"] == 0)
             decode = next(t for t in tests if t["n_gen"] == n_gen and t["n_prompt"] == 0)
@@ -176,14 +174,11 @@ class LlamaBenchEngine(Engine):
         return RunResult(prefill_s=n_prompt / prefill["avg_ts"], decode_s=n_gen / decode["avg_ts"], n_prompt=n_prompt,
                          n_generated=n_tokens, n_first=1)
 
-
     def forward_seconds(self, ks: Iterable[int], prompt_len: int = 128, reps: int = 5) -> dict[int, float]:
         """Seconds of one k-token forward after a prompt_len-token prefix, for each k: llama-bench's
         prompt tests `-p k1,k2,... -d prompt_len` (its mean over reps), the peer's side of the cost curve."""
         ks = list(ks)
-        command = [self.binary, "-m", self.model_path, "-t", str(self.threads), "-p", ",".join(map(str, ks)),
-                   "-n", "0", "-d", str(prompt_len), "-r", str(reps), "-o", "json"]
-        tests = self._tests(command)
+        tests = self._tests(",".join(map(str, ks)), 0, depth=prompt_len, reps=reps)
         try:
             rates = {t["n_prompt"]: t["avg_ts"] for t in tests
                      if t["n_gen"] == 0 and t.get("n_depth", prompt_len) == prompt_len}
@@ -192,7 +187,10 @@ class LlamaBenchEngine(Engine):
             raise OutriderError(f"llama-bench printed no prompt tests for -p {','.join(map(str, ks))} -d {prompt_len}: "
                                 f"{str(tests)[:200]!r}") from None
 
-    def _tests(self, command: list[str]) -> list:
+    def _tests(self, prompts: str, n_gen: int, depth: int, reps: int) -> list:
+        """llama-bench's JSON list of tests for `-p prompts -n n_gen -d depth -r reps` on this model."""
+        command = [self.binary, "-m", self.model_path, "-t", str(self.threads), "-p", prompts, "-n", str(n_gen),
+                   "-d", str(depth), "-r", str(reps), "-o", "json"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]

@@ -31,6 +31,10 @@ def markdown(report: dict[str, Any]) -> str:
                  "of the ratio within a run, which the machine's drift from run to run does not move."
                  + (" T@p is temperature T with top-p p (0.7@0.95 is what chat front-ends send)."
                     if any("@" in _sampling(c) for e in report["models"].values() for c in e["cells"]) else ""))
+    machine = report["machine"]
+    if "vector_extensions" in machine:  # which kernels ran: name them beside every figure
+        lines.append(f"CPU vector extensions: {' '.join(machine['vector_extensions']) or 'none of note'}; "
+                     f"Outrider's kernels built with {' '.join(machine.get('kernel_cflags', []))}.")
     if bandwidth:
         lines.append(f"Measured DRAM read bandwidth: {bandwidth:.1f} GB/s.")
     for model, entry in report["models"].items():
@@ -90,9 +94,11 @@ def markdown(report: dict[str, Any]) -> str:
                     lines.append(f"| {c['prompt']} | {_sampling(c)} | {c['config']} | {kind} | {shown} |")
         if entry.get("forward_cost_curve"):
             lines.append("")
-            lines.append("Cost of a k-token forward after a 128-token prefix, relative to a 1-token forward, and "
-                         "its time (Outrider: every row's logits, median of 5; llama-bench: `-p k -d 128`, a prompt, "
-                         "so its last row's logits only, the cheaper job, mean of 5):")
+            setup = entry.get("forward_cost_setup", {"prefix": 128, "reps": 5})  # the earlier reports' setup
+            prefix, reps = setup["prefix"], setup["reps"]
+            lines.append(f"Cost of a k-token forward after a {prefix}-token prefix, relative to a 1-token forward, "
+                         f"and its time (Outrider: every row's logits, median of {reps}; llama-bench: `-p k -d "
+                         f"{prefix}`, a prompt, so its last row's logits only, the cheaper job, mean of {reps}):")
             lines.append("")
             curve = entry["forward_cost_curve"]
             lines.append("| k | " + " | ".join(curve) + " |")

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from outrider import native
 from outrider.bench import prompts
 from outrider.bench.costs import forward_seconds, read_bandwidth_gbs, relative_costs, stored_weight_bytes
 from outrider.bench.engines import DRAFTERS, ENGINES, SINGLE_DRAFTERS, LlamaBenchEngine, OutriderEngine, make_engines
@@ -18,6 +19,7 @@ from outrider.errors import ConfigError
 
 DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
 COST_CURVE_KS = range(1, 17)  # forward lengths of the cost curve: every verify a draft of up to 15 needs
+COST_CURVE_PREFIX, COST_CURVE_REPS = 128, 5  # tokens in the cache before each forward; forwards per k
 
 
 @dataclass(frozen=True)
@@ -174,12 +176,14 @@ def run_bench(settings: BenchSettings, echo: Callable[[str], None] = print) -> d
         add_ratios(entry["cells"])
 
         if settings.cost_curve and plain is not None:
-            seconds = forward_seconds(plain.assembly.runner.target.model, COST_CURVE_KS)
+            seconds = forward_seconds(plain.assembly.runner.target.model, COST_CURVE_KS, COST_CURVE_PREFIX,
+                                      COST_CURVE_REPS)
+            entry["forward_cost_setup"] = {"prefix": COST_CURVE_PREFIX, "reps": COST_CURVE_REPS}
             entry["forward_cost_curve"] = {str(k): v for k, v in relative_costs(seconds).items()}
             entry["forward_ms"] = {str(k): 1e3 * v for k, v in seconds.items()}
             for peer in (e for e in engines if isinstance(e, LlamaBenchEngine)):
                 try:  # the peer's verify cost beside ours: a ratio alone hides how fast the single step is
-                    theirs = peer.forward_seconds(COST_CURVE_KS)
+                    theirs = peer.forward_seconds(COST_CURVE_KS, COST_CURVE_PREFIX, COST_CURVE_REPS)
                 except Exception as exc:
                     note(f"{model}: {peer.label} cost curve skipped: {type(exc).__name__}: {exc}")
                     continue
@@ -196,7 +200,8 @@ def run_bench(settings: BenchSettings, echo: Callable[[str], None] = print) -> d
 
 def _machine() -> dict[str, Any]:
     info = {"platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "vector_extensions": native.vector_extensions(),
+            "kernel_cflags": native.cflags()}
     for package in ("llama_cpp", "transformers"):
         try:
             module = __import__(package)
