@@ -25,6 +25,7 @@ from outrider.registry import Registry, default_registry
 from outrider.serve.metrics import ServerMetrics
 from outrider.serve.requests import GenerationRequest
 from outrider.serve.stop_text import StopText
+from outrider.spec import runner
 from outrider.spec.runner import GenerationStats
 from outrider.spec.sampling import SamplingParams
 
@@ -47,13 +48,11 @@ def holder(thread_id: int | None) -> str:
     """What the worker thread is in: the function the runner called last (a plugin's `propose`, `accept`,
     the backend's `forward`), as module:qualname, or the innermost frame when the runner is not on the stack."""
     frame = sys._current_frames().get(thread_id) if thread_id is not None else None
-    runner_module, innermost, inner, callee = GenerationStats.__module__, frame, None, None
-    while frame is not None:  # innermost out: the first runner frame is the one that made the call
-        if frame.f_globals.get("__name__") == runner_module:
-            callee = inner or frame
-            break
+    innermost, inner = frame, None
+    while frame is not None and frame.f_globals.get("__name__") != runner.__name__:  # innermost out
         inner, frame = frame, frame.f_back
-    callee = callee or innermost
+    # what the first runner frame called (itself, when it is innermost); without one, the innermost frame
+    callee = (inner or frame) if frame is not None else innermost
     if callee is None:
         return "unknown"
     return f"{callee.f_globals.get('__name__', '?')}:{getattr(callee.f_code, 'co_qualname', callee.f_code.co_name)}"
