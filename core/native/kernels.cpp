@@ -1159,6 +1159,9 @@ static bool run_int8_matmul(int64_t, const torch::Tensor&, const torch::Tensor&,
 // row, as w + 128 (unsigned: dpbusd's unsigned side, against x's signed codes; the 128 x sum(x) this adds
 // is taken off by starting each sum at -128 x sum(x), a number per row and group). Scales and zeros as
 // [block][group x S][16].
+// bytes of one block of 16 rows and one group of 32 codes in the lane form
+constexpr int64_t lane_group_bytes(int64_t kind) { return kind == KIND_Q4 ? 256 : kind == KIND_Q5 ? 320 : 512; }
+
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool HAS_LANE_TILES = true;
 
@@ -1173,7 +1176,7 @@ constexpr int64_t LANE_PREFETCH_BYTES = 4096;
 template <int KIND, int S, int R>
 static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0, float* y,
                       int64_t ldy, int64_t b0, int64_t b1) {
-  constexpr int64_t BYTES = KIND == KIND_Q4 ? 256 : KIND == KIND_Q5 ? 320 : 512;
+  constexpr int64_t BYTES = lane_group_bytes(KIND);
   const int64_t groups = xq.groups, k = xq.k, count = groups * S;
   const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   for (int64_t b = b0; b < b1; ++b) {
@@ -1256,7 +1259,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
 template <int KIND, int S, int R>
 static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0, float* y,
                       int64_t ldy, int64_t b0, int64_t b1) {
-  constexpr int64_t BYTES = KIND == KIND_Q4 ? 256 : KIND == KIND_Q5 ? 320 : 512;
+  constexpr int64_t BYTES = lane_group_bytes(KIND);
   const int64_t groups = xq.groups, k = xq.k, count = groups * S;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones16 = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = b0; b < b1; ++b)
@@ -1629,7 +1632,7 @@ std::vector<torch::Tensor> lane_rows(torch::Tensor rows, int64_t kind, std::vect
               "lane_rows: a lane form is 3 tensors of a 4-, 5- or 8-bit weight");
   auto idx = rows.to(torch::kInt64).contiguous();
   const int64_t n = idx.numel(), groups = k / 32, count = groups * (kind == KIND_Q8 ? 32 / group : 1);
-  const int64_t lane_bytes = kind == KIND_Q4 ? 256 : kind == KIND_Q5 ? 320 : 512;
+  const int64_t lane_bytes = lane_group_bytes(kind);
   const int64_t row_bytes = kind == KIND_Q4 ? 16 : kind == KIND_Q5 ? 20 : 32;
   const int64_t blocks = lanes[1].numel() / (count * 16);
   torch::Tensor codes = torch::empty({n, groups * row_bytes}, torch::dtype(kind == KIND_Q8 ? torch::kInt8 : torch::kUInt8));
