@@ -113,8 +113,9 @@ def signature_default(factory: Callable[..., Any], name: str) -> Any:
 def _as_option(name: str, value: Any, factory: Callable[..., Any]) -> Option:
     """An option is declared `(type, help)`; its default is the factory's own (declared once, in the
     signature, so a direct call and the registry agree). 0.1's other shapes, `(type, default, help)`,
-    `(type, default)` and an `Option`, still work in this release, with a DeprecationWarning, and must agree
-    with the signature where it has a default."""
+    `(type, default)` with a default that is not a string and an `Option`, still work in this release, with a
+    DeprecationWarning, and must agree with the signature where it has a default. (A 0.1 `(str, "auto")` reads
+    as `(type, help)`: its default then comes from the signature, which 0.1 required to agree anyway.)"""
     own = signature_default(factory, name)
     label = getattr(factory, "__qualname__", repr(factory))
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str):
