@@ -1186,13 +1186,41 @@ struct LaneWeights {
 
 constexpr int64_t LANE_PREFETCH_BYTES = 4096;
 
+// What a lane tile's R rows of x give each group (codes, scale d, the sums the zeros multiply), copied
+// group-major once per tile: a group's rows then sit at fixed offsets from one pointer. At their own
+// addresses the rows took R general registers, spilled in an 8-row tile (2-vCPU AMD EPYC, one thread,
+// 1 / 2 / 4 / 8 rows, ms: x86-64-v3 build (avx2, fma, f16c), Gemma 3 9.1 / 11.2 / 15.8 / 27.1 -> 8.8 /
+// 10.4 / 14.9 / 25.4; native (avx512_vnni) 8 rows, SmolLM2 5.6 -> 5.2, Gemma 3 11.5 -> 10.5).
+template <int R, int S>
+struct GroupMajorRows {
+  std::unique_ptr<int8_t[]> code_bytes;
+  std::unique_ptr<float[]> scales, zero_sums;
+  GroupMajorRows(const QuantizedRows& xq, int64_t r0)
+      : code_bytes(new int8_t[xq.groups * R * 32]), scales(new float[xq.groups * R]),
+        zero_sums(new float[xq.groups * S * R]) {
+    const int64_t groups = xq.groups;
+    for (int64_t g = 0; g < groups; ++g)
+      for (int r = 0; r < R; ++r) {
+        std::memcpy(&code_bytes[(g * R + r) * 32], xq.q.data() + (r0 + r) * xq.k + g * 32, 32);
+        scales[g * R + r] = xq.d[(r0 + r) * groups + g];
+        for (int h = 0; h < S; ++h)
+          zero_sums[(g * S + h) * R + r] = S == 1 ? xq.sum32[(r0 + r) * groups + g] : xq.sum16[((r0 + r) * groups + g) * 2 + h];
+      }
+  }
+  // the group's 32 codes of row r, four to a dword
+  const int32_t* codes(int64_t g, int r) const { return reinterpret_cast<const int32_t*>(&code_bytes[(g * R + r) * 32]); }
+  float d(int64_t g, int r) const { return scales[g * R + r]; }
+  float zero_sum(int64_t g, int h, int r) const { return zero_sums[(g * S + h) * R + r]; }
+};
+
 #if defined(INT8_VNNI512)
 template <int KIND, int S, int R>
 static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0, float* y,
                       int64_t ldy, int64_t b0, int64_t b1) {
   constexpr int64_t BYTES = lane_group_bytes(KIND);
-  const int64_t groups = xq.groups, k = xq.k, count = groups * S;
+  const int64_t groups = xq.groups, count = groups * S;
   const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  const GroupMajorRows<R, S> rows(xq, r0);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* p = w.codes + b * groups * BYTES;
     const float* s = w.scales + b * count * 16;
@@ -1209,7 +1237,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
         for (int i = 0; i < 8; ++i) c[i] = _mm512_loadu_si512(pg + 64 * i);
         const __m512 ws_a = _mm512_loadu_ps(s + g * S * 16), ws_b = S == 2 ? _mm512_loadu_ps(s + g * S * 16 + 16) : ws_a;
         for (int r = 0; r < R; ++r) {
-          const int32_t* x = reinterpret_cast<const int32_t*>(xq.q.data() + (r0 + r) * k + g * 32);
+          const int32_t* x = rows.codes(g, r);
           const int32_t* sums = xq.code_sums16.data() + ((r0 + r) * groups + g) * 2;  // each sum starts at -128 x sum(x)
           __m512i a = _mm512_set1_epi32(-128 * (S == 1 ? sums[0] + sums[1] : sums[0]));
           __m512i e = S == 1 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * sums[1]);
@@ -1217,7 +1245,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
             a = _mm512_dpbusd_epi32(a, c[i], _mm512_set1_epi32(x[i]));
             e = _mm512_dpbusd_epi32(e, c[4 + i], _mm512_set1_epi32(x[4 + i]));
           }
-          const __m512 d = _mm512_set1_ps(xq.d[(r0 + r) * groups + g]);
+          const __m512 d = _mm512_set1_ps(rows.d(g, r));
           if constexpr (S == 1) {
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws_a, d), _mm512_cvtepi32_ps(_mm512_add_epi32(a, e)), acc[r]);
           } else {
@@ -1241,13 +1269,13 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
         }
         const __m512 ws = _mm512_loadu_ps(s + g * 16);
         for (int r = 0; r < R; ++r) {
-          const int32_t* x = reinterpret_cast<const int32_t*>(xq.q.data() + (r0 + r) * k + g * 32);
+          const int32_t* x = rows.codes(g, r);
           __m512i a = _mm512_setzero_si512(), e = _mm512_setzero_si512();
           for (int m = 0; m < 4; ++m) {
             a = _mm512_dpbusd_epi32(a, lo[m], _mm512_set1_epi32(x[m]));
             e = _mm512_dpbusd_epi32(e, hi[m], _mm512_set1_epi32(x[4 + m]));
           }
-          const __m512 d = _mm512_set1_ps(xq.d[(r0 + r) * groups + g]);
+          const __m512 d = _mm512_set1_ps(rows.d(g, r));
           acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws, d), _mm512_cvtepi32_ps(_mm512_add_epi32(a, e)), acc[r]);
         }
       }
@@ -1255,7 +1283,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
         for (int h = 0; h < S; ++h) {
           const __m512 wz = _mm512_loadu_ps(z + (g * S + h) * 16);
           for (int r = 0; r < R; ++r) {
-            const float sum = S == 1 ? xq.sum32[(r0 + r) * groups + g] : xq.sum16[((r0 + r) * groups + g) * 2 + h];
+            const float sum = rows.zero_sum(g, h, r);
             acc[r] = _mm512_fmadd_ps(wz, _mm512_set1_ps(sum), acc[r]);
           }
         }
@@ -1274,21 +1302,9 @@ template <int KIND, int S, int R>
 static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0, float* y,
                       int64_t ldy, int64_t b0, int64_t b1) {
   constexpr int64_t BYTES = lane_group_bytes(KIND);
-  const int64_t groups = xq.groups, k = xq.k, count = groups * S;
+  const int64_t groups = xq.groups, count = groups * S;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones16 = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  // What the tile's rows of x give each group (codes, scale d, the zeros' sums), copied group-major: a
-  // group's R rows then sit at fixed offsets from one pointer. At their own addresses, the rows took R
-  // general registers, spilled in an 8-row tile (x86-64-v3 build, 2-vCPU AMD EPYC, one thread: Gemma 3
-  // 1 / 2 / 4 / 8 rows 9.1 / 11.2 / 15.8 / 27.1 -> 8.8 / 10.4 / 14.9 / 25.4 ms).
-  std::unique_ptr<int8_t[]> xs(new int8_t[groups * R * 32]);
-  std::unique_ptr<float[]> ds(new float[groups * R]), zs(new float[groups * S * R]);
-  for (int64_t g = 0; g < groups; ++g)
-    for (int r = 0; r < R; ++r) {
-      std::memcpy(&xs[(g * R + r) * 32], xq.q.data() + (r0 + r) * k + g * 32, 32);
-      ds[g * R + r] = xq.d[(r0 + r) * groups + g];
-      for (int h = 0; h < S; ++h)
-        zs[(g * S + h) * R + r] = S == 1 ? xq.sum32[(r0 + r) * groups + g] : xq.sum16[((r0 + r) * groups + g) * 2 + h];
-    }
+  const GroupMajorRows<R, S> rows(xq, r0);
   for (int64_t b = b0; b < b1; ++b)
     for (int half = 0; half < 2; ++half) {
       const uint8_t* p = w.codes + b * groups * BYTES + 32 * half;
@@ -1300,9 +1316,6 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
         const uint8_t* pg = p + g * BYTES;
         if (half == 0)
           for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + LANE_PREFETCH_BYTES + i), _MM_HINT_T0);
-        auto x_at = [&](int r) __attribute__((always_inline)) {
-          return reinterpret_cast<const int32_t*>(&xs[(g * R + r) * 32]);
-        };
         if constexpr (KIND == KIND_Q8) {
           const __m256 ws_a = _mm256_loadu_ps(s + g * S * 16), ws_b = S == 2 ? _mm256_loadu_ps(s + g * S * 16 + 16) : ws_a;
           __m256i a[R], e[R];
@@ -1315,7 +1328,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
             const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 64 * i));
             const __m256i signed_c = _mm256_xor_si256(c, flip), magnitude = _mm256_abs_epi8(signed_c);
             for (int r = 0; r < R; ++r) {
-              const __m256i xv = _mm256_set1_epi32(x_at(r)[i]);
+              const __m256i xv = _mm256_set1_epi32(rows.codes(g, r)[i]);
               __m256i& sum = i < 4 || S == 1 ? a[r] : e[r];  // a group of 32: one sum (half the registers)
               sum = HAS_DPBUSD256 ? dot4_add(sum, c, xv) : dot4_add(sum, magnitude, _mm256_sign_epi8(xv, signed_c));
               // maddubs: a running register, not a tree of products on the stack (as GCC built it: a 4-row
@@ -1325,7 +1338,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
             }
           }
           for (int r = 0; r < R; ++r) {
-            const __m256 d = _mm256_set1_ps(ds[g * R + r]);
+            const __m256 d = _mm256_set1_ps(rows.d(g, r));
             if constexpr (S == 1) {
               acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_a, d), _mm256_cvtepi32_ps(_mm256_add_epi32(a[r], e[r])), acc[r]);
             } else {
@@ -1350,13 +1363,13 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
           }
           const __m256 ws = _mm256_loadu_ps(s + g * 16);
           for (int r = 0; r < R; ++r) {
-            const int32_t* x = x_at(r);
+            const int32_t* x = rows.codes(g, r);
             __m256i a = _mm256_setzero_si256(), e = _mm256_setzero_si256();
             for (int m = 0; m < 4; ++m) {
               a = dot4_add(a, lo[m], _mm256_set1_epi32(x[m]));
               e = dot4_add(e, hi[m], _mm256_set1_epi32(x[4 + m]));
             }
-            const __m256 d = _mm256_set1_ps(ds[g * R + r]);
+            const __m256 d = _mm256_set1_ps(rows.d(g, r));
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws, d), _mm256_cvtepi32_ps(_mm256_add_epi32(a, e)), acc[r]);
           }
         } else {
@@ -1381,7 +1394,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
               hi = _mm256_or_si256(hi, bit4_bytes(mask_hi));
             }
             for (int r = 0; r < R; ++r) {
-              const int32_t* x = x_at(r);
+              const int32_t* x = rows.codes(g, r);
               const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[m])),
                                                  _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[4 + m])));
               sums[r] = m == 0 || (KIND == KIND_Q5 && m == 2) ? t : _mm256_add_epi16(sums[r], t);
@@ -1392,7 +1405,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
           for (int r = 0; r < R; ++r) {
             const __m256i sum = KIND == KIND_Q4 ? _mm256_madd_epi16(sums[r], ones16)
                                                 : _mm256_add_epi32(first_half[r], _mm256_madd_epi16(sums[r], ones16));
-            const __m256 d = _mm256_set1_ps(ds[g * R + r]);
+            const __m256 d = _mm256_set1_ps(rows.d(g, r));
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws, d), _mm256_cvtepi32_ps(sum), acc[r]);
           }
         }
@@ -1400,7 +1413,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
           for (int h = 0; h < S; ++h) {
             const __m256 wz = _mm256_loadu_ps(z + (g * S + h) * 16);
             for (int r = 0; r < R; ++r) {
-              const float sum = zs[(g * S + h) * R + r];
+              const float sum = rows.zero_sum(g, h, r);
               acc[r] = _mm256_fmadd_ps(wz, _mm256_set1_ps(sum), acc[r]);
             }
           }
