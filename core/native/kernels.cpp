@@ -1298,12 +1298,30 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
 // < 32767 for 4-bit; 5-bit codes, up to 31, take a madd after each four), then one madd to int32; with
 // AVX-VNNI, dpbusd chains as above. int8 codes (+ 128: maddubs' pairs could overflow int16) take their
 // sign back, and meet x as |w| and x with w's sign, a madd per register; with AVX-VNNI, dpbusd.
+// Register m of a group's 4- or 5-bit lane codes, this half's (weight rows 0-7 or 8-15 of the block) as
+// bytes: lo the codes 4m.. of the group, hi 16 + 4m..
+template <int KIND>
+static inline void ymm_lane_codes(const uint8_t* pg, int m, int half, __m256i& lo, __m256i& hi) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 64 * m));
+  lo = _mm256_and_si256(raw, nibble);
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+  if constexpr (KIND == KIND_Q5) {
+    uint32_t mask_lo, mask_hi;
+    const uint8_t* masks = pg - 32 * half + 256;  // this half's 32 bits of each
+    std::memcpy(&mask_lo, masks + 8 * m + 4 * half, 4);
+    std::memcpy(&mask_hi, masks + 32 + 8 * m + 4 * half, 4);
+    lo = _mm256_or_si256(lo, bit4_bytes(mask_lo));
+    hi = _mm256_or_si256(hi, bit4_bytes(mask_hi));
+  }
+}
+
 template <int KIND, int S, int R>
 static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0, float* y,
                       int64_t ldy, int64_t b0, int64_t b1) {
   constexpr int64_t BYTES = lane_group_bytes(KIND);
   const int64_t groups = xq.groups, count = groups * S;
-  const __m256i nibble = _mm256_set1_epi8(0x0F), ones16 = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones16 = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const GroupMajorRows<R, S> rows(xq, r0);
   for (int64_t b = b0; b < b1; ++b)
     for (int half = 0; half < 2; ++half) {
@@ -1348,19 +1366,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
           }
         } else if constexpr (HAS_DPBUSD256) {
           __m256i lo[4], hi[4];
-          for (int m = 0; m < 4; ++m) {
-            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 64 * m));
-            lo[m] = _mm256_and_si256(raw, nibble);
-            hi[m] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-            if constexpr (KIND == KIND_Q5) {
-              uint32_t mask_lo, mask_hi;
-              const uint8_t* masks = pg - 32 * half + 256;  // this half's 32 bits of each
-              std::memcpy(&mask_lo, masks + 8 * m + 4 * half, 4);
-              std::memcpy(&mask_hi, masks + 32 + 8 * m + 4 * half, 4);
-              lo[m] = _mm256_or_si256(lo[m], bit4_bytes(mask_lo));
-              hi[m] = _mm256_or_si256(hi[m], bit4_bytes(mask_hi));
-            }
-          }
+          for (int m = 0; m < 4; ++m) ymm_lane_codes<KIND>(pg, m, half, lo[m], hi[m]);
           const __m256 ws = _mm256_loadu_ps(s + g * 16);
           for (int r = 0; r < R; ++r) {
             const int32_t* x = rows.codes(g, r);
@@ -1383,16 +1389,8 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
           const __m256 ws = _mm256_loadu_ps(s + g * 16);
           __m256i sums[R], first_half[R];
           for (int m = 0; m < 4; ++m) {
-            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 64 * m));
-            __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-            if constexpr (KIND == KIND_Q5) {
-              uint32_t mask_lo, mask_hi;
-              const uint8_t* masks = pg - 32 * half + 256;
-              std::memcpy(&mask_lo, masks + 8 * m + 4 * half, 4);
-              std::memcpy(&mask_hi, masks + 32 + 8 * m + 4 * half, 4);
-              lo = _mm256_or_si256(lo, bit4_bytes(mask_lo));
-              hi = _mm256_or_si256(hi, bit4_bytes(mask_hi));
-            }
+            __m256i lo, hi;
+            ymm_lane_codes<KIND>(pg, m, half, lo, hi);
             for (int r = 0; r < R; ++r) {
               const int32_t* x = rows.codes(g, r);
               const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[m])),
