@@ -13,6 +13,11 @@
 //
 // Threads: at::parallel_for, i.e. torch's own OpenMP pool (torch's wheel ships libgomp.so.1, which this
 // library then shares), so our kernels and torch's ops never fight over cores.
+//
+// Timings in the comments below, unless they say otherwise: a 2-vCPU AMD EPYC (lscpu: avx2, fma, f16c,
+// avx512f/bw/vl, avx512_vnni, avx_vnni; no AMX). "x86-64-v3 build" = OUTRIDER_NATIVE_MARCH=x86-64-v3,
+// code for avx2, fma and f16c only; "native" = -march=native, the AVX512-VNNI code. Those against
+// llama.cpp, measured in the same runs, are in docs/bench/avx2.md.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -108,7 +113,7 @@ static inline float hsum(v16f v) {
 
 // The element-wise steps (exp, tanh, and the SiLU, GELU, softcap and softmax built on them) run on vectors
 // of EW_LANES floats: 16, or 8 on AVX2, where GCC built a 64-byte vector's comparisons and selects from xmm
-// and scalar steps through the stack (perf, x86-64-v3 build, 2-vCPU AMD EPYC: the SiLU cost a third of
+// and scalar steps through the stack (perf, x86-64-v3 build (avx2, fma, f16c): the SiLU cost a third of
 // what the MLP's projections cost at one row). A lane takes the same operations either way.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 typedef float vew __attribute__((vector_size(32)));
@@ -541,7 +546,7 @@ struct QuantizedRows {
   int64_t rows = 0, k = 0, groups = 0;
   std::vector<int8_t> q;
   std::vector<float> d, sum32, sum16;
-  std::vector<int32_t> code_sums16;  // the sum of x's codes per 16 (as integers: the int8 lanes' starts)
+  std::vector<int32_t> code_sums16;  // the sum of x's codes per 16 (as integers: GroupMajorRows::start)
   // x laid out for the tiles' four-group steps (prepare_vnni_rows, prepare_quad_rows): codes, rows x k,
   // and each block's d spread over the lanes its group takes, rows x groups x 8
   std::vector<uint8_t> stepped;
@@ -1191,26 +1196,37 @@ constexpr int64_t LANE_PREFETCH_BYTES = 4096;
 // addresses the rows took R general registers, spilled in an 8-row tile (2-vCPU AMD EPYC, one thread,
 // 1 / 2 / 4 / 8 rows, ms: x86-64-v3 build (avx2, fma, f16c), Gemma 3 9.1 / 11.2 / 15.8 / 27.1 -> 8.8 /
 // 10.4 / 14.9 / 25.4; native (avx512_vnni) 8 rows, SmolLM2 5.6 -> 5.2, Gemma 3 11.5 -> 10.5).
+// S: scales per group (1, or 2 for int8 codes per 16), the unit of the zeros' sums and of the starts.
 template <int R, int S>
 struct GroupMajorRows {
   std::unique_ptr<int8_t[]> code_bytes;
   std::unique_ptr<float[]> scales, zero_sums;
+  std::unique_ptr<int32_t[]> starts;
   GroupMajorRows(const QuantizedRows& xq, int64_t r0)
       : code_bytes(new int8_t[xq.groups * R * 32]), scales(new float[xq.groups * R]),
-        zero_sums(new float[xq.groups * S * R]) {
+        zero_sums(new float[xq.groups * S * R]), starts(new int32_t[xq.groups * S * R]) {
     const int64_t groups = xq.groups;
     for (int64_t g = 0; g < groups; ++g)
       for (int r = 0; r < R; ++r) {
+        const int64_t block = (r0 + r) * groups + g;
         std::memcpy(&code_bytes[(g * R + r) * 32], xq.q.data() + (r0 + r) * xq.k + g * 32, 32);
-        scales[g * R + r] = xq.d[(r0 + r) * groups + g];
-        for (int h = 0; h < S; ++h)
-          zero_sums[(g * S + h) * R + r] = S == 1 ? xq.sum32[(r0 + r) * groups + g] : xq.sum16[((r0 + r) * groups + g) * 2 + h];
+        scales[g * R + r] = xq.d[block];
+        for (int h = 0; h < S; ++h) {
+          const int64_t at = (g * S + h) * R + r;
+          zero_sums[at] = S == 1 ? xq.sum32[block] : xq.sum16[2 * block + h];
+          const int32_t code_sum = S == 1 ? xq.code_sums16[2 * block] + xq.code_sums16[2 * block + 1]
+                                          : xq.code_sums16[2 * block + h];
+          starts[at] = -128 * code_sum;
+        }
       }
   }
   // the group's 32 codes of row r, four to a dword
   const int32_t* codes(int64_t g, int r) const { return reinterpret_cast<const int32_t*>(&code_bytes[(g * R + r) * 32]); }
   float d(int64_t g, int r) const { return scales[g * R + r]; }
+  // d x the sum of row r's codes over scale unit h of group g: what that unit's zero multiplies
   float zero_sum(int64_t g, int h, int r) const { return zero_sums[(g * S + h) * R + r]; }
+  // where an integer sum of unit h against int8 weight codes held + 128 starts: -128 x the sum of x's codes
+  int32_t start(int64_t g, int h, int r) const { return starts[(g * S + h) * R + r]; }
 };
 
 #if defined(INT8_VNNI512)
@@ -1238,9 +1254,8 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
         const __m512 ws_a = _mm512_loadu_ps(s + g * S * 16), ws_b = S == 2 ? _mm512_loadu_ps(s + g * S * 16 + 16) : ws_a;
         for (int r = 0; r < R; ++r) {
           const int32_t* x = rows.codes(g, r);
-          const int32_t* sums = xq.code_sums16.data() + ((r0 + r) * groups + g) * 2;  // each sum starts at -128 x sum(x)
-          __m512i a = _mm512_set1_epi32(-128 * (S == 1 ? sums[0] + sums[1] : sums[0]));
-          __m512i e = S == 1 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * sums[1]);
+          __m512i a = _mm512_set1_epi32(rows.start(g, 0, r));
+          __m512i e = S == 1 ? _mm512_setzero_si512() : _mm512_set1_epi32(rows.start(g, 1, r));
           for (int i = 0; i < 4; ++i) {
             a = _mm512_dpbusd_epi32(a, c[i], _mm512_set1_epi32(x[i]));
             e = _mm512_dpbusd_epi32(e, c[4 + i], _mm512_set1_epi32(x[4 + i]));
@@ -1293,11 +1308,6 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
   }
 }
 #else
-// AVX2: the same layout, each 64-byte register as two ymm halves (weight rows 0-7 and 8-15 of the block),
-// taken one after the other. 4- and 5-bit codes: a group's eight maddubs add up in int16 (8 x 2 x 15 x 127
-// < 32767 for 4-bit; 5-bit codes, up to 31, take a madd after each four), then one madd to int32; with
-// AVX-VNNI, dpbusd chains as above. int8 codes (+ 128: maddubs' pairs could overflow int16) take their
-// sign back, and meet x as |w| and x with w's sign, a madd per register; with AVX-VNNI, dpbusd.
 // Register m of a group's 4- or 5-bit lane codes, this half's (weight rows 0-7 or 8-15 of the block) as
 // bytes: lo the codes 4m.. of the group, hi 16 + 4m..
 template <int KIND>
@@ -1316,6 +1326,11 @@ static inline void ymm_lane_codes(const uint8_t* pg, int m, int half, __m256i& l
   }
 }
 
+// AVX2: the same layout, each 64-byte register as two ymm halves (weight rows 0-7 and 8-15 of the block),
+// taken one after the other. 4- and 5-bit codes: a group's eight maddubs add up in int16 (8 x 2 x 15 x 127
+// < 32767 for 4-bit; 5-bit codes, up to 31, take a madd after each four), then one madd to int32; with
+// AVX-VNNI, dpbusd chains as above. int8 codes (+ 128: maddubs' pairs could overflow int16) take their
+// sign back, and meet x as |w| and x with w's sign, a madd per register; with AVX-VNNI, dpbusd.
 template <int KIND, int S, int R>
 static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0, float* y,
                       int64_t ldy, int64_t b0, int64_t b1) {
@@ -1338,9 +1353,8 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
           const __m256 ws_a = _mm256_loadu_ps(s + g * S * 16), ws_b = S == 2 ? _mm256_loadu_ps(s + g * S * 16 + 16) : ws_a;
           __m256i a[R], e[R];
           for (int r = 0; r < R; ++r) {
-            const int32_t* sums = xq.code_sums16.data() + ((r0 + r) * groups + g) * 2;
-            a[r] = HAS_DPBUSD256 ? _mm256_set1_epi32(-128 * (S == 1 ? sums[0] + sums[1] : sums[0])) : _mm256_setzero_si256();
-            e[r] = HAS_DPBUSD256 && S == 2 ? _mm256_set1_epi32(-128 * sums[1]) : _mm256_setzero_si256();
+            a[r] = HAS_DPBUSD256 ? _mm256_set1_epi32(rows.start(g, 0, r)) : _mm256_setzero_si256();
+            e[r] = HAS_DPBUSD256 && S == 2 ? _mm256_set1_epi32(rows.start(g, 1, r)) : _mm256_setzero_si256();
           }
           for (int i = 0; i < 8; ++i) {
             const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 64 * i));
@@ -1350,7 +1364,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
               __m256i& sum = i < 4 || S == 1 ? a[r] : e[r];  // a group of 32: one sum (half the registers)
               sum = HAS_DPBUSD256 ? dot4_add(sum, c, xv) : dot4_add(sum, magnitude, _mm256_sign_epi8(xv, signed_c));
               // maddubs: a running register, not a tree of products on the stack (as GCC built it: a 4-row
-              // pass over Gemma 3's Q8_0 head 3-6% slower); not for one row, which lost 5% with it, nor
+              // pass over Gemma 3's Q8_0 head 3-6% slower, x86-64-v3 build (avx2, fma, f16c)); not for one row, which lost 5% with it, nor
               // for dpbusd, whose chain's latency the tree hides
               if constexpr (R >= 2 && !HAS_DPBUSD256) asm("" : "+x"(sum));
             }
@@ -1383,7 +1397,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
           // every row before the next is unpacked, each row's int16 sum a running register. With all eight
           // unpacked first, a 4-row tile kept its float accumulators on the stack and GCC built the sums as
           // a tree of products, on the stack too; the empty asm keeps each sum where it is (x86-64-v3
-          // build, 2-vCPU AMD EPYC, one thread: SmolLM2 4 / 8 rows 7.0 / 12.3 -> 6.2 / 11.5 ms). Integer
+          // build (avx2, fma, f16c), one thread: SmolLM2 4 / 8 rows 7.0 / 12.3 -> 6.2 / 11.5 ms). Integer
           // sums: the same in any order. 4-bit: the four int16 sums add without overflow (see above);
           // 5-bit: a madd after two.
           const __m256 ws = _mm256_loadu_ps(s + g * 16);
@@ -1837,18 +1851,18 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
   // scores of 64 positions at a time: four chains per head, each a sum over e in order
   int64_t j = begin;
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  // GCC moved the 64-byte vectors of the loop below through the stack on AVX2 (a quarter of a decode
-  // step; x86-64-v3 build, 2-vCPU AMD EPYC, perf): the same sums, one head at a time, in eight ymm chains
+  // GCC moved the 64-byte vectors of the loops after #else through the stack on AVX2 (a quarter of a
+  // decode step; x86-64-v3 build (avx2, fma, f16c), perf): the same sums, one head at a time, in eight
+  // ymm chains
   for (; j + KEY_BLOCK <= end; j += KEY_BLOCK)
     for (int c = 0; c < Q; ++c) ymm_scores<8>(keys, q[c], d, j, &scores[c][j]);
-  if (j < end) {  // the last 16, 32 or 48 keys (one block's): the v16f loop below kept its sums on the
-    // stack here too (16% of attention in an 8-row verify, same build and machine, perf)
+  if (j < end) {  // the last 16, 32 or 48 keys (one block's): the v16f loop kept its sums on the stack
+    // here too (16% of attention in an 8-row verify, same build and machine, perf)
     with_chains((end - j) / 8, [&](auto chains) {
       for (int c = 0; c < Q; ++c) ymm_scores<decltype(chains)::value>(keys, q[c], d, j, &scores[c][j]);
     });
-    j = end;
   }
-#endif
+#else
   for (; j + KEY_BLOCK <= end; j += KEY_BLOCK) {
     v16f s[Q][4] = {};
     for (int64_t e = 0; e < d; ++e) {
@@ -1873,6 +1887,7 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
     }
     for (int c = 0; c < Q; ++c) store16(&scores[c][j], s[c]);
   }
+#endif
   float inv[Q];
   for (int c = 0; c < Q; ++c) {
     float* sc = scores[c];
@@ -1904,8 +1919,7 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
         ymm_weighted_values<decltype(chains)::value>(values, scores[c], first, p, d, e0, inv[c], out + c * d);
       });
     }
-  return;
-#endif
+#else
   for (int64_t e0 = 0; e0 < d; e0 += 64) {
     int64_t chunks = std::min<int64_t>(4, (d - e0) / 16);
     v16f acc[Q][4] = {};
@@ -1920,6 +1934,7 @@ static void attend_heads(const AttendArgs& a, int64_t t, int64_t p, int64_t h0, 
     for (int c = 0; c < Q; ++c)
       for (int b = 0; b < chunks; ++b) store16(out + c * d + e0 + 16 * b, acc[c][b] * inv[c]);
   }
+#endif
 }
 
 // Where a layer's keys and values come from (Gemma 4 adds the last two).
