@@ -65,20 +65,22 @@ CONTEXT = 1024
 SMOKE_KS = (1, 2, 16)  # --smoke times three verify shapes, enough to run every line
 
 
-def write_synthetic(path: Path, shape: Shape, qtype_name: str, seed: int = 0) -> Path:
-    """A GGUF of `shape` with random weights in `qtype_name` (norms are ones): no tokenizer, which the
-    benchmark does not need."""
+def write_synthetic(path: Path, shape: Shape, qtype_name: str, seed: int = 0, embd_qtype_name: str | None = None) -> Path:
+    """A GGUF of `shape` with random weights in `qtype_name` (the token table, and so a tied head, in
+    `embd_qtype_name` if given, as real files often hold it in Q8_0; norms are ones): no tokenizer, which
+    the benchmarks do not need."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[qtype_name]
+    embd_qtype = gguf.GGMLQuantizationType[embd_qtype_name or qtype_name]
     rng = np.random.default_rng(seed)
-    quantized: dict[tuple[int, int], np.ndarray] = {}
+    quantized: dict[tuple[int, int, int], np.ndarray] = {}
 
-    def matrix(rows: int, cols: int) -> np.ndarray:
-        if (rows, cols) not in quantized:
-            quantized[rows, cols] = gguf.quants.quantize(
-                (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02), qtype)
-        return quantized[rows, cols]
+    def matrix(rows: int, cols: int, as_type=qtype) -> np.ndarray:
+        if (rows, cols, as_type) not in quantized:
+            quantized[rows, cols, as_type] = gguf.quants.quantize(
+                (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02), as_type)
+        return quantized[rows, cols, as_type]
 
     s = shape
     w = gguf.GGUFWriter(str(path), s.arch)
@@ -98,7 +100,7 @@ def write_synthetic(path: Path, shape: Shape, qtype_name: str, seed: int = 0) ->
         w.add_rope_freq_base(1_000_000.0)
         w.add_sliding_window(s.window)
     ones = np.ones(s.hidden, dtype=np.float32)
-    w.add_tensor("token_embd.weight", matrix(s.vocab, s.hidden), raw_dtype=qtype)
+    w.add_tensor("token_embd.weight", matrix(s.vocab, s.hidden, embd_qtype), raw_dtype=embd_qtype)
     if not s.tied:
         w.add_tensor("output.weight", matrix(s.vocab, s.hidden), raw_dtype=qtype)
     w.add_tensor("output_norm.weight", ones)
@@ -212,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.models = args.models or ["llama-1b", "llama-8b", "smollm2-135m", "gemma3-270m"]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="outrider-gpu-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
     bandwidth = read_bandwidth_gbs(device, 1 / 16 if args.smoke else 4.0)
     name = (torch.cuda.get_device_name(device) if device.type == "cuda"
             else "CPU (smoke: float32, the graphed path run eagerly; the numbers say nothing about a GPU)")

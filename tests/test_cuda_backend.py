@@ -17,6 +17,7 @@ import torch
 
 from outrider.io.gguf import GGUFFile
 from outrider.models.static_step import STATIC_ARCHITECTURES
+from outrider.spec.acceptance import VerifyRound
 from outrider.spec.drafter import Draft, DrafterBase, Target
 from outrider.spec.random_streams import PositionRandom
 from outrider.spec.runner import Runner
@@ -155,7 +156,7 @@ def test_the_sampled_acceptor_keeps_the_gpu_targets_distribution(cuda_models):
     gen = torch.Generator().manual_seed(2)
     for seed in range(n):
         x = int(torch.multinomial(q[0], 1, generator=gen))
-        result = acceptor.accept(logits, [x], q, params, PositionRandom(seed), len(PROMPT))
+        result = acceptor.accept(VerifyRound(logits, [x], q, params, PositionRandom(seed), len(PROMPT)))
         counts[result.tokens[0]] += 1
     stat, df, pval, forbidden = chi2_test(counts, p / p.sum())
     assert forbidden == 0 and pval > 1e-4, f"chi2={stat:.1f} df={df} p={pval:.2g}"

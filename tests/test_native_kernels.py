@@ -495,6 +495,39 @@ def test_int8_rows_do_not_depend_on_the_thread_count(int8_kernels, weights, name
 LANE_NAMES = ["w.Q4_1", "w.Q4_K", "w.Q5_0", "w.Q5_K", "w.Q8_0", "w.Q6_K"]
 
 
+AMX_NAMES = [[n] for n in LANE_NAMES] + [LANE_NAMES] + [n for n in FUSED if all(m[2:4] != "F1" for m in n)]
+
+
+@pytest.mark.parametrize("names", AMX_NAMES, ids=["+".join(n[2:] for n in names) for names in AMX_NAMES])
+def test_amx_tiles_give_every_row_the_dpbusd_tiles_bits(int8_kernels, weights, names):
+    """On a CPU with AMX (Intel since Sapphire Rapids) lane tiles of 4+ rows take TDPBSUD. Its integer sums
+    are the dpbusd chains' and the float steps after them the same, so for every row count (1-40: tiles of
+    16, 8, 4 and remainders) AMX gives the bits of the dpbusd tiles, and so of one-row steps; and both agree
+    with float64 of the gguf reference weight times x quantized by the rule."""
+    if not int8_kernels.HAS_AMX_TILES:
+        pytest.skip("no AMX tiles: the build or the CPU (or the OS) has none")
+    g, reference = weights
+    lin, w = _packed(g, names), torch.cat([reference[n] for n in names])
+    x = torch.randn(40, COLS, generator=torch.Generator().manual_seed(23)) * torch.linspace(0.1, 3.0, COLS)
+    before = int8_kernels.set_amx_min_rows(0)
+    try:
+        dpbusd = [lin(x[:t]) for t in range(1, 41)]
+        int8_kernels.set_amx_min_rows(1)  # every tile, one row too
+        for t in range(1, 41):
+            assert torch.equal(lin(x[:t]), dpbusd[t - 1]), t
+    finally:
+        int8_kernels.set_amx_min_rows(before)
+    _assert_matmul_close(dpbusd[-1], _as_the_int8_kernels_see_it(x) @ w.T)
+
+
+def test_amx_tiles_are_refused_where_there_are_none(int8_kernels):
+    if int8_kernels.HAS_AMX_TILES:
+        pytest.skip("this CPU has AMX tiles")
+    assert int8_kernels.set_amx_min_rows(0) == 0
+    with pytest.raises(RuntimeError, match="AMX tiles"):
+        int8_kernels.set_amx_min_rows(4)
+
+
 @pytest.mark.parametrize("name", LANE_NAMES + [LANE_NAMES])
 def test_a_weight_held_for_int8_gives_the_row_form_back_exactly(int8_kernels, weights, name):
     """With int8 activations a weight is held in its lane form only (where the build has lane tiles). Its row

@@ -330,7 +330,8 @@ class Gemma4(Decoder):
         """[T, n_layers, per_layer_input_size]: the token's own per-layer rows plus a projection of its input
         embedding, as both references compute them."""
         cfg, size = self.config, self.config.per_layer_input_size
-        rows = self.per_layer_table(tokens) * torch.tensor(math.sqrt(size), dtype=self.dtype)
+        # the table stays in the file's memory map on the host; only the rows looked up go to x's device
+        rows = self.per_layer_table(tokens).to(x.device) * torch.tensor(math.sqrt(size), dtype=self.dtype)
         proj = self.per_layer_proj(x, prompt=prompt) * torch.tensor(cfg.hidden_size ** -0.5, dtype=self.dtype)
         proj = rms_norm(proj.view(-1, cfg.n_layers, size), self.per_layer_proj_norm, cfg.eps)
         return ((proj + rows.view(-1, cfg.n_layers, size)) * torch.tensor(2.0 ** -0.5, dtype=self.dtype)).contiguous()

@@ -24,6 +24,8 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include <atomic>
@@ -1163,6 +1165,30 @@ static bool run_int8_matmul(int64_t, const torch::Tensor&, const torch::Tensor&,
                             const float*, int64_t, int64_t, float*, int64_t) { return false; }
 #endif
 
+#if defined(INT8_VNNI512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define INT8_AMX 1  // the lane tiles of 4+ rows take AMX (below)
+constexpr bool HAS_AMX_TILES = true;
+// Linux hands AMX's tile state to a process only on request, once (arch_prctl), for all its threads.
+static bool request_amx() {
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+static const bool AMX_GRANTED = request_amx();
+#else
+constexpr bool HAS_AMX_TILES = false;
+constexpr bool AMX_GRANTED = false;
+#endif
+
+// Lane tiles of at least this many rows take AMX where the build and the OS have it (0: none). One
+// TDPBSUD costs the same for 1 or 16 rows, so few rows keep the dpbusd tile; the bits are the same.
+constexpr int AMX_MIN_ROWS = 16;
+static std::atomic<int> amx_min_rows{HAS_AMX_TILES && AMX_GRANTED ? AMX_MIN_ROWS : 0};
+
+static int set_amx_min_rows(int64_t rows) {
+  TORCH_CHECK(rows == 0 || (HAS_AMX_TILES && AMX_GRANTED), "AMX tiles: this build or this process has none");
+  return amx_min_rows.exchange(static_cast<int>(rows));
+}
+
 // Lane tiles: 16 weight rows interleaved so that int32 lane j of a register belongs to weight row j of a
 // block of 16, and four adjacent codes of that row fill it; x's four codes meet them as one broadcast
 // dword. A lane then sums a whole group in integers (8 dpbusd steps with VNNI), and a row of x pays one
@@ -1307,6 +1333,139 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy + b * 16, acc[r]);
   }
 }
+
+#if defined(INT8_AMX)
+// AMX (Intel since Sapphire Rapids): TDPBSUD multiplies a tile of up to 16 rows of x's signed codes by a
+// tile of unsigned weight codes laid out four adjacent codes of 16 weight rows to a 64-byte row, which is
+// the lane form itself: 8-bit codes are read in place, 4- and 5-bit ones unpacked to bytes once per group
+// for all of a tile's rows. One instruction gives every row's 16 sums of a group (of each half, with
+// scales per 16), the integers the dpbusd chains above give, and the float steps after it are the tile's
+// above, op for op: so the bits are the same whichever of the two runs a tile, and a verify pass over k
+// rows still gives each row the bits of a one-row step (which keeps the dpbusd tile: at one row TDPBSUD's
+// 16 x 16 x 32 products are mostly idle).
+// GCC's tile intrinsics tell the compiler of no memory they read or write: stores to what a tile loads,
+// and loads of what a tile stored, must not move across them.
+static inline void tile_memory_barrier() { asm volatile("" ::: "memory"); }
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// x's codes (tile A) times weight codes (tile B) into tile C, stored as int32 rows of 16 at out. A macro:
+// the intrinsics take tile numbers as tokens, which a template argument is not.
+#define TILE_PRODUCT(C, A, B, x, weights, out) \
+  do {                                          \
+    _tile_loadd(A, x, 32);                      \
+    _tile_loadd(B, weights, 64);                \
+    _tile_zero(C);                              \
+    _tile_dpbsud(C, A, B);                      \
+    _tile_stored(C, out, 64);                   \
+  } while (0)
+
+// Group g's products are started AHEAD groups before its float steps, into slot g % SLOTS: a tile's
+// loads, product and store take longer than a group's float steps, which run meanwhile.
+template <int KIND, int S, int R>
+static void amx_lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0, float* y,
+                          int64_t ldy, int64_t b0, int64_t b1) {
+  constexpr int64_t BYTES = lane_group_bytes(KIND);
+  constexpr int K = 32 / S;  // codes per product
+  constexpr int SLOTS = 4 / S, AHEAD = SLOTS - 1;
+  const int64_t groups = xq.groups, count = groups * S;
+  const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  const GroupMajorRows<R, S> rows(xq, r0);
+  alignas(64) uint8_t unpacked[SLOTS][512];
+  alignas(64) int32_t sums[SLOTS][S][R * 16];
+  // tiles 0-3: sums (a slot's, or with S = 2 a slot's two halves); 4-5 x's codes; 6-7 weight codes
+  TileConfig config;
+  for (int t = 0; t < 4; ++t) config.rows[t] = R, config.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) config.rows[t] = R, config.colsb[t] = K;
+  for (int t = 6; t < 8; ++t) config.rows[t] = K / 4, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+  // a group's 4- or 5-bit codes as bytes: rows 0-3 the codes 4m.. (low nibbles), 4-7 the codes 16 + 4m..
+  auto weight_bytes = [&](const uint8_t* pg, uint8_t* out) __attribute__((always_inline)) {
+    if constexpr (KIND == KIND_Q8) return pg;
+    for (int m = 0; m < 4; ++m) {
+      const __m512i raw = _mm512_loadu_si512(pg + 64 * m);
+      __m512i lo = _mm512_and_si512(raw, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+      if constexpr (KIND == KIND_Q5) {
+        uint64_t mask_lo, mask_hi;
+        std::memcpy(&mask_lo, pg + 256 + 8 * m, 8);
+        std::memcpy(&mask_hi, pg + 256 + 32 + 8 * m, 8);
+        lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(mask_lo, bit4));
+        hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mask_hi, bit4));
+      }
+      _mm512_store_si512(out + 64 * m, lo);
+      _mm512_store_si512(out + 256 + 64 * m, hi);
+    }
+    return static_cast<const uint8_t*>(out);
+  };
+  const auto* x = reinterpret_cast<const uint8_t*>(rows.codes(0, 0));  // group g's rows at x + g * R * 32
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* p = w.codes + b * groups * BYTES;
+    const float* s = w.scales + b * count * 16;
+    const float* z = w.zeros ? w.zeros + b * count * 16 : nullptr;
+    auto products = [&](int64_t g) __attribute__((always_inline)) {
+      const uint8_t* pg = p + g * BYTES;
+      for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + LANE_PREFETCH_BYTES + i), _MM_HINT_T0);
+      const int slot = static_cast<int>(g % SLOTS);
+      const uint8_t* wb = weight_bytes(pg, unpacked[slot]);
+      const uint8_t* xg = x + g * R * 32;
+      int32_t* out = sums[slot][0];
+      tile_memory_barrier();
+      if constexpr (S == 1) {
+        switch (slot) {
+          case 0: TILE_PRODUCT(0, 4, 6, xg, wb, out); break;
+          case 1: TILE_PRODUCT(1, 5, 7, xg, wb, out); break;
+          case 2: TILE_PRODUCT(2, 4, 6, xg, wb, out); break;
+          default: TILE_PRODUCT(3, 5, 7, xg, wb, out); break;
+        }
+      } else if (slot == 0) {
+        TILE_PRODUCT(0, 4, 6, xg, wb, out);
+        TILE_PRODUCT(1, 5, 7, xg + 16, wb + 256, sums[0][1]);
+      } else {
+        TILE_PRODUCT(2, 4, 6, xg, wb, out);
+        TILE_PRODUCT(3, 5, 7, xg + 16, wb + 256, sums[1][1]);
+      }
+      tile_memory_barrier();
+    };
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < AHEAD && g < groups; ++g) products(g);
+    for (int64_t g = 0; g < groups; ++g) {
+      if (g + AHEAD < groups) products(g + AHEAD);
+      const auto& sum = sums[g % SLOTS];
+      if constexpr (S == 1) {
+        const __m512 ws = _mm512_loadu_ps(s + g * 16);
+        for (int r = 0; r < R; ++r) {
+          __m512i total = _mm512_load_si512(sum[0] + 16 * r);
+          if constexpr (KIND == KIND_Q8) total = _mm512_add_epi32(_mm512_set1_epi32(rows.start(g, 0, r)), total);
+          const __m512 d = _mm512_set1_ps(rows.d(g, r));
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws, d), _mm512_cvtepi32_ps(total), acc[r]);
+        }
+      } else {
+        const __m512 ws_a = _mm512_loadu_ps(s + g * 32), ws_b = _mm512_loadu_ps(s + g * 32 + 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512i a = _mm512_add_epi32(_mm512_set1_epi32(rows.start(g, 0, r)), _mm512_load_si512(sum[0] + 16 * r));
+          const __m512i e = _mm512_add_epi32(_mm512_set1_epi32(rows.start(g, 1, r)), _mm512_load_si512(sum[1] + 16 * r));
+          const __m512 d = _mm512_set1_ps(rows.d(g, r));
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws_a, d), _mm512_cvtepi32_ps(a), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws_b, d), _mm512_cvtepi32_ps(e), acc[r]);
+        }
+      }
+      if (z) {  // as in the dpbusd tile
+        for (int h = 0; h < S; ++h) {
+          const __m512 wz = _mm512_loadu_ps(z + (g * S + h) * 16);
+          for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(wz, _mm512_set1_ps(rows.zero_sum(g, h, r)), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy + b * 16, acc[r]);
+  }
+  _tile_release();
+}
+#endif
 #else
 // Register m of a group's 4- or 5-bit lane codes, this half's (weight rows 0-7 or 8-15 of the block) as
 // bytes: lo the codes 4m.. of the group, hi 16 + 4m..
@@ -1445,11 +1604,19 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
 // 17.93 / 22.77 / 29.25 -> 15.73 / 20.34 / 26.40, Gemma 3 36.12 / 43.27 / 54.48 -> 29.73 / 41.14 / 55.42 (no gain at 16 there).
 constexpr int LANE_MAX_TILE = 16;
 
+#if !defined(INT8_AMX)
+template <int KIND, int S, int R>
+static void amx_lane_tile(const LaneWeights&, const QuantizedRows&, int64_t, float*, int64_t, int64_t, int64_t) {}
+#endif
+
 template <int KIND, int S>
 static void lane_matmul(const LaneWeights& w, const QuantizedRows& xq, float* y, int64_t n_out) {
+  const int amx_from = amx_min_rows.load(std::memory_order_relaxed);
   at::parallel_for(0, n_out / 16, 1, [&](int64_t b0, int64_t b1) {
     over_row_tiles<LANE_MAX_TILE>(xq.rows, [&](auto row_count, int64_t r) {
-      lane_tile<KIND, S, decltype(row_count)::value>(w, xq, r, y + r * n_out, n_out, b0, b1);
+      constexpr int R = decltype(row_count)::value;
+      if (amx_from && R >= amx_from) amx_lane_tile<KIND, S, R>(w, xq, r, y + r * n_out, n_out, b0, b1);
+      else lane_tile<KIND, S, R>(w, xq, r, y + r * n_out, n_out, b0, b1);
     });
   });
 }
@@ -2176,6 +2343,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("HAS_DPBUSD256") = py::bool_(false);
 #endif
+  m.attr("HAS_AMX_TILES") = py::bool_(HAS_AMX_TILES && AMX_GRANTED);  // built for AMX, and granted by the OS
+  m.def("set_amx_min_rows", &set_amx_min_rows, "lane tiles of at least this many rows take AMX (0: none); returns the last");
   m.def("set_int8_activations", &set_int8_activations, "quantized weights meet int8 (true) or float32 activations");
   m.def("int8_activations", [] { return int8_activations.load(); });
 }
