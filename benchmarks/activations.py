@@ -51,8 +51,10 @@ def synthetic(spec: str) -> str:
 
     shape, qtype, *embd = spec.split(":")
     path = Path(tempfile.gettempdir()) / f"outrider-synthetic-{spec.replace(':', '-')}.gguf"
-    if not path.exists():
-        write_synthetic(path, SHAPES[shape], qtype, embd_qtype_name=embd[0] if embd else None)
+    if not path.exists():  # written aside, then renamed: an interrupted write leaves no file to reuse
+        partial = path.with_suffix(".partial")
+        write_synthetic(partial, SHAPES[shape], qtype, embd_qtype_name=embd[0] if embd else None)
+        partial.rename(path)
     return str(path)
 
 
@@ -70,9 +72,11 @@ def main() -> None:
     parser.add_argument("--prompt", action="store_true",
                         help="forwards as a prompt: logits of the last row only (llama-bench -p compares with this)")
     args = parser.parse_args()
-    models = args.models + [synthetic(spec) for spec in args.synthetic]
+    if not args.models and not args.synthetic:
+        parser.error("name a MODEL.gguf or a --synthetic SHAPE:QTYPE")
     if args.amx and not native.load().HAS_AMX_TILES:
         parser.error("--amx needs a CPU with amx_int8 (lscpu), kernels built for it (-march=native) and Linux 5.16+")
+    models = args.models + [synthetic(spec) for spec in args.synthetic]
     if args.amx:
         modes = {"dpbusd": lambda: amx_from(0), "amx": lambda: amx_from(args.amx_min_rows)}
     else:

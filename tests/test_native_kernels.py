@@ -501,9 +501,9 @@ AMX_NAMES = [[n] for n in LANE_NAMES] + [LANE_NAMES] + [n for n in FUSED if all(
 @pytest.mark.parametrize("names", AMX_NAMES, ids=["+".join(n[2:] for n in names) for names in AMX_NAMES])
 def test_amx_tiles_give_every_row_the_dpbusd_tiles_bits(int8_kernels, weights, names):
     """On a CPU with AMX (Intel since Sapphire Rapids) lane tiles of 4+ rows take TDPBSUD. Its integer sums
-    are the dpbusd chains' and the float steps after them the same, so for every row count (1-40: tiles of
-    16, 8, 4 and remainders) AMX gives the bits of the dpbusd tiles, and so of one-row steps; and both agree
-    with float64 of the gguf reference weight times x quantized by the rule."""
+    are the dpbusd chains' and the float steps after them the same, so for every row count (1-40: 16-row
+    tiles and every remainder, all on AMX here) AMX gives the bits of the dpbusd tiles, and so of one-row
+    steps; and both agree with float64 of the gguf reference weight times x quantized by the rule."""
     if not int8_kernels.HAS_AMX_TILES:
         pytest.skip("no AMX tiles: the build or the CPU (or the OS) has none")
     g, reference = weights
@@ -526,6 +526,12 @@ def test_amx_tiles_are_refused_where_there_are_none(int8_kernels):
     assert int8_kernels.set_amx_min_rows(0) == 0
     with pytest.raises(RuntimeError, match="AMX tiles"):
         int8_kernels.set_amx_min_rows(4)
+
+
+def test_amx_row_counts_are_checked(int8_kernels):
+    for rows in (-1, 17):
+        with pytest.raises(RuntimeError, match="from 1 to 16 rows"):
+            int8_kernels.set_amx_min_rows(rows)
 
 
 @pytest.mark.parametrize("name", LANE_NAMES + [LANE_NAMES])

@@ -1166,7 +1166,7 @@ static bool run_int8_matmul(int64_t, const torch::Tensor&, const torch::Tensor&,
 #endif
 
 #if defined(INT8_VNNI512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#define INT8_AMX 1  // the lane tiles of 4+ rows take AMX (below)
+#define INT8_AMX 1  // lane tiles of AMX_MIN_ROWS rows take AMX (below)
 constexpr bool HAS_AMX_TILES = true;
 // Linux hands AMX's tile state to a process only on request, once (arch_prctl), for all its threads.
 static bool request_amx() {
@@ -1185,6 +1185,7 @@ constexpr int AMX_MIN_ROWS = 16;
 static std::atomic<int> amx_min_rows{HAS_AMX_TILES && AMX_GRANTED ? AMX_MIN_ROWS : 0};
 
 static int set_amx_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0 && rows <= 16, "AMX tiles: from 1 to 16 rows (a lane tile's), or 0 for none; got ", rows);
   TORCH_CHECK(rows == 0 || (HAS_AMX_TILES && AMX_GRANTED), "AMX tiles: this build or this process has none");
   return amx_min_rows.exchange(static_cast<int>(rows));
 }
