@@ -38,10 +38,11 @@ def cflags() -> list[str]:
     # check the code paths this machine's -march=native would skip.
     flags = ["-O3", f"-march={os.environ.get('OUTRIDER_NATIVE_MARCH', 'native')}", "-fopenmp", "-ffp-contract=fast"]
     if _compiler_is_gcc(os.environ.get("CXX") or "c++"):
-        # GCC's tunings for some CPUs (Sapphire Rapids in GCC 13, AMD Zen) leave a multiply-add unfused
-        # where it feeds an accumulation chain, loop by loop: two copies of one kernel (attention for one
-        # and for three heads of a group) then rounded differently, and a verify pass lost the bits of
-        # single steps. Fusing every one keeps -ffp-contract=fast the same whatever -mtune says.
+        # GCC's tunings for some CPUs (AMD Zen; by its failures, GCC 13's Sapphire Rapids) leave a
+        # multiply-add unfused where it feeds an accumulation chain, loop by loop: two copies of one kernel
+        # (attention for one and for three heads of a group) then rounded differently, and a verify pass
+        # lost the bits of single steps. Fusing every one keeps -ffp-contract=fast the same whatever
+        # -mtune says.
         flags.append("--param=avoid-fma-max-bits=0")
     return flags
 
