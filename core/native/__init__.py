@@ -21,7 +21,6 @@ import io
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 from contextlib import redirect_stderr, redirect_stdout
@@ -47,13 +46,11 @@ def cflags() -> list[str]:
     return flags
 
 
-@functools.cache
 def _compiler_is_gcc(cxx: str) -> bool:
-    try:
-        banner = subprocess.run([*cxx.split(), "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return "Free Software Foundation" in banner and "clang" not in banner.lower()
+    """By the compiler's resolved name, without running it (a remembered failed build calls no compiler):
+    clang's names say clang; c++, g++ and x86_64-linux-gnu-g++-12 are GCC."""
+    found = shutil.which(cxx.split()[0]) if cxx.strip() else None
+    return "clang" not in os.path.basename(os.path.realpath(found or cxx))
 
 
 class NativeUnavailable(RuntimeError):
