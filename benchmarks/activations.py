@@ -32,7 +32,6 @@ from outrider.plugins.backends.cpu import CPUBackend
 sys.path.insert(0, str(Path(__file__).parent))  # gpu.py's synthetic shapes
 
 
-
 @contextlib.contextmanager
 def amx_from(rows: int):
     """int8 activations, lane tiles of `rows` or more rows on AMX (0: none)."""
@@ -81,7 +80,7 @@ def main() -> None:
         modes = {"dpbusd": lambda: amx_from(0), "amx": lambda: amx_from(args.amx_min_rows)}
     else:
         modes = {mode: (lambda mode=mode: native.activations(mode)) for mode in ("float32", "int8")}
-    new, old = list(modes)[::-1]
+    old, new = modes
     torch.set_num_threads(args.threads)
     extensions = " ".join(native.vector_extensions()) or "none of " + " ".join(native.VECTOR_EXTENSIONS)
     print(f"CPU vector extensions: {extensions}; "

@@ -500,7 +500,7 @@ AMX_NAMES = [[n] for n in LANE_NAMES] + [LANE_NAMES] + [n for n in FUSED if all(
 
 @pytest.mark.parametrize("names", AMX_NAMES, ids=["+".join(n[2:] for n in names) for names in AMX_NAMES])
 def test_amx_tiles_give_every_row_the_dpbusd_tiles_bits(int8_kernels, weights, names):
-    """On a CPU with AMX (Intel since Sapphire Rapids) lane tiles of 4+ rows take TDPBSUD. Its integer sums
+    """On a CPU with AMX (Intel since Sapphire Rapids) lane tiles of 16 rows take TDPBSUD. Its integer sums
     are the dpbusd chains' and the float steps after them the same, so for every row count (1-40: 16-row
     tiles and every remainder, all on AMX here) AMX gives the bits of the dpbusd tiles, and so of one-row
     steps; and both agree with float64 of the gguf reference weight times x quantized by the rule."""
@@ -770,13 +770,14 @@ def _cpu_has(flag: str) -> bool:
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64", pytest.param(
     "x86-64-v3 -mavxvnni", marks=pytest.mark.skipif(not _cpu_has("avx_vnni"), reason="the CPU has no AVX-VNNI")),
     pytest.param("native --param avoid-fma-max-bits=512", marks=pytest.mark.skipif(
-        not native._compiler_is_gcc(os.environ.get("CXX") or "c++"), reason="a GCC tuning parameter"))])
+        not native.compiler_is_gcc(), reason="a GCC tuning parameter"))])
 def test_kernels_built_for_other_cpu_levels_pass_the_fast_tests(march):
     """The AVX2 build (CPUs without AVX-512, like some of our machines), the AVX2 build with AVX-VNNI's
     256-bit dpbusd (Intel since Alder Lake) and the portable build (no x86 intrinsics, no F16C) take code
-    paths that -march=native skips here: run this file's fast tests on them. The last build sets what
-    GCC 13's Sapphire Rapids tuning sets (multiply-adds left unfused in accumulation chains), under which
-    attention's bits depended on how many heads a call grouped until the kernels' own flags overrode it."""
+    paths that -march=native skips here: run this file's fast tests on them. The last build leaves
+    multiply-adds in accumulation chains of up to 512 bits unfused, as (by its same five failures) GCC 13's
+    Sapphire Rapids tuning does; attention's bits then depended on how many heads a call grouped, until the
+    kernels' own flags (cflags) overrode it."""
     env = dict(os.environ, OUTRIDER_NATIVE_MARCH=march)
     done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-m", "not slow", "-p", "no:cacheprovider"],
                           env=env, capture_output=True, text=True, timeout=900)

@@ -36,7 +36,7 @@ def cflags() -> list[str]:
     # OUTRIDER_NATIVE_MARCH builds for another CPU level (x86-64-v3: AVX2 only), which the tests use to
     # check the code paths this machine's -march=native would skip.
     flags = ["-O3", f"-march={os.environ.get('OUTRIDER_NATIVE_MARCH', 'native')}", "-fopenmp", "-ffp-contract=fast"]
-    if _compiler_is_gcc(os.environ.get("CXX") or "c++"):
+    if compiler_is_gcc():
         # GCC's tunings for some CPUs (AMD Zen; by its failures, GCC 13's Sapphire Rapids) leave a
         # multiply-add unfused where it feeds an accumulation chain, loop by loop: two copies of one kernel
         # (attention for one and for three heads of a group) then rounded differently, and a verify pass
@@ -46,11 +46,19 @@ def cflags() -> list[str]:
     return flags
 
 
-def _compiler_is_gcc(cxx: str) -> bool:
+def _compiler() -> str:
+    """The C++ compiler torch's builder calls: `$CXX`, default c++."""
+    return os.environ.get("CXX") or "c++"
+
+
+def _which(tool: str) -> str | None:
+    return shutil.which(tool.split()[0]) if tool.strip() else None
+
+
+def compiler_is_gcc() -> bool:
     """By the compiler's resolved name, without running it (a remembered failed build calls no compiler):
     clang's names say clang; c++, g++ and x86_64-linux-gnu-g++-12 are GCC."""
-    found = shutil.which(cxx.split()[0]) if cxx.strip() else None
-    return "clang" not in os.path.basename(os.path.realpath(found or cxx))
+    return "clang" not in os.path.basename(os.path.realpath(_which(_compiler()) or _compiler()))
 
 
 class NativeUnavailable(RuntimeError):
@@ -88,8 +96,8 @@ def compiler_key() -> str:
     """The tools a build would use, as torch's builder finds them: `$CXX` (default c++) and ninja, by
     resolved path and modification time, so installing or upgrading either makes a remembered failure stale."""
     parts = []
-    for tool in (os.environ.get("CXX") or "c++", "ninja"):
-        found = shutil.which(tool.split()[0]) if tool.strip() else None
+    for tool in (_compiler(), "ninja"):
+        found = _which(tool)
         parts += [tool, found or "-", str(os.stat(found).st_mtime_ns) if found else "-"]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 

@@ -1179,8 +1179,10 @@ constexpr bool HAS_AMX_TILES = false;
 constexpr bool AMX_GRANTED = false;
 #endif
 
-// Lane tiles of at least this many rows take AMX where the build and the OS have it (0: none). One
-// TDPBSUD costs the same for 1 or 16 rows, so few rows keep the dpbusd tile; the bits are the same.
+// Lane tiles of at least this many rows take AMX where the build and the OS have it (0: none). A group's
+// tile sequence costs the same for 1 or 16 rows, so fewer rows keep the dpbusd tile; the bits are the same.
+// Intel Xeon VM (avx512_vnni, amx_int8; GCC 13), one thread, SmolLM2 / Gemma 3 shapes, AMX time over
+// dpbusd's: 8 rows 1.57 / 1.20, 12 rows 1.26 / 1.08, 16 rows 0.87 / 0.87 (docs/bench/avx2.md, 'AMX tiles').
 constexpr int AMX_MIN_ROWS = 16;
 static std::atomic<int> amx_min_rows{HAS_AMX_TILES && AMX_GRANTED ? AMX_MIN_ROWS : 0};
 
@@ -1257,12 +1259,27 @@ struct GroupMajorRows {
 };
 
 #if defined(INT8_VNNI512)
+// Register m of a group's 4- or 5-bit lane codes as bytes: lo the codes 4m.. of the group, hi 16 + 4m..
+template <int KIND>
+static inline void zmm_lane_codes(const uint8_t* pg, int m, __m512i& lo, __m512i& hi) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  const __m512i raw = _mm512_loadu_si512(pg + 64 * m);
+  lo = _mm512_and_si512(raw, nibble);
+  hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+  if constexpr (KIND == KIND_Q5) {
+    uint64_t mask_lo, mask_hi;
+    std::memcpy(&mask_lo, pg + 256 + 8 * m, 8);
+    std::memcpy(&mask_hi, pg + 256 + 32 + 8 * m, 8);
+    lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(mask_lo, bit4));
+    hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mask_hi, bit4));
+  }
+}
+
 template <int KIND, int S, int R>
 static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0, float* y,
                       int64_t ldy, int64_t b0, int64_t b1) {
   constexpr int64_t BYTES = lane_group_bytes(KIND);
   const int64_t groups = xq.groups, count = groups * S;
-  const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   const GroupMajorRows<R, S> rows(xq, r0);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* p = w.codes + b * groups * BYTES;
@@ -1297,18 +1314,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
         }
       } else {
         __m512i lo[4], hi[4];
-        for (int m = 0; m < 4; ++m) {
-          const __m512i raw = _mm512_loadu_si512(pg + 64 * m);
-          lo[m] = _mm512_and_si512(raw, nibble);
-          hi[m] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-          if constexpr (KIND == KIND_Q5) {
-            uint64_t mask_lo, mask_hi;
-            std::memcpy(&mask_lo, pg + 256 + 8 * m, 8);
-            std::memcpy(&mask_hi, pg + 256 + 32 + 8 * m, 8);
-            lo[m] = _mm512_or_si512(lo[m], _mm512_maskz_mov_epi8(mask_lo, bit4));
-            hi[m] = _mm512_or_si512(hi[m], _mm512_maskz_mov_epi8(mask_hi, bit4));
-          }
-        }
+        for (int m = 0; m < 4; ++m) zmm_lane_codes<KIND>(pg, m, lo[m], hi[m]);
         const __m512 ws = _mm512_loadu_ps(s + g * 16);
         for (int r = 0; r < R; ++r) {
           const int32_t* x = rows.codes(g, r);
@@ -1374,7 +1380,6 @@ static void amx_lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t
   constexpr int K = 32 / S;  // codes per product
   constexpr int SLOTS = 4 / S, AHEAD = SLOTS - 1;
   const int64_t groups = xq.groups, count = groups * S;
-  const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   const GroupMajorRows<R, S> rows(xq, r0);
   alignas(64) uint8_t unpacked[SLOTS][512];
   alignas(64) int32_t sums[SLOTS][S][R * 16];
@@ -1388,15 +1393,8 @@ static void amx_lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t
   auto weight_bytes = [&](const uint8_t* pg, uint8_t* out) __attribute__((always_inline)) {
     if constexpr (KIND == KIND_Q8) return pg;
     for (int m = 0; m < 4; ++m) {
-      const __m512i raw = _mm512_loadu_si512(pg + 64 * m);
-      __m512i lo = _mm512_and_si512(raw, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-      if constexpr (KIND == KIND_Q5) {
-        uint64_t mask_lo, mask_hi;
-        std::memcpy(&mask_lo, pg + 256 + 8 * m, 8);
-        std::memcpy(&mask_hi, pg + 256 + 32 + 8 * m, 8);
-        lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(mask_lo, bit4));
-        hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mask_hi, bit4));
-      }
+      __m512i lo, hi;
+      zmm_lane_codes<KIND>(pg, m, lo, hi);
       _mm512_store_si512(out + 64 * m, lo);
       _mm512_store_si512(out + 256 + 64 * m, hi);
     }
