@@ -6,10 +6,15 @@ modes alternated within every repetition, in one run.
     python benchmarks/activations.py MODEL.gguf --prompt --prefix 0 --rows 512 --reps 3    # prefill
     python benchmarks/activations.py MODEL.gguf --amx [--amx-min-rows 1]    # int8: dpbusd tiles vs AMX
     python benchmarks/activations.py --synthetic smollm2-135m:Q4_1:Q8_0 ...  # random weights of that shape
+    python benchmarks/activations.py MODEL.gguf --floor    # int8 beside its integer products' floor
 
 For each model and mode it prints the median time per k in ms, and int8's time over float32's for the
 same k (below 1: int8 is faster); with --amx, int8 with AMX tiles from --amx-min-rows rows against int8
-without them (CPUs with amx_int8). This is what `-o backend.activations auto` is chosen from
+without them (CPUs with amx_int8); with --floor, int8 alone beside the least time its products can take:
+rows x the weights a row meets / the rate one core gives a row in the build's lane tiles on registers
+alone (no loads, no unpacking, no x to lay out; `int8_product_rate`) x threads: the integer products alone,
+then with each group's float step, all in single steps too (over int8's one-row time), the unit of the
+verify-cost targets. This is what `-o backend.activations auto` is chosen from
 (README, Numerics); name the CPU's vector extensions beside any figure you quote.
 """
 
@@ -27,6 +32,7 @@ import torch
 
 from outrider import native
 from outrider.io.gguf import GGUFFile
+from outrider.models.linear import KIND_Q4, KIND_Q5, KIND_Q8, PackedLinear
 from outrider.plugins.backends.cpu import CPUBackend
 
 sys.path.insert(0, str(Path(__file__).parent))  # gpu.py's synthetic shapes
@@ -57,6 +63,27 @@ def synthetic(spec: str) -> str:
     return str(path)
 
 
+def products_per_row(model) -> tuple[int, int]:
+    """Products a row of x meets in one forward, (4- and 5-bit, 8-bit) codes: every quantized linear the
+    model holds, found by walking it (Gemma 4's per-layer token table, a lookup, counts too)."""
+    seen, found, todo = set(), [], [model]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (torch.Tensor, str, bytes, int, float)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, PackedLinear):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            todo.extend(obj)
+        elif hasattr(obj, "__dict__"):
+            todo.extend(vars(obj).values())
+    unsigned = sum(w.n_out * w.k for w in found if w.kind in (KIND_Q4, KIND_Q5))
+    return unsigned, sum(w.n_out * w.k for w in found if w.kind == KIND_Q8)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*")
@@ -64,6 +91,8 @@ def main() -> None:
                         help="random weights of a model's shape (benchmarks/gpu.py's SHAPES), e.g. smollm2-135m:Q4_1:Q8_0")
     parser.add_argument("--amx", action="store_true", help="int8 without AMX tiles against int8 with them")
     parser.add_argument("--amx-min-rows", type=int, default=1, help="with --amx: tiles of this many rows or more take AMX")
+    parser.add_argument("--floor", action="store_true",
+                        help="int8 beside the least time its integer products can take (this build's steps, one core x threads)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--prefix", type=int, default=128, help="tokens in the cache before each forward")
     parser.add_argument("--reps", type=int, default=15)
@@ -78,9 +107,12 @@ def main() -> None:
     models = args.models + [synthetic(spec) for spec in args.synthetic]
     if args.amx:
         modes = {"dpbusd": lambda: amx_from(0), "amx": lambda: amx_from(args.amx_min_rows)}
+    elif args.floor:
+        if not native.load().HAS_INT8_KERNELS:
+            parser.error("--floor needs the int8 kernels (a CPU with AVX2)")
+        modes = {"int8": lambda: native.activations("int8")}
     else:
         modes = {mode: (lambda mode=mode: native.activations(mode)) for mode in ("float32", "int8")}
-    old, new = modes
     torch.set_num_threads(args.threads)
     extensions = " ".join(native.vector_extensions()) or "none of " + " ".join(native.VECTOR_EXTENSIONS)
     print(f"CPU vector extensions: {extensions}; "
@@ -112,6 +144,20 @@ def main() -> None:
         median = {key: statistics.median(times) * 1e3 for key, times in seconds.items()}
         for mode in modes:
             print(f"{mode:9s}" + "".join(f"{median[mode, k]:10.2f}" for k in args.rows))
+        if args.floor:
+            kernels, counts = native.load(), products_per_row(model)
+            step = median["int8", min(args.rows)] / min(args.rows)
+            print(f"{'steps':9s}" + "".join(f"{median['int8', k] / step:10.2f}" for k in args.rows))
+            for name, float_steps in (("products", False), ("+ float", True)):
+                rates = [kernels.int8_product_rate(0.5, signed, float_steps) * args.threads for signed in (False, True)]
+                floor = {k: k * sum(n / rate for n, rate in zip(counts, rates)) * 1e3 for k in args.rows}
+                print(f"{name:9s}" + "".join(f"{floor[k]:10.2f}" for k in args.rows) + "   floor, ms")
+                print(f"{'  steps':9s}" + "".join(f"{floor[k] / step:10.2f}" for k in args.rows))
+                print(f"  {name}: {rates[0] / 1e9:.0f} G products a second of 4-/5-bit codes, {rates[1] / 1e9:.0f} G of 8-bit "
+                      f"({args.threads} x one core)")
+            print(f"  a row meets {counts[0] / 1e6:.1f} M 4-/5-bit and {counts[1] / 1e6:.1f} M 8-bit codes")
+            continue
+        old, new = modes
         ratio = {"int8": "int8/f32", "amx": "amx/dpb"}[new]
         print(f"{ratio:9s}" + "".join(f"{median[new, k] / median[old, k]:10.2f}" for k in args.rows))
 

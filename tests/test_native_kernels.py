@@ -534,6 +534,20 @@ def test_amx_row_counts_are_checked(int8_kernels):
             int8_kernels.set_amx_min_rows(rows)
 
 
+def test_the_product_rate_probe_times_the_work_it_names(kernels):
+    """benchmarks/activations.py --floor divides by this rate, so a rate the compiler inflated (products of
+    unchanging operands folded or hoisted out of the loop, as a first version's were) would give a floor
+    below what the work costs. Each group's float step is added work: with it the rate must not rise (10%
+    for timing noise), and no core gives more than 4 steps of 64 products a cycle at 6 GHz."""
+    if not kernels.HAS_INT8_KERNELS:
+        assert kernels.int8_product_rate(0.01) == 0.0
+        return
+    for signed in (False, True):
+        products = kernels.int8_product_rate(0.05, signed, False)
+        with_float_steps = kernels.int8_product_rate(0.05, signed, True)
+        assert 0 < with_float_steps <= 1.1 * products <= 1.1 * 4 * 64 * 6e9
+
+
 @pytest.mark.parametrize("name", LANE_NAMES + [LANE_NAMES])
 def test_a_weight_held_for_int8_gives_the_row_form_back_exactly(int8_kernels, weights, name):
     """With int8 activations a weight is held in its lane form only (where the build has lane tiles). Its row

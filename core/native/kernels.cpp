@@ -19,6 +19,7 @@
 // code for avx2, fma and f16c only; "native" = -march=native, the AVX512-VNNI code. Those against
 // llama.cpp, measured in the same runs, are in docs/bench/avx2.md.
 
+#include <chrono>
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -1159,8 +1160,93 @@ static bool run_int8_matmul(int64_t kind, const torch::Tensor& codes, const torc
   else TORCH_CHECK(false, "int8 activations: unknown weight kind ", kind, " with group ", group);
   return true;
 }
+
+// The products a second that one core gives a row in this build's lane tiles on registers alone: nothing
+// loaded, no codes unpacked, no x to lay out, only what each (row, group of 32 codes) pair itself costs.
+// A k-row pass over P weights cannot take less than k * P / rate, whatever the tiles around it do
+// (benchmarks/activations.py --floor). The integer step: AVX512-VNNI a zmm `dpbusd` (64 products),
+// AVX-VNNI a ymm one (32), signed codes alike (they meet x + 128); plain AVX2, 4- and 5-bit codes
+// `maddubs` pairs added in int16 and one `madd` per group, 8-bit codes (signed_codes) a `sign`, a `maddubs`,
+// a `madd` and an add per 32 products (a pair of `maddubs` of them could overflow int16). With float_steps,
+// each group's float step too, as the tiles take it: the sum to float, times the weight scales x d, added;
+// for 4- and 5-bit codes the zero's multiply-add. Independent chains (rows) hide the steps' latency.
+static double int8_product_rate(double seconds, bool signed_codes, bool float_steps) {
+#if defined(INT8_VNNI512)
+  using Reg = __m512i;
+  using Acc = __m512;
+  constexpr int CHAINS = 8, WIDTH = 64;
+  auto group = [](Reg u, Reg v, bool, Reg& sum) {
+    for (int m = 0; m < 8; ++m) {
+      asm volatile("" : "+x"(u), "+x"(v));  // operands unknown to the compiler (volatile: nor hoisted): no product is folded or shared
+      sum = _mm512_dpbusd_epi32(sum, u, v);
+    }
+  };
+  auto float_step = [](Reg sum, Acc scale, Acc& acc) { acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), acc); };
+  auto times = [](Acc a, Acc b) { return _mm512_mul_ps(a, b); };
+  auto fma = [](Acc a, Acc b, Acc c) { return _mm512_fmadd_ps(a, b, c); };
+  const Reg u = _mm512_set1_epi8(3), v = _mm512_set1_epi8(5);
+  const Acc one = _mm512_set1_ps(1.0f);
+#else
+  using Reg = __m256i;
+  using Acc = __m256;
+  constexpr int CHAINS = 6, WIDTH = 32;
+  auto group = [](Reg u, Reg v, bool signed_codes, Reg& sum) {
+    if (HAS_DPBUSD256) {
+      for (int m = 0; m < 8; ++m) {
+        asm volatile("" : "+x"(u), "+x"(v));
+        sum = dot4_add(sum, u, v);
+      }
+    } else if (signed_codes) {  // |w| once per register of codes, for every row (as in the tiles)
+      Reg magnitude = _mm256_abs_epi8(u);
+      for (int m = 0; m < 8; ++m) {
+        asm volatile("" : "+x"(u), "+x"(v), "+x"(magnitude));
+        const Reg p = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(v, u));
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+      }
+    } else {
+      Reg pairs;
+      for (int m = 0; m < 4; ++m) {
+        asm volatile("" : "+x"(u), "+x"(v));
+        const Reg t = _mm256_add_epi16(_mm256_maddubs_epi16(u, v), _mm256_maddubs_epi16(v, u));
+        pairs = m == 0 ? t : _mm256_add_epi16(pairs, t);
+      }
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+  };
+  auto float_step = [](Reg sum, Acc scale, Acc& acc) { acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum), acc); };
+  auto times = [](Acc a, Acc b) { return _mm256_mul_ps(a, b); };
+  auto fma = [](Acc a, Acc b, Acc c) { return _mm256_fmadd_ps(a, b, c); };
+  const Reg u = _mm256_set1_epi8(3), v = _mm256_set1_epi8(5);
+  const Acc one = _mm256_set1_ps(1.0f);
+#endif
+  Acc acc[CHAINS];
+  for (int i = 0; i < CHAINS; ++i) acc[i] = one;
+  int64_t groups = 0;
+  const auto start = std::chrono::steady_clock::now();
+  double elapsed = 0;
+  do {
+    for (int n = 0; n < 1000; ++n)
+      for (int i = 0; i < CHAINS; ++i) {
+        Reg sum = u;  // a group's sum starts afresh (at x's start for signed codes), as in the tiles
+        group(u, v, signed_codes, sum);
+        if (!float_steps) {
+          asm volatile("" ::"x"(sum));  // used: the products stay
+          continue;
+        }
+        Acc ws = one, d = one;
+        asm volatile("" : "+x"(ws), "+x"(d));
+        float_step(sum, times(ws, d), acc[i]);
+        if (!signed_codes) acc[i] = fma(ws, d, acc[i]);  // the zero times d x sum(x)
+      }
+    groups += 1000 * CHAINS;
+    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  } while (elapsed < seconds);
+  for (int i = 0; i < CHAINS; ++i) asm volatile("" ::"x"(acc[i]));  // used: the loops stay
+  return static_cast<double>(groups) * 8 * WIDTH / elapsed;
+}
 #else
 constexpr bool HAS_INT8_KERNELS = false;
+static double int8_product_rate(double, bool, bool) { return 0.0; }
 static bool run_int8_matmul(int64_t, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, int64_t,
                             const float*, int64_t, int64_t, float*, int64_t) { return false; }
 #endif
@@ -1557,19 +1643,25 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
           // a tree of products, on the stack too; the empty asm keeps each sum where it is (x86-64-v3
           // build (avx2, fma, f16c), one thread: SmolLM2 4 / 8 rows 7.0 / 12.3 -> 6.2 / 11.5 ms). Integer
           // sums: the same in any order. 4-bit: the four int16 sums add without overflow (see above);
-          // 5-bit: a madd after two.
+          // 5-bit: a madd after two. Each sum starts at zero and the four registers are unrolled: GCC kept
+          // them a loop, a branch per row for the first register and a copy per row after each add
+          // (SmolLM2 8 rows 10.7-11.0 -> 10.55 ms, the same build and thread).
           const __m256 ws = _mm256_loadu_ps(s + g * 16);
           __m256i sums[R], first_half[R];
+          for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
           for (int m = 0; m < 4; ++m) {
             __m256i lo, hi;
             ymm_lane_codes<KIND>(pg, m, half, lo, hi);
             for (int r = 0; r < R; ++r) {
               const int32_t* x = rows.codes(g, r);
-              const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[m])),
-                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[4 + m])));
-              sums[r] = m == 0 || (KIND == KIND_Q5 && m == 2) ? t : _mm256_add_epi16(sums[r], t);
+              sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[m])));
+              sums[r] = _mm256_add_epi16(sums[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[4 + m])));
               asm("" : "+x"(sums[r]));
-              if (KIND == KIND_Q5 && m == 1) first_half[r] = _mm256_madd_epi16(sums[r], ones16);
+              if (KIND == KIND_Q5 && m == 1) {
+                first_half[r] = _mm256_madd_epi16(sums[r], ones16);
+                sums[r] = _mm256_setzero_si256();
+              }
             }
           }
           for (int r = 0; r < R; ++r) {
@@ -2344,6 +2436,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.attr("HAS_AMX_TILES") = py::bool_(HAS_AMX_TILES && AMX_GRANTED);  // built for AMX, and granted by the OS
   m.def("set_amx_min_rows", &set_amx_min_rows, "lane tiles of at least this many rows take AMX (0: none); returns the last");
+  m.def("int8_product_rate", &int8_product_rate, no_gil(), py::arg("seconds") = 0.2, py::arg("signed_codes") = false,
+        py::arg("float_steps") = false,
+        "products a second one core gives a row in the lane tiles, on registers alone (0: no int8 kernels)");
   m.def("set_int8_activations", &set_int8_activations, "quantized weights meet int8 (true) or float32 activations");
   m.def("int8_activations", [] { return int8_activations.load(); });
 }
