@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import sys
 import tempfile
@@ -64,24 +65,13 @@ def synthetic(spec: str) -> str:
 
 
 def products_per_row(model) -> tuple[int, int]:
-    """Products a row of x meets in one forward, (4- and 5-bit, 8-bit) codes: every quantized linear the
-    model holds, found by walking it (Gemma 4's per-layer token table, a lookup, counts too)."""
-    seen, found, todo = set(), [], [model]
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen or isinstance(obj, (torch.Tensor, str, bytes, int, float)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, PackedLinear):
-            found.append(obj)
-        elif isinstance(obj, dict):
-            todo.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set)):
-            todo.extend(obj)
-        elif hasattr(obj, "__dict__"):
-            todo.extend(vars(obj).values())
-    unsigned = sum(w.n_out * w.k for w in found if w.kind in (KIND_Q4, KIND_Q5))
-    return unsigned, sum(w.n_out * w.k for w in found if w.kind == KIND_Q8)
+    """Products a row of x meets in one forward, (4- and 5-bit, 8-bit) codes: every quantized linear whose
+    tensors the model reads per token (its `weight_tensors`, which leave the embedding lookups out)."""
+    read = {t.data_ptr() for t in model.weight_tensors() if t.numel()}
+    linears = [o for o in gc.get_objects()  # type(), not isinstance: some of torch's objects warn when asked
+               if issubclass(type(o), PackedLinear) and any(t.numel() and t.data_ptr() in read for t in o.tensors())]
+    unsigned = sum(w.n_out * w.k for w in linears if w.kind in (KIND_Q4, KIND_Q5))
+    return unsigned, sum(w.n_out * w.k for w in linears if w.kind == KIND_Q8)
 
 
 def main() -> None:
@@ -104,6 +94,8 @@ def main() -> None:
         parser.error("name a MODEL.gguf or a --synthetic SHAPE:QTYPE")
     if args.amx and not native.load().HAS_AMX_TILES:
         parser.error("--amx needs a CPU with amx_int8 (lscpu), kernels built for it (-march=native) and Linux 5.16+")
+    if args.floor and 1 not in args.rows:
+        args.rows = [1] + args.rows  # the step the floor is counted in
     models = args.models + [synthetic(spec) for spec in args.synthetic]
     if args.amx:
         modes = {"dpbusd": lambda: amx_from(0), "amx": lambda: amx_from(args.amx_min_rows)}
@@ -146,7 +138,7 @@ def main() -> None:
             print(f"{mode:9s}" + "".join(f"{median[mode, k]:10.2f}" for k in args.rows))
         if args.floor:
             kernels, counts = native.load(), products_per_row(model)
-            step = median["int8", min(args.rows)] / min(args.rows)
+            step = median["int8", 1]
             print(f"{'steps':9s}" + "".join(f"{median['int8', k] / step:10.2f}" for k in args.rows))
             for name, float_steps in (("products", False), ("+ float", True)):
                 rates = [kernels.int8_product_rate(0.5, signed, float_steps) * args.threads for signed in (False, True)]

@@ -1181,7 +1181,7 @@ static double int8_product_rate(double seconds, bool signed_codes, bool float_st
       sum = _mm512_dpbusd_epi32(sum, u, v);
     }
   };
-  auto float_step = [](Reg sum, Acc scale, Acc& acc) { acc = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), acc); };
+  auto to_float = [](Reg sum) { return _mm512_cvtepi32_ps(sum); };
   auto times = [](Acc a, Acc b) { return _mm512_mul_ps(a, b); };
   auto fma = [](Acc a, Acc b, Acc c) { return _mm512_fmadd_ps(a, b, c); };
   const Reg u = _mm512_set1_epi8(3), v = _mm512_set1_epi8(5);
@@ -1213,7 +1213,7 @@ static double int8_product_rate(double seconds, bool signed_codes, bool float_st
       sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
     }
   };
-  auto float_step = [](Reg sum, Acc scale, Acc& acc) { acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum), acc); };
+  auto to_float = [](Reg sum) { return _mm256_cvtepi32_ps(sum); };
   auto times = [](Acc a, Acc b) { return _mm256_mul_ps(a, b); };
   auto fma = [](Acc a, Acc b, Acc c) { return _mm256_fmadd_ps(a, b, c); };
   const Reg u = _mm256_set1_epi8(3), v = _mm256_set1_epi8(5);
@@ -1235,7 +1235,7 @@ static double int8_product_rate(double seconds, bool signed_codes, bool float_st
         }
         Acc ws = one, d = one;
         asm volatile("" : "+x"(ws), "+x"(d));
-        float_step(sum, times(ws, d), acc[i]);
+        acc[i] = fma(times(ws, d), to_float(sum), acc[i]);
         if (!signed_codes) acc[i] = fma(ws, d, acc[i]);  // the zero times d x sum(x)
       }
     groups += 1000 * CHAINS;
