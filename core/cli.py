@@ -265,7 +265,7 @@ def models_pull(name):
 
     if name not in CATALOG:
         raise ModelFileError(f"unknown model '{name}'; the catalog has: {', '.join(CATALOG)}")
-    path = ensure_model(name, progress=lambda msg: click.echo(msg, err=True))
+    path = ensure_model(name)
     click.echo(str(path))
 
 

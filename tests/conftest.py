@@ -22,6 +22,7 @@ if _TESTS not in sys.path:
 # catalog download, e.g.
 #   OUTRIDER_TEST_SMOLLM2=/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf
 #   OUTRIDER_TEST_GEMMA3=/tmp/models/gemma-3-270m-q4_k_m.gguf
+#   OUTRIDER_TEST_QWEN05=/tmp/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 
 
 def _real_model_path(env_var: str, catalog_name: str) -> Path:
@@ -40,5 +41,10 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
     return _real_model_path("OUTRIDER_TEST_GEMMA3", "gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def qwen05_path() -> Path:
+    return _real_model_path("OUTRIDER_TEST_QWEN05", "qwen2.5-coder-0.5b")
 
 # ------------------------------------------------------------------------------------------------------

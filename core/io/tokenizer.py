@@ -71,6 +71,11 @@ _LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Qwen2's (and Qwen2.5's, Qwen3's) split regex (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2): Llama 3's with each
+# digit alone; its vocabularies merge every word (no `ignore_merges`).
+_QWEN2_PRES = frozenset({"qwen2"})
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
 SPM_SPACE = "\u2581"  # "▁", SentencePiece's spelling of a space
 
 # Deriving the merges of a 262k-token SentencePiece vocabulary takes seconds; builds slower than this are
@@ -301,9 +306,10 @@ def _build_byte_level_backend(tokens: list[str], token_types: list[int], merges:
     gpt2_split = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex
     if pre in _DIGIT_SPLIT_PRES:
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2_split])
-    elif pre in _LLAMA3_PRES:
+    elif pre in _LLAMA3_PRES | _QWEN2_PRES:
+        split = _LLAMA3_SPLIT if pre in _LLAMA3_PRES else _QWEN2_SPLIT
         backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"), byte_level_without_regex])
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level_without_regex])
     else:
         backend.pre_tokenizer = gpt2_split
     _add_whole_tokens(backend, tokens, token_types, user_defined_normalized=False)

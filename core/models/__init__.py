@@ -13,11 +13,12 @@ from outrider.models.gemma4 import Gemma4
 from outrider.models.layers import ATTENTION_DTYPE
 from outrider.models.linear import check_weights_mode
 from outrider.models.llama import Llama
+from outrider.models.qwen import Qwen2, Qwen3
 from outrider.native import NativeUnavailable
 from outrider.native import load as load_native
 
-ARCHITECTURES = {cls.architecture: cls for cls in (Llama, Gemma3, Gemma4)}
-QUANTIZED_ON_GPU = (Llama, Gemma3)  # take linear_form="quantized" (gemma4's experts do not yet)
+ARCHITECTURES = {cls.architecture: cls for cls in (Llama, Qwen2, Qwen3, Gemma3, Gemma4)}
+QUANTIZED_ON_GPU = (Llama, Qwen2, Qwen3, Gemma3)  # take linear_form="quantized" (gemma4's experts do not yet)
 
 
 def load_model(g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -91,10 +91,9 @@ class Llama(Decoder):
         """`native`: weights packed for, and attention run by, the CPU kernels (`outrider.native`);
         `linear_form` overrides how the linear layers are held (`load_linear`: "quantized" on a GPU)."""
         self.config = cfg = LlamaConfig.from_gguf(g)
-        if any(name.endswith(".bias") for name in g.tensors) or any("_exps" in name for name in g.tensors):
-            raise ModelFileError(f"{g.path}: llama variants with biases or experts are not supported")
+        self._refuse_variants(g)
         form = self._load_ends(g, dtype, device, native, linear_form)
-        self.layers = [_Layer(g, i, cfg, form, dtype, device) for i in range(cfg.n_layers)]
+        self.layers = [self._layer(g, i, form) for i in range(cfg.n_layers)]
         freq_factors = g.load("rope_freqs.weight") if "rope_freqs.weight" in g.tensors else None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.context_length, cfg.rope_freq_scale,
                              freq_factors, dtype, device)
@@ -102,10 +101,17 @@ class Llama(Decoder):
                                    native, attention_dtype)
         self.stack = LayerStack([self._weights(l) for l in self.layers], self.attention, cfg.eps, self.activation)
 
+    def _refuse_variants(self, g: GGUFFile) -> None:
+        if any(name.endswith(".bias") for name in g.tensors) or any("_exps" in name for name in g.tensors):
+            raise ModelFileError(f"{g.path}: llama variants with biases or experts are not supported")
+
+    def _layer(self, g: GGUFFile, i: int, form: bool | str) -> _Layer:
+        return _Layer(g, i, self.config, form, self.dtype, self.device)
+
     def _weights(self, l: _Layer) -> LayerWeights:
         return LayerWeights(l.wqkv, l.wo, l.w_gate_up, l.w_down, l.attn_norm, l.ffn_norm, self.rotary)
 
     def block(self, g: GGUFFile, i: int) -> LayerWeights:
         """Decoder block `blk.{i}` of `g` held and run as this model's own layers are: an MTP (nextn) block,
         read from this model's file or from a sidecar in its layout."""
-        return self._weights(_Layer(g, i, self.config, self.linear_form, self.dtype, self.device))
+        return self._weights(self._layer(g, i, self.linear_form))

@@ -17,8 +17,9 @@ from outrider.models.linear import NATIVE_ACT, PackedLinear
 
 @dataclass
 class LayerWeights:
-    """One pre-norm layer: x += o(attention(qkv(norm(x)))), then x += down(act(gate_up(norm(x)))), with
-    optional post-norms on each branch (Gemma) and q/k norms (Gemma) inside attention."""
+    """One pre-norm layer: x += o(attention(qkv(norm(x)) + qkv_bias)), then x += down(act(gate_up(norm(x)))),
+    with an optional q/k/v bias (Qwen2), post-norms on each branch (Gemma) and q/k norms (Gemma, Qwen3) inside
+    attention."""
 
     wqkv: object
     wo: object
@@ -32,6 +33,7 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None
     post_ffn_norm: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
 
     def linears(self) -> tuple:
         return self.wqkv, self.wo, self.w_gate_up, self.w_down
@@ -39,8 +41,9 @@ class LayerWeights:
 
 def attention_half(l, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor], eps: float,
                    prompt: bool = False) -> torch.Tensor:
-    """x + post_norm(o(attend(qkv(norm(x))))): `attend` maps the fused q/k/v rows to the heads' outputs."""
-    o = attend(l.wqkv(x, in_norm=l.attn_norm, eps=eps, prompt=prompt))
+    """x + post_norm(o(attend(qkv(norm(x)) + qkv_bias))): `attend` maps the fused q/k/v rows to the heads'
+    outputs. The bias goes in as the projection's residual, the one add the native stack makes too."""
+    o = attend(l.wqkv(x, in_norm=l.attn_norm, eps=eps, residual=getattr(l, "qkv_bias", None), prompt=prompt))
     return l.wo(o, out_norm=l.post_attn_norm, residual=x, eps=eps, prompt=prompt)
 
 
@@ -89,4 +92,4 @@ def add_layer(native_stack, l, rotary: Rotary) -> None:
     native_stack.add(qkv=l.wqkv.held(), o=l.wo.held(), gate_up=l.w_gate_up.held(), down=l.w_down.held(),
                      attn_norm=l.attn_norm, q_norm=l.q_norm, k_norm=l.k_norm, post_attn_norm=l.post_attn_norm,
                      ffn_norm=l.ffn_norm, post_ffn_norm=l.post_ffn_norm, cos=rotary.cos, sin=rotary.sin,
-                     window=l.window or 0)
+                     window=l.window or 0, qkv_bias=getattr(l, "qkv_bias", None))

@@ -28,7 +28,7 @@ from outrider.models.linear import rms_norm
 from outrider.models.stack import decoder_layer
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # rows a step is padded to: k + 1 = 1..16 verify shapes in five graphs
-STATIC_ARCHITECTURES = ("llama", "gemma3")  # whose forward `StaticStepModel.step` reproduces
+STATIC_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")  # whose forward `StaticStepModel.step` reproduces
 WARMUP_RUNS = 2  # eager runs on a side stream before capture (cuBLAS and allocator setup stay out of the graph)
 
 

@@ -2303,6 +2303,7 @@ struct StackLayer {
   c10::optional<torch::Tensor> attn_norm, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffn_norm;
   torch::Tensor cos, sin;
   int64_t window;
+  c10::optional<torch::Tensor> qkv_bias;  // Qwen2: added to the fused q/k/v rows as the projection's residual
   // Gemma 4 (LayerStack.gemma4): this layer's own shape, where its keys and values come from, the
   // per-layer input step after the FFN and the output scale. Unset: the stack's shape, its own cache.
   int64_t n_heads = 0, n_kv = 0, d = 0, kv_layer = -1, kv_mode = KV_OWN;
@@ -2321,9 +2322,11 @@ class LayerStack {
            c10::optional<torch::Tensor> attn_norm,
            c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
            c10::optional<torch::Tensor> post_attn_norm, c10::optional<torch::Tensor> ffn_norm,
-           c10::optional<torch::Tensor> post_ffn_norm, torch::Tensor cos, torch::Tensor sin, int64_t window) {
+           c10::optional<torch::Tensor> post_ffn_norm, torch::Tensor cos, torch::Tensor sin, int64_t window,
+           c10::optional<torch::Tensor> qkv_bias) {
     layers_.push_back({qkv, o, gate_up, down, attn_norm, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffn_norm,
                        cos.contiguous(), sin.contiguous(), window});
+    if (qkv_bias.has_value()) layers_.back().qkv_bias = qkv_bias->to(torch::kFloat32).contiguous();
   }
 
   // The last added layer as Gemma 4 has it: its own heads and head dim, the cache layer it reads
@@ -2355,7 +2358,9 @@ class LayerStack {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& l = layers_[i];
       size_t kv = l.kv_layer >= 0 ? l.kv_layer : i;
-      torch::Tensor qkv = l.qkv(x, l.attn_norm, eps_, ACT_NONE, c10::nullopt, c10::nullopt, prompt);
+      c10::optional<torch::Tensor> bias;
+      if (l.qkv_bias.has_value()) bias = l.qkv_bias->expand({x.size(0), l.qkv_bias->size(0)}).contiguous();
+      torch::Tensor qkv = l.qkv(x, l.attn_norm, eps_, ACT_NONE, bias, c10::nullopt, prompt);
       torch::Tensor a = attend(qkv, keys[kv], values[kv], start, l.n_heads ? l.n_heads : n_heads_,
                                l.n_kv ? l.n_kv : n_kv_, l.d ? l.d : d_, l.cos, l.sin, l.q_norm, l.k_norm, eps_,
                                l.window, scale_, l.kv_mode, l.v_norm);
@@ -2409,7 +2414,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("n_kv"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"), py::arg("act"))
       .def("add", &LayerStack::add, py::kw_only(), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"),
            py::arg("attn_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("post_attn_norm"), py::arg("ffn_norm"),
-           py::arg("post_ffn_norm"), py::arg("cos"), py::arg("sin"), py::arg("window"))
+           py::arg("post_ffn_norm"), py::arg("cos"), py::arg("sin"), py::arg("window"), py::arg("qkv_bias") = py::none())
       .def("gemma4", &LayerStack::gemma4, py::kw_only(), py::arg("n_heads"), py::arg("n_kv"), py::arg("head_dim"),
            py::arg("kv_layer"), py::arg("kv_mode"), py::arg("inp_gate"), py::arg("inp_proj"), py::arg("inp_post_norm"),
            py::arg("out_scale"))

@@ -59,14 +59,27 @@ def llama_cpp_tree() -> Path:
     return folder
 
 
+# Runs the converter with `tokenizer.ggml.pre` named rather than detected: the converter knows a BPE
+# pre-tokenizer only by the hash of a real vocabulary's ids, which a tiny test vocabulary cannot have.
+_NAMED_PRE = """
+import runpy, sys
+from conversion import base
+pre = sys.argv.pop(1)
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+runpy.run_path("convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
 def convert_hf_to_gguf(hf_dir: str | os.PathLike, out: str | os.PathLike, outtype: str = "f32",
-                       extra: tuple[str, ...] = ()) -> Path:
-    """Run llama.cpp's converter on a transformers checkpoint folder; returns the written .gguf path."""
+                       extra: tuple[str, ...] = (), pre: str | None = None) -> Path:
+    """Run llama.cpp's converter on a transformers checkpoint folder; returns the written .gguf path.
+    `pre`: the BPE pre-tokenizer name to write (a tiny byte-level vocabulary's, which the converter cannot
+    detect)."""
     tree = llama_cpp_tree()
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("NO_LOCAL_GGUF", None)  # the converter must use its own gguf-py, newer than PyPI's
-    cmd = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out),
-           "--outtype", outtype, *extra]
+    script = ["-c", _NAMED_PRE, pre] if pre else [str(tree / "convert_hf_to_gguf.py")]
+    cmd = [sys.executable, *script, str(hf_dir), "--outfile", str(out), "--outtype", outtype, *extra]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-15:])

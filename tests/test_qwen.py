@@ -1,0 +1,231 @@
+"""Qwen2 (`qwen2`) and Qwen3 (`qwen3`) against transformers, on files written by llama.cpp's converter.
+
+Oracles: transformers' Qwen2ForCausalLM / Qwen3ForCausalLM and their tokenizer, loading the same random
+checkpoint the GGUF was converted from (by llama.cpp's own `convert_hf_to_gguf.py`); for the cache, the same
+model run without the cache trick. The slow tests run the real Qwen2.5-Coder 0.5B against transformers'
+GGUF loader and tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from oracles.llama_cpp import ReferenceUnavailable
+from oracles.qwen_fixtures import VARIANTS, cached_fixture
+
+from outrider.errors import ModelFileError
+from outrider.io.chat import apply_chat_template
+from outrider.io.gguf import GGUFFile
+from outrider.io.tokenizer import Tokenizer
+from outrider.models import load_model
+from outrider.models.stack import LayerStack
+from outrider.native import activations as native_activations
+
+transformers = pytest.importorskip("transformers")
+
+LOGIT_ATOL = 1e-4  # fp32 both sides; the tiny models' logits are of magnitude ~5
+BATCH_ATOL = 1e-4  # dense weights: batched vs single-token forwards reorder float sums
+
+TEXTS = ["the world is", "Hello, World!", "  two  spaces", "line\n\nbreaks\n\n\nthree", "é日本語 emoji 🙂",
+         "<|im_start|>user\nhi<|im_end|>", "tabs\tand\r\ncrlf", "", " ", "\n", "123 4567.89 1000000",
+         "Whitespace   at end   ", "it's I'M we'Ve", "<|fim_prefix|>def f(<|fim_suffix|>)<|fim_middle|>",
+         "def quicksort(values):\n    return values\n"]
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def variant(request):
+    try:
+        hf_dir, path = cached_fixture(request.param)
+    except ReferenceUnavailable as e:
+        pytest.skip(str(e))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    return request.param, hf_dir, path, hf
+
+
+def _ids(n: int, seed: int, vocab: int = 390) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("weights", ["dense", "compact"])
+def test_logits_and_hidden_match_transformers(variant, weights):
+    name, _, path, hf = variant
+    with native_activations("float32"):
+        model = load_model(GGUFFile(path), weights=weights)
+        assert model.architecture == name and (model.attention.kernels is not None) == (weights == "compact")
+        ids = _ids(20, 1)
+        logits, hidden = model.forward(ids, 0, model.new_cache(64), hidden=True)
+    with torch.no_grad():
+        theirs = hf(ids[None]).logits[0]
+        theirs_hidden = hf.model(ids[None]).last_hidden_state[0]
+    torch.testing.assert_close(logits, theirs, atol=LOGIT_ATOL, rtol=0)
+    torch.testing.assert_close(hidden, theirs_hidden, atol=LOGIT_ATOL, rtol=1e-4)
+
+
+def test_greedy_continuation_matches_transformers(variant):
+    _, _, path, hf = variant
+    model = load_model(GGUFFile(path))
+    prompt = _ids(5, 2)
+    with torch.no_grad():
+        theirs = hf.generate(prompt[None], max_new_tokens=24, do_sample=False, min_new_tokens=24,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+    cache = model.new_cache(64)
+    logits = model.forward(prompt, 0, cache, last_only=True)
+    ours = []
+    for _ in range(24):
+        ours.append(int(logits[-1].argmax()))
+        logits = model.forward(torch.tensor(ours[-1:]), cache.length, cache)
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("weights", ["dense", "compact-float32", "compact-int8"])
+@pytest.mark.parametrize("k", [1, 4, 9])
+def test_k_token_forward_equals_k_single_forwards(variant, weights, k):
+    """Bit for bit with compact weights, whatever the activations: what keeps greedy speculation equal to
+    plain decoding."""
+    _, _, path, _ = variant
+    form, _, mode = weights.partition("-")
+    with native_activations(mode or "float32"):
+        model = load_model(GGUFFile(path), weights=form)
+        prefix, block = _ids(5, k), _ids(k, 10 + k)
+        cache = model.new_cache(64)
+        model.forward(prefix, 0, cache)
+        batched = model.forward(block, 5, cache)
+        cache.truncate(5)
+        singles = torch.cat([model.forward(block[i:i + 1], 5 + i, cache) for i in range(k)])
+    if form == "compact":
+        assert torch.equal(batched, singles)
+    else:
+        torch.testing.assert_close(batched, singles, atol=BATCH_ATOL, rtol=0)
+
+
+def test_truncate_then_replay_equals_a_fresh_run(variant):
+    _, _, path, _ = variant
+    model = load_model(GGUFFile(path), weights="compact")
+    prefix, rejected, replacement = _ids(6, 3), _ids(7, 4), _ids(5, 5)
+    cache = model.new_cache(64)
+    model.forward(prefix, 0, cache)
+    model.forward(rejected, 6, cache)
+    cache.truncate(6)
+    replayed = model.forward(replacement, 6, cache)
+    fresh = model.forward(torch.cat([prefix, replacement]), 0, model.new_cache(64))[6:]
+    torch.testing.assert_close(replayed, fresh, atol=BATCH_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_native_layer_stack_equals_the_python_loop(variant, k):
+    """The native stack adds the q/k/v bias (qwen2) and norms q and k (qwen3) as the Python loop does, so
+    logits and cache agree bit for bit."""
+    _, _, path, _ = variant
+    model = load_model(GGUFFile(path), weights="compact")
+    native = model.stack
+    assert native.native is not None
+    loop = LayerStack(native.layers, native.attention, native.eps, native.act, native=False)
+    prompt, block = _ids(13, 20 + k), _ids(k, 30 + k)
+    caches, logits = [], []
+    for stack in (native, loop):
+        model.stack = stack
+        cache = model.new_cache(64)
+        first = model.forward(prompt, 0, cache, last_only=True)
+        logits.append(torch.cat([first, model.forward(block, len(prompt), cache)]))
+        caches.append(cache)
+    model.stack = native
+    assert torch.equal(logits[0], logits[1])
+    for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+        assert torch.equal(a, b)
+
+
+def test_tokenizer_ids_match_transformers(variant):
+    _, hf_dir, path, _ = variant
+    hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    ours = Tokenizer.from_gguf(GGUFFile(path))
+    for text in TEXTS:
+        assert ours.encode(text) == hf_tok(text, add_special_tokens=False)["input_ids"], text
+    for text in (t for t in TEXTS if "<|" not in t):  # control tokens are not printed (llama.cpp's choice)
+        assert ours.decode(ours.encode(text)) == hf_tok.decode(hf_tok(text)["input_ids"]) == text, text
+    assert ours.eog_ids >= {hf_tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+
+
+def test_chat_template_from_the_file_matches_transformers(variant):
+    _, hf_dir, path, _ = variant
+    hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    g = GGUFFile(path)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
+                {"role": "assistant", "content": "the world"}, {"role": "user", "content": "is it?"}]
+    text = apply_chat_template(g, Tokenizer.from_gguf(g), messages)
+    assert text == hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_the_other_qwen_form_is_refused_in_one_line(variant):
+    """A qwen3 file labelled qwen2 (no biases) and a qwen2 file labelled qwen3 (biases, no q/k norms), and a
+    file with experts: one line naming what to fix."""
+    name, _, path, _ = variant
+    other = "qwen3" if name == "qwen2" else "qwen2"
+    g = GGUFFile(path)
+    g.metadata = {k.replace(f"{name}.", f"{other}.", 1): v for k, v in g.metadata.items()}
+    g.metadata["general.architecture"] = other
+    with pytest.raises(ModelFileError) as e:
+        load_model(g)
+    assert "\n" not in str(e.value) and "general.architecture" in str(e.value), str(e.value)
+    g = GGUFFile(path)
+    g.tensors["blk.0.ffn_gate_exps.weight"] = g.tensors["blk.0.ffn_gate.weight"]
+    with pytest.raises(ModelFileError, match="experts"):
+        load_model(g)
+
+
+# ----------------------------------------------------------------------------------- the real Qwen2.5-Coder
+
+REAL_PROMPTS = [
+    "The capital of France is",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "<|im_start|>user\nWrite a haiku about rain.<|im_end|>\n<|im_start|>assistant\n",
+]
+REAL_LOGIT_ATOL = 2e-3  # as the llama and gemma3 real-model tests: fp32 both sides, logits of magnitude 20-40
+CORPUS = [
+    "Hello world! It's a beautiful day, isn't it? I'VE been here since 1999.",
+    "def parse(line: str) -> dict[str, int]:\n\treturn {k: int(v) for k, v in (p.split('=') for p in line.split(';'))}\n",
+    "    if (x >= 10 && y != 0) { return x / y; }\r\n\r\n",
+    "Größe, naïve café — «quotes» and “curly” ones… 東京は日本の首都です。 Москва — столица России. مرحبا بالعالم",
+    "1234567890 3.14159 1e-10 0x1F 1,000,000",
+    "emoji: 🦙🚀😶‍🌫️ ✅ and tabs\t\t\tand    runs      of spaces   \n\n\n\n  \n",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "<|fim_prefix|>def add(a, b):\n    <|fim_suffix|>\n<|fim_middle|>return a + b<|fim_pad|><|repo_name|>x<|file_sep|>",
+    "```python\nimport numpy as np\nprint(np.arange(10)[::-1])\n```",
+]
+
+
+@pytest.fixture(scope="module")
+def real_qwen(qwen05_path):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder, name = os.path.split(str(qwen05_path))
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return qwen05_path, hf_model, hf_tokenizer
+
+
+@pytest.mark.slow
+def test_real_qwen_tokenizer_matches_transformers_on_a_mixed_corpus(real_qwen):
+    path, _, hf_tokenizer = real_qwen
+    ours = Tokenizer.from_gguf(GGUFFile(path))
+    for text in CORPUS:
+        ids = ours.encode(text)
+        assert ids == hf_tokenizer(text, add_special_tokens=False)["input_ids"], text
+        if "<|" not in text:
+            assert ours.decode(ids) == text
+    assert ours.eog_ids >= {151645, 151643}  # <|im_end|>, <|endoftext|>
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["dense", "compact"])
+def test_real_qwen_logits_match_transformers(real_qwen, weights):
+    path, hf_model, hf_tokenizer = real_qwen
+    with native_activations("float32"):
+        model = load_model(GGUFFile(path), weights=weights)
+        for prompt in REAL_PROMPTS:
+            ids = hf_tokenizer.encode(prompt)
+            ours = model.forward(torch.tensor(ids), 0, model.new_cache(256))[-1]
+            with torch.no_grad():
+                theirs = hf_model(torch.tensor([ids])).logits[0, -1]
+            assert int(ours.argmax()) == int(theirs.argmax()), prompt
+            torch.testing.assert_close(ours, theirs, atol=REAL_LOGIT_ATOL, rtol=0)
