@@ -152,10 +152,10 @@ class Runner:
                             hidden=observe is not None)
         logits, hidden = out if observe is not None else (out, None)
         first = acceptor.accept(VerifyRound(logits.float().cpu(), [], None, params, rng, len(prompt))).tokens[0]
-        stats.prefill_s = time.perf_counter() - t
-        self.drafter.begin(list(prompt), params, self.controls)
+        self.drafter.begin(list(prompt), params, self.controls)  # a draft model's own prefill: part of this one
         if observe is not None:
             observe(hidden, 0, cache)
+        stats.prefill_s = time.perf_counter() - t
 
         tokens = list(prompt) + [first]
         stats.generated_tokens = 1

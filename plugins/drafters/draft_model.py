@@ -57,8 +57,14 @@ class DraftModelDrafter(DrafterBase):
         self.device = self.model.device
 
     def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
+        """Prefill the draft model with the prompt now, as the target is: a round's catch-up is then only the
+        tokens the last round made certain, and `--draft-max auto` prices drafting by what it costs per
+        round, not by a prompt's prefill billed to the first draft."""
         super().begin(prompt, params, controls)
         self.cache.truncate(0)
+        usable = prompt[: self.cache.max_len - 1]
+        if usable:
+            self.model.forward(torch.tensor(usable, device=self.device), 0, self.cache, last_only=True)
 
     def rollback(self, length: int) -> None:
         self.cache.truncate(min(self.cache.length, length))
@@ -68,6 +74,8 @@ class DraftModelDrafter(DrafterBase):
         k = min(k, room)
         if k <= 0 or not tokens:  # nothing to condition on (found by the contract suite: it used to raise)
             return Draft()
+        # the first draft needs the logits after the last token: at least that one is run again
+        self.cache.truncate(min(self.cache.length, len(tokens) - 1))
         start = self.cache.length
 
         def next_logits(drafted: list[int]) -> torch.Tensor:
