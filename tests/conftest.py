@@ -23,6 +23,7 @@ if _TESTS not in sys.path:
 #   OUTRIDER_TEST_SMOLLM2=/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf
 #   OUTRIDER_TEST_GEMMA3=/tmp/models/gemma-3-270m-q4_k_m.gguf
 #   OUTRIDER_TEST_QWEN05=/tmp/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+#   OUTRIDER_TEST_QWEN15=/tmp/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 
 
 def _real_model_path(env_var: str, catalog_name: str) -> Path:
@@ -46,5 +47,10 @@ def gemma3_path() -> Path:
 @pytest.fixture(scope="session")
 def qwen05_path() -> Path:
     return _real_model_path("OUTRIDER_TEST_QWEN05", "qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def qwen15_path() -> Path:
+    return _real_model_path("OUTRIDER_TEST_QWEN15", "qwen2.5-coder-1.5b")
 
 # ------------------------------------------------------------------------------------------------------

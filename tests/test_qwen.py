@@ -229,3 +229,41 @@ def test_real_qwen_logits_match_transformers(real_qwen, weights):
                 theirs = hf_model(torch.tensor([ids])).logits[0, -1]
             assert int(ours.argmax()) == int(theirs.argmax()), prompt
             torch.testing.assert_close(ours, theirs, atol=REAL_LOGIT_ATOL, rtol=0)
+
+
+# ------------------------------------------------------------------------ the real pair: 1.5B with its 0.5B
+
+PAIR_PROMPT = ("<|im_start|>user\nRename x to count and return the code:\ndef f(items):\n    x = 0\n"
+               "    for item in items:\n        if item is not None:\n            x += 1\n    return x<|im_end|>\n"
+               "<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_real_pair_speculation_equals_plain_greedy(qwen15_path, qwen05_path):
+    """Greedy output with the 0.5B drafting (alone, and behind lookup in a chain; fixed and auto lengths) is
+    plain greedy decoding's, token for token; and the 0.5B's drafts are mostly accepted (a draft model fed the
+    wrong tokens or positions would still be lossless, but accepted far less)."""
+    from outrider.plugins.acceptors.greedy import GreedyAcceptor
+    from outrider.plugins.drafters.draft_model import DraftModelDrafter
+    from outrider.plugins.drafters.lookup import LookupDrafter
+    from outrider.plugins.drafters.none import NoDrafter
+    from outrider.spec.chain import DrafterChain
+    from outrider.spec.runner import Runner
+    from outrider.spec.sampling import SamplingParams
+    from outrider.testing.fixtures import cpu_target
+
+    target = cpu_target(qwen15_path)
+    prompt = target.tokenizer.encode(PAIR_PROMPT)
+
+    def generate(drafter, draft_max):
+        drafter.setup(target)
+        runner = Runner(target, drafter, GreedyAcceptor(), draft_max=draft_max, context=512)
+        return list(runner.generate(prompt, 40, SamplingParams())), runner.stats
+
+    expected, _ = generate(NoDrafter(), 0)
+    draft = DraftModelDrafter(model=str(qwen05_path))
+    for drafter, draft_max in [(draft, 4), (draft, "auto"),
+                               (DrafterChain([LookupDrafter(), draft], ["lookup", "draft-model"]), "auto")]:
+        out, stats = generate(drafter, draft_max)
+        assert out == expected, (draft_max, target.tokenizer.decode(out), target.tokenizer.decode(expected))
+        assert stats.drafted > 0 and stats.accepted >= 0.6 * stats.drafted, (stats.drafted, stats.accepted)
