@@ -242,3 +242,42 @@ def test_rounds_are_what_generate_streams_one_record_per_forward(tiny):
     assert len(flat) == n == stats.generated_tokens
     assert flat == plain_greedy(target.model, prompt, n)
     assert flat == run(target, LookupDrafter(), GreedyAcceptor(), prompt, n)[0]
+
+
+def test_draft_model_keeps_its_own_activations_and_threads_and_the_target_its_own(tmp_path):
+    """Activations and threads are process-wide settings: a draft model loaded with its own (int8, 1 thread)
+    must run with them, and the target (float32, 2 threads) with its own, before, between and after drafts."""
+    import torch
+
+    from outrider import native
+    from outrider.plugins.backends.cpu import CPUBackend
+    from outrider.spec.drafter import Target
+    from outrider.io.gguf import GGUFFile
+    from outrider.io.tokenizer import Tokenizer
+
+    kernels = native.load()
+    if not kernels.HAS_INT8_KERNELS:
+        pytest.skip("this build has no int8 kernels (no AVX2)")
+    threads = torch.get_num_threads()
+    try:
+        g = GGUFFile(write_tiny_llama(tmp_path / "target.gguf", seed=0))
+        backend = CPUBackend(activations="float32", threads=2)
+        target = Target(backend.load_model(g), Tokenizer.from_gguf(g), g, backend)
+        drafter = DraftModelDrafter(model=str(write_tiny_llama(tmp_path / "draft.gguf", seed=1, n_layers=1)),
+                                    activations="int8", threads=1)
+        drafter.setup(target)
+        assert (kernels.int8_activations(), torch.get_num_threads()) == (False, 2)  # put back after loading
+        seen = {"draft": set(), "target": set()}
+        for name, model in (("draft", drafter.model), ("target", target.model)):
+            def spy(*args, _forward=model.forward, _name=name, **kwargs):
+                seen[_name].add((kernels.int8_activations(), torch.get_num_threads()))
+                return _forward(*args, **kwargs)
+            model.forward = spy
+        runner = Runner(target, drafter, GreedyAcceptor(), draft_max=4, context=256)
+        out = list(runner.generate(TINY_PROMPT, 24, SamplingParams()))
+        assert runner.stats.drafted > 0
+        assert seen == {"draft": {(True, 1)}, "target": {(False, 2)}}
+        assert out == plain_greedy(target.model, TINY_PROMPT, 24)  # float32 target: the float32 oracle's tokens
+    finally:
+        torch.set_num_threads(threads)
+        native.use_activations("auto")

@@ -8,8 +8,11 @@ reports q, for the Leviathan full-q rule.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from outrider import native
 from outrider.catalog import resolve_model
 from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
@@ -39,22 +42,58 @@ class DraftModelDrafter(DrafterBase):
     needs = frozenset({NEEDS_DRAFT_MODEL})
     gives_draft_probs = False  # True on an instance made with sample = true; the runner asks the instance
 
-    def __init__(self, model: str = "", sample: bool = False, context: int = 4096, dtype: str = ""):
+    def __init__(self, model: str = "", sample: bool = False, context: int = 4096, dtype: str = "",
+                 activations: str = "", threads: int = 0):
         if not model:
             raise ConfigError("drafter 'draft-model' needs a model: pass --draft-model NAME|PATH")
+        if activations:
+            native.check_activations_mode(activations)
         self.model_name, self.sample, self.context, self.dtype = model, sample, context, dtype
+        self.activations, self.threads = activations, threads
         self.gives_draft_probs = sample
 
     def setup(self, target: Target) -> None:
+        """Load the draft model on the target's backend, or on one of its own where `dtype`, `activations` or
+        `threads` is given. Either way the draft runs with the activations and threads it was loaded with and
+        the target keeps its own: both are process-wide settings, so they are put back after loading and set
+        around every draft forward (`_own_settings`)."""
         super().setup(target)
         gguf = GGUFFile(resolve_model(self.model_name))
         self.tokenizer = Tokenizer.from_gguf(gguf)
         check_vocab_compatible(target.tokenizer, self.tokenizer, self.model_name)
-        backend = type(target.backend)(dtype=self.dtype) if self.dtype else target.backend
-        self.model = backend.load_model(gguf)
+        own = {name: value for name, value in
+               (("dtype", self.dtype), ("activations", self.activations), ("threads", self.threads)) if value}
+        targets_int8, targets_threads = _int8_flag(), torch.get_num_threads()
+        try:
+            backend = type(target.backend)(**own) if own else target.backend
+        except TypeError as e:  # a backend without that option (cuda has no activations or threads)
+            raise ConfigError(f"drafter 'draft-model': the {type(target.backend).__name__} takes no "
+                              f"{'/'.join(own)} option ({e}); drop -o drafter.{next(iter(own))}") from None
+        try:
+            self.model = backend.load_model(gguf)
+            self.int8, self.model_threads = _int8_flag(), torch.get_num_threads()
+        finally:
+            _set_int8_flag(targets_int8)
+            torch.set_num_threads(targets_threads)
         self.vocab_size = min(target.tokenizer.vocab_size, self.model.config.vocab_size)
         self.cache = self.model.new_cache(min(self.context, self.model.config.context_length))
         self.device = self.model.device
+
+    @contextlib.contextmanager
+    def _own_settings(self):
+        """The draft model's activations and threads for a block, then the target's back (two cheap stores
+        where they differ, nothing where they agree)."""
+        int8, threads = _int8_flag(), torch.get_num_threads()
+        if (int8, threads) == (self.int8, self.model_threads):
+            yield
+            return
+        _set_int8_flag(self.int8)
+        torch.set_num_threads(self.model_threads)
+        try:
+            yield
+        finally:
+            _set_int8_flag(int8)
+            torch.set_num_threads(threads)
 
     def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
         """Prefill the draft model with the prompt now, as the target is: a round's catch-up is then only the
@@ -64,7 +103,8 @@ class DraftModelDrafter(DrafterBase):
         self.cache.truncate(0)
         usable = prompt[: self.cache.max_len - 1]
         if usable:
-            self.model.forward(torch.tensor(usable, device=self.device), 0, self.cache, last_only=True)
+            with self._own_settings():
+                self.model.forward(torch.tensor(usable, device=self.device), 0, self.cache, last_only=True)
 
     def rollback(self, length: int) -> None:
         self.cache.truncate(min(self.cache.length, length))
@@ -85,7 +125,23 @@ class DraftModelDrafter(DrafterBase):
             start += len(pending)
             return logits[: self.vocab_size].float().cpu()
 
-        return self.draft_from_logits(k, next_logits, tokens, self.sample)
+        with self._own_settings():
+            return self.draft_from_logits(k, next_logits, tokens, self.sample)
+
+
+def _int8_flag() -> bool | None:
+    """The CPU kernels' int8-activations flag, or None where the kernels are not built (nothing to keep)."""
+    try:
+        return native.load().int8_activations()
+    except native.NativeUnavailable:
+        return None
+
+
+def _set_int8_flag(on: bool | None) -> None:
+    """Set the flag alone, changing no weight's form (`native.use_activations` also gives lane-only weights
+    their rows back): each model's weights were loaded in the form its own mode reads."""
+    if on is not None:
+        native.load().set_int8_activations(on)
 
 
 @hookimpl
@@ -95,4 +151,7 @@ def register_drafters(register):
         "sample": (bool, "sample drafts from q instead of argmax (the acceptor then uses the full-q rule)"),
         "context": (int, "the draft model's KV cache length"),
         "dtype": (str, "the draft model's dtype on the target's backend (empty: the target's)"),
+        "activations": (str, "the draft model's activations on the CPU backend: auto, int8 or float32 (empty: "
+                        "the target's); the target keeps its own"),
+        "threads": (int, "threads for the draft model's forwards (0: the target's); the target keeps its own"),
     })
