@@ -281,3 +281,28 @@ def test_draft_model_keeps_its_own_activations_and_threads_and_the_target_its_ow
     finally:
         torch.set_num_threads(threads)
         native.use_activations("auto")
+
+
+def test_draft_model_with_a_reduced_head_drafts_only_its_rows_and_stays_lossless(tiny):
+    """`head_rows = N`: every drafted token is one of the head's first N rows (the tiny vocabulary has no
+    control tokens past them), and the output is still plain greedy's."""
+    target = tiny["llama"]
+    rows = 40
+    drafter = DraftModelDrafter(model=str(tiny["llama_draft_path"]), head_rows=rows)
+    drafter.setup(target)
+    drafted = []
+    propose = drafter.propose
+
+    def spy(tokens, k):
+        draft = propose(tokens, k)
+        drafted.extend(draft.tokens)
+        return draft
+    drafter.propose = spy
+    runner = Runner(target, drafter, GreedyAcceptor(), draft_max=4, context=256)
+    out = list(runner.generate(TINY_PROMPT, 40, SamplingParams()))
+    assert out == plain_greedy(target.model, TINY_PROMPT, 40)
+    assert drafted and max(drafted) < rows
+    full = DraftModelDrafter(model=str(tiny["llama_draft_path"]))
+    full.setup(target)
+    full.begin(TINY_PROMPT, SamplingParams(), DraftControls())
+    assert any(t >= rows for t in full.propose(TINY_PROMPT + out[:1], 16).tokens)  # the whole head's would not

@@ -291,10 +291,10 @@ def load_packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
     every part is 4-bit, 5-bit codes if every part is 4- or 5-bit, else int8 codes (per 16 if any part
     needs it, zeros if any part has them), else float32 when any part is a float tensor."""
     infos = [g.tensors[name] for name in names]
-    k, n_out = infos[0].shape[1], sum(info.shape[0] for info in infos)
+    k = infos[0].shape[1]
     if any(info.type in FLOAT_TYPES for info in infos):
         weight = torch.cat([remap(name)(g.load(name)) for name in names])
-        return PackedLinear(KIND_F32, weight.float(), torch.empty(0), None, 32, n_out, k)
+        return PackedLinear(KIND_F32, weight.float(), torch.empty(0), None, 32, weight.shape[0], k)
     parts = []
     for info in infos:
         codes, scale, zero, group = block_codes(g.raw(info.name), info.type)
@@ -314,5 +314,6 @@ def load_packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
         c = pack(c)
         fix = remap(info.name)
         codes.append(fix(c)), scales.append(fix(s)), zeros.append(fix(z))
-    return PackedLinear(kind, torch.cat(codes), torch.cat(scales),
-                        torch.cat(zeros) if with_zero else None, group, n_out, k)
+    codes = torch.cat(codes)  # rows as the maps left them: a map may also select rows (a reduced head)
+    return PackedLinear(kind, codes, torch.cat(scales), torch.cat(zeros) if with_zero else None, group,
+                        codes.shape[0], k)

@@ -1,6 +1,10 @@
 """The `draft-model` drafter: a smaller GGUF model with the same vocabulary proposes tokens.
 
-It keeps its own KV cache, rolled back with the target's. By default it drafts by argmax
+It keeps its own KV cache, rolled back with the target's. `head_rows = N` drafts from the first N rows of
+its output head only, with every control and user-defined token (FR-Spec's frequency-ranked draft head:
+a byte-level BPE vocabulary's ids follow its merges, most frequent first, and a small draft model's head
+is a third of the bytes it reads a token); a token outside them is never drafted, so only acceptance can
+change, never the output. By default it drafts by argmax
 (deterministic, so the sampled acceptor uses the one-hot rule and a seeded run reproduces plain
 sampling exactly); with `sample = true` it samples from its own warped distribution q and
 reports q, for the Leviathan full-q rule.
@@ -17,7 +21,8 @@ from outrider.catalog import resolve_model
 from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
 from outrider.io.gguf import GGUFFile
-from outrider.io.tokenizer import Tokenizer
+from outrider.io.tokenizer import Tokenizer, TokenType
+from outrider.models.weight_forms import load_linear
 from outrider.spec.drafter import NEEDS_DRAFT_MODEL, Draft, DraftControls, DrafterBase, Target
 from outrider.spec.sampling import SamplingParams
 
@@ -43,9 +48,12 @@ class DraftModelDrafter(DrafterBase):
     gives_draft_probs = False  # True on an instance made with sample = true; the runner asks the instance
 
     def __init__(self, model: str = "", sample: bool = False, context: int = 4096, dtype: str = "",
-                 activations: str = "", threads: int = 0):
+                 activations: str = "", threads: int = 0, head_rows: int = 0):
         if not model:
             raise ConfigError("drafter 'draft-model' needs a model: pass --draft-model NAME|PATH")
+        if head_rows < 0:
+            raise ConfigError(f"drafter 'draft-model': head_rows = {head_rows}; give 0 (the whole head) or more")
+        self.head_rows = head_rows
         if activations:
             native.check_activations_mode(activations)
         self.model_name, self.sample, self.context, self.dtype = model, sample, context, dtype
@@ -78,6 +86,20 @@ class DraftModelDrafter(DrafterBase):
         self.vocab_size = min(target.tokenizer.vocab_size, self.model.config.vocab_size)
         self.cache = self.model.new_cache(min(self.context, self.model.config.context_length))
         self.device = self.model.device
+        self.head_ids = None  # token id of each row of a reduced head; None: the whole head
+        if 0 < self.head_rows < self.vocab_size:
+            self.head_ids = self._reduce_head(gguf)
+
+    def _reduce_head(self, gguf: GGUFFile) -> torch.Tensor:
+        """Swap the draft model's head for its first `head_rows` rows and every control and user-defined
+        token (the end-of-turn ones among them); the token embedding keeps its own rows."""
+        special = [i for i in range(self.head_rows, self.vocab_size)
+                   if self.tokenizer.token_type(i) in (TokenType.CONTROL, TokenType.USER_DEFINED)]
+        ids = torch.cat([torch.arange(self.head_rows), torch.tensor(special, dtype=torch.long)])
+        name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+        m = self.model
+        m.output = load_linear(gguf, [name], m.linear_form, m.dtype, m.device, {name: lambda rows: rows[ids]})
+        return ids
 
     @contextlib.contextmanager
     def _own_settings(self):
@@ -123,7 +145,11 @@ class DraftModelDrafter(DrafterBase):
             pending = tokens[start:] if not drafted else drafted[-1:]
             logits = self.model.forward(torch.tensor(pending, device=self.device), start, self.cache, last_only=True)[-1]
             start += len(pending)
-            return logits[: self.vocab_size].float().cpu()
+            if self.head_ids is None:
+                return logits[: self.vocab_size].float().cpu()
+            full = torch.full((self.vocab_size,), float("-inf"))  # tokens off the head are never drafted
+            full[self.head_ids] = logits.float().cpu()
+            return full
 
         with self._own_settings():
             return self.draft_from_logits(k, next_logits, tokens, self.sample)
@@ -154,4 +180,6 @@ def register_drafters(register):
         "activations": (str, "the draft model's activations on the CPU backend: auto, int8 or float32 (empty: "
                         "the target's); the target keeps its own"),
         "threads": (int, "threads for the draft model's forwards (0: the target's); the target keeps its own"),
+        "head_rows": (int, "draft from the first N rows of the draft model's output head (and every control "
+                      "token) only: faster drafts of a large vocabulary's frequent tokens; 0 = the whole head"),
     })
