@@ -172,6 +172,14 @@ def test_the_other_qwen_form_is_refused_in_one_line(variant):
     g.tensors["blk.0.ffn_gate_exps.weight"] = g.tensors["blk.0.ffn_gate.weight"]
     with pytest.raises(ModelFileError, match="experts"):
         load_model(g)
+    for variant in (f"{name}moe", f"{name}vl"):
+        g = GGUFFile(path)
+        g.metadata["general.architecture"] = variant
+        with pytest.raises(ModelFileError) as e:
+            load_model(g)
+        message = str(e.value)
+        assert "\n" not in message and str(path) in message, message
+        assert f"dense {name}" in message or f"text-only {name}" in message, message
 
 
 # ----------------------------------------------------------------------------------- the real Qwen2.5-Coder
