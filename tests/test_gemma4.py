@@ -11,6 +11,7 @@ import pytest
 import torch
 from oracles.gemma4_fixtures import VARIANTS, cached_fixture
 from oracles.llama_cpp import ReferenceUnavailable
+from oracles.model_checks import replayed_and_fresh, verify_and_single_steps
 
 from outrider.errors import ModelFileError
 from outrider.io.chat import apply_chat_template
@@ -93,12 +94,7 @@ def test_k_token_forward_equals_k_single_forwards(variant, weights, k):
     compact weights, what keeps greedy speculation equal to plain decoding."""
     _, _, path, _ = variant
     model = load_model(GGUFFile(path), weights=weights)
-    prefix, block = _ids(5, k), _ids(k, 10 + k)
-    cache = model.new_cache(64)
-    model.forward(prefix, 0, cache)
-    batched = model.forward(block, 5, cache)
-    cache.truncate(5)
-    singles = torch.cat([model.forward(block[i:i + 1], 5 + i, cache) for i in range(k)])
+    batched, singles = verify_and_single_steps(model, _ids(5, k), _ids(k, 10 + k))
     if weights == "compact":
         assert torch.equal(batched, singles)
     else:
@@ -108,13 +104,7 @@ def test_k_token_forward_equals_k_single_forwards(variant, weights, k):
 def test_truncate_then_replay_equals_a_fresh_run(variant):
     _, _, path, _ = variant
     model = load_model(GGUFFile(path), weights="compact")
-    prefix, rejected, replacement = _ids(6, 3), _ids(7, 4), _ids(5, 5)
-    cache = model.new_cache(64)
-    model.forward(prefix, 0, cache)
-    model.forward(rejected, 6, cache)
-    cache.truncate(6)
-    replayed = model.forward(replacement, 6, cache)
-    fresh = model.forward(torch.cat([prefix, replacement]), 0, model.new_cache(64))[6:]
+    replayed, fresh = replayed_and_fresh(model, _ids(6, 3), _ids(7, 4), _ids(5, 5))
     torch.testing.assert_close(replayed, fresh, atol=BATCH_ATOL, rtol=0)
 
 

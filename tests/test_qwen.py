@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 from oracles.llama_cpp import ReferenceUnavailable
+from oracles.model_checks import native_stack_and_loop, replayed_and_fresh, verify_and_single_steps
 from oracles.qwen_fixtures import VARIANTS, cached_fixture
 
 from outrider.errors import ModelFileError
@@ -20,7 +21,6 @@ from outrider.io.chat import apply_chat_template
 from outrider.io.gguf import GGUFFile
 from outrider.io.tokenizer import Tokenizer
 from outrider.models import load_model
-from outrider.models.stack import LayerStack
 from outrider.native import activations as native_activations
 
 transformers = pytest.importorskip("transformers")
@@ -88,12 +88,7 @@ def test_k_token_forward_equals_k_single_forwards(variant, weights, k):
     form, _, mode = weights.partition("-")
     with native_activations(mode or "float32"):
         model = load_model(GGUFFile(path), weights=form)
-        prefix, block = _ids(5, k), _ids(k, 10 + k)
-        cache = model.new_cache(64)
-        model.forward(prefix, 0, cache)
-        batched = model.forward(block, 5, cache)
-        cache.truncate(5)
-        singles = torch.cat([model.forward(block[i:i + 1], 5 + i, cache) for i in range(k)])
+        batched, singles = verify_and_single_steps(model, _ids(5, k), _ids(k, 10 + k))
     if form == "compact":
         assert torch.equal(batched, singles)
     else:
@@ -103,13 +98,7 @@ def test_k_token_forward_equals_k_single_forwards(variant, weights, k):
 def test_truncate_then_replay_equals_a_fresh_run(variant):
     _, _, path, _ = variant
     model = load_model(GGUFFile(path), weights="compact")
-    prefix, rejected, replacement = _ids(6, 3), _ids(7, 4), _ids(5, 5)
-    cache = model.new_cache(64)
-    model.forward(prefix, 0, cache)
-    model.forward(rejected, 6, cache)
-    cache.truncate(6)
-    replayed = model.forward(replacement, 6, cache)
-    fresh = model.forward(torch.cat([prefix, replacement]), 0, model.new_cache(64))[6:]
+    replayed, fresh = replayed_and_fresh(model, _ids(6, 3), _ids(7, 4), _ids(5, 5))
     torch.testing.assert_close(replayed, fresh, atol=BATCH_ATOL, rtol=0)
 
 
@@ -119,21 +108,10 @@ def test_native_layer_stack_equals_the_python_loop(variant, k):
     logits and cache agree bit for bit."""
     _, _, path, _ = variant
     model = load_model(GGUFFile(path), weights="compact")
-    native = model.stack
-    assert native.native is not None
-    loop = LayerStack(native.layers, native.attention, native.eps, native.act, native=False)
-    prompt, block = _ids(13, 20 + k), _ids(k, 30 + k)
-    caches, logits = [], []
-    for stack in (native, loop):
-        model.stack = stack
-        cache = model.new_cache(64)
-        first = model.forward(prompt, 0, cache, last_only=True)
-        logits.append(torch.cat([first, model.forward(block, len(prompt), cache)]))
-        caches.append(cache)
-    model.stack = native
-    assert torch.equal(logits[0], logits[1])
-    for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
-        assert torch.equal(a, b)
+    (native_logits, native_cache), (loop_logits, loop_cache) = native_stack_and_loop(model, _ids(13, 20 + k),
+                                                                                     _ids(k, 30 + k))
+    assert torch.equal(native_logits, loop_logits)
+    assert all(torch.equal(a, b) for a, b in zip(native_cache, loop_cache))
 
 
 def test_tokenizer_ids_match_transformers(variant):
