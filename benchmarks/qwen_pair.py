@@ -9,6 +9,9 @@ the configurations of one engine interleaved run by run.
     python benchmarks/qwen_pair.py --threads 2 --runs 3
     LLAMA_SERVER=/path/to/llama-server python benchmarks/qwen_pair.py --engines outrider,llama.cpp
 
+The AVX2 path on an AVX-512 machine: `OUTRIDER_NATIVE_MARCH=x86-64-v3` for Outrider's kernels and
+`LLAMA_SERVER=` the `build-llama-cpp --avx2` build's llama-server.
+
 llama-server: `$LLAMA_SERVER`, else the build of `../shared/tools/build-llama-cpp --no-amx` (on an AMX
 Xeon the native build's AMX kernels die on prompt batches in these VMs). Its configurations: plain, `-md`
 with its defaults (`--spec-draft-n-max 3`), `-md --spec-draft-n-max 8 --spec-draft-p-min 0.75`, and
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     from outrider.io.chat import apply_chat_template
     from outrider.io.gguf import GGUFFile
     from outrider.io.tokenizer import Tokenizer
-    from outrider.native import vector_extensions
+    from outrider.native import cflags, vector_extensions
 
     target_path, draft_path = resolve_model(args.target), resolve_model(args.draft)
     g = GGUFFile(target_path)
@@ -201,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     if "outrider" in engines:
         results["outrider"] = outrider_runs(target_path, draft_path, prompts, args.tokens, args.runs, args.threads,
                                             args.draft_max)
-    print(f"CPU vector extensions: {' '.join(vector_extensions())}; {args.threads} threads; greedy; "
-          f"{args.tokens} tokens; medians of {args.runs}; draft-max {args.draft_max} (Outrider)\n")
+    print(f"CPU vector extensions: {' '.join(vector_extensions())}; Outrider's kernels built with "
+          f"{' '.join(cflags())}; llama-server: {llama_server_binary() if 'llama.cpp' in engines else 'not run'}; "
+          f"{args.threads} threads; greedy; {args.tokens} tokens; medians of {args.runs}; draft-max "
+          f"{args.draft_max} (Outrider)\n")
     print("| prompt | engine | configuration | decode tok/s | vs own plain | vs llama.cpp plain | tokens | "
           "accepted |")
     print("|---|---|---|---|---|---|---|---|")
