@@ -198,14 +198,15 @@ def main(argv: list[str] | None = None) -> int:
                for label in args.prompts.split(",")}
     engines = args.engines.split(",")
     results = {}
-    if "llama.cpp" in engines:
-        results["llama.cpp"] = llama_runs(llama_server_binary(), target_path, draft_path, prompts, args.tokens,
+    server = llama_server_binary() if "llama.cpp" in engines else None
+    if server:
+        results["llama.cpp"] = llama_runs(server, target_path, draft_path, prompts, args.tokens,
                                           args.runs, args.threads, args.llama_configs.split(","))
     if "outrider" in engines:
         results["outrider"] = outrider_runs(target_path, draft_path, prompts, args.tokens, args.runs, args.threads,
                                             args.draft_max)
     print(f"CPU vector extensions: {' '.join(vector_extensions())}; Outrider's kernels built with "
-          f"{' '.join(cflags())}; llama-server: {llama_server_binary() if 'llama.cpp' in engines else 'not run'}; "
+          f"{' '.join(cflags())}; llama-server: {server or 'not run'}; "
           f"{args.threads} threads; greedy; {args.tokens} tokens; medians of {args.runs}; draft-max "
           f"{args.draft_max} (Outrider)\n")
     print("| prompt | engine | configuration | decode tok/s | vs own plain | vs llama.cpp plain | tokens | "

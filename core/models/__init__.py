@@ -18,7 +18,7 @@ from outrider.native import NativeUnavailable
 from outrider.native import load as load_native
 
 ARCHITECTURES = {cls.architecture: cls for cls in (Llama, Qwen2, Qwen3, Gemma3, Gemma4)}
-QUANTIZED_ON_GPU = (Llama, Qwen2, Qwen3, Gemma3)
+QUANTIZED_ON_GPU = (Llama, Qwen2, Qwen3, Gemma3)  # take linear_form="quantized" (gemma4's experts do not yet)
 # relatives of supported architectures that are not: what to use instead, said in the one-line error
 KNOWN_UNSUPPORTED = {
     "qwen2moe": " (Qwen MoE models are not supported: use a dense qwen2 model)",
@@ -26,7 +26,7 @@ KNOWN_UNSUPPORTED = {
     "qwen2vl": " (Qwen2-VL vision models are not supported: use a text-only qwen2 model)",
     "qwen3vl": " (Qwen3-VL vision models are not supported: use a text-only qwen3 model)",
     "qwen3vlmoe": " (Qwen3-VL vision models are not supported: use a text-only qwen3 model)",
-}  # take linear_form="quantized" (gemma4's experts do not yet)
+}
 
 
 def load_model(g: GGUFFile, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -188,6 +188,19 @@ def use_activations(mode: str) -> bool:
     return on
 
 
+def int8_flag() -> bool | None:
+    """Whether the kernels meet quantized weights with int8 activations now; None where this process has not
+    loaded the kernels (read without building them)."""
+    return load().int8_activations() if load.cache_info().currsize else None
+
+
+def set_int8_flag(on: bool | None) -> None:
+    """Set that flag alone (None: leave it), changing no weight's form as `use_activations` does: for a
+    second model in the process (a draft model) whose weights were loaded in the form its own mode reads."""
+    if on is not None:
+        load().set_int8_activations(on)
+
+
 @contextlib.contextmanager
 def activations(mode: str):
     """`use_activations(mode)` for a block, then the mode before it (tests, benchmarks comparing modes).

@@ -71,7 +71,7 @@ class DraftModelDrafter(DrafterBase):
         check_vocab_compatible(target.tokenizer, self.tokenizer, self.model_name)
         own = {name: value for name, value in
                (("dtype", self.dtype), ("activations", self.activations), ("threads", self.threads)) if value}
-        targets_int8, targets_threads = _int8_flag(), torch.get_num_threads()
+        targets_int8, targets_threads = native.int8_flag(), torch.get_num_threads()
         try:
             backend = type(target.backend)(**own) if own else target.backend
         except TypeError as e:  # a backend without that option (cuda has no activations or threads)
@@ -79,9 +79,9 @@ class DraftModelDrafter(DrafterBase):
                               f"{'/'.join(own)} option ({e}); drop -o drafter.{next(iter(own))}") from None
         try:
             self.model = backend.load_model(gguf)
-            self.int8, self.model_threads = _int8_flag(), torch.get_num_threads()
+            self.int8, self.model_threads = native.int8_flag(), torch.get_num_threads()
         finally:
-            _set_int8_flag(targets_int8)
+            native.set_int8_flag(targets_int8)
             torch.set_num_threads(targets_threads)
         self.vocab_size = min(target.tokenizer.vocab_size, self.model.config.vocab_size)
         self.cache = self.model.new_cache(min(self.context, self.model.config.context_length))
@@ -105,16 +105,16 @@ class DraftModelDrafter(DrafterBase):
     def _own_settings(self):
         """The draft model's activations and threads for a block, then the target's back (two cheap stores
         where they differ, nothing where they agree)."""
-        int8, threads = _int8_flag(), torch.get_num_threads()
+        int8, threads = native.int8_flag(), torch.get_num_threads()
         if (int8, threads) == (self.int8, self.model_threads):
             yield
             return
-        _set_int8_flag(self.int8)
+        native.set_int8_flag(self.int8)
         torch.set_num_threads(self.model_threads)
         try:
             yield
         finally:
-            _set_int8_flag(int8)
+            native.set_int8_flag(int8)
             torch.set_num_threads(threads)
 
     def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
@@ -153,21 +153,6 @@ class DraftModelDrafter(DrafterBase):
 
         with self._own_settings():
             return self.draft_from_logits(k, next_logits, tokens, self.sample)
-
-
-def _int8_flag() -> bool | None:
-    """The CPU kernels' int8-activations flag, or None where the kernels are not built (nothing to keep)."""
-    try:
-        return native.load().int8_activations()
-    except native.NativeUnavailable:
-        return None
-
-
-def _set_int8_flag(on: bool | None) -> None:
-    """Set the flag alone, changing no weight's form (`native.use_activations` also gives lane-only weights
-    their rows back): each model's weights were loaded in the form its own mode reads."""
-    if on is not None:
-        native.load().set_int8_activations(on)
 
 
 @hookimpl
