@@ -160,6 +160,39 @@ def test_the_other_qwen_form_is_refused_in_one_line(variant):
         assert f"dense {name}" in message or f"text-only {name}" in message, message
 
 
+# ------------------------------------------------------------------------- a tiny pair: the sampled acceptor's law
+
+# The draft model is the target cut to its first layers (same embedding, head and first layers; written by the same
+# converter): q near p without equalling it. Layers kept so that about a quarter to a half of the drafts are
+# accepted (measured: qwen2 with 2 of 3 layers 0.24, qwen3 with 1 of 3 0.42), so rejections and recoveries happen.
+DRAFT_LAYERS = {"qwen2": 2, "qwen3": 1}
+
+
+@pytest.mark.parametrize("name, p_min, generations", [("qwen2", 0.0, 400), ("qwen3", 0.0, 400),
+                                                       ("qwen3", 0.5, 2000)])
+def test_sampled_acceptor_keeps_the_law_with_a_tiny_qwen_draft_model(name, p_min, generations):
+    """The contract suite's statistical check (chi-square against the exact law of the target's first tokens,
+    computed from its own forwards) with `draft-model -o drafter.sample true` drafting for a tiny qwen target, with
+    and without --draft-p-min; rounds with 0 < accepted < drafted must occur, or the check proves nothing."""
+    from outrider.plugins.drafters.draft_model import DraftModelDrafter
+    from outrider.spec.drafter import DraftControls
+    from outrider.testing.checks import PROMPT, Q_LAW_PARAMS, Q_LAW_TOKENS, sampled_law_holds
+    from outrider.testing.fixtures import cpu_target
+    from outrider.testing.toy import exact_law, model_next_logits
+
+    try:
+        _, target_path = cached_fixture(name)
+        _, draft_path = cached_fixture(name, n_layers=DRAFT_LAYERS[name])
+    except ReferenceUnavailable as e:
+        pytest.skip(str(e))
+    target = cpu_target(target_path)
+    law = exact_law(lambda context: model_next_logits(target.model, context), PROMPT, Q_LAW_TOKENS, Q_LAW_PARAMS)
+    drafter = DraftModelDrafter(model=str(draft_path), sample=True)
+    drafter.setup(target)
+    drafted, accepted = sampled_law_holds(target, drafter, law, DraftControls(draft_p_min=p_min), generations)
+    assert 0.1 * drafted < accepted < 0.9 * drafted, (drafted, accepted)
+
+
 # ----------------------------------------------------------------------------------- the real Qwen2.5-Coder
 
 REAL_PROMPTS = [
@@ -255,3 +288,20 @@ def test_real_pair_speculation_equals_plain_greedy(qwen15_path, qwen05_path):
         assert stats.drafted > 0
         if draft_max == 4:  # fixed lengths at T = 0: the same rounds every run (auto's follow measured timings)
             assert stats.accepted >= 0.6 * stats.drafted, (stats.drafted, stats.accepted)  # measured: 29 of 40
+
+    # T > 0, sampled acceptor. Without q (the default) the draft only decides how many of the target's own draws
+    # are kept: the output is plain sampling's, token for token, for the same seed. With q (drafter.sample) the
+    # law is checked on the tiny pair above; here the real pair's sampled drafts are mostly kept on the echo.
+    from outrider.plugins.acceptors.sampled import SampledAcceptor
+    params = SamplingParams(temperature=0.7, top_p=0.95, seed=7)
+
+    def sample(drafter, draft_max):
+        drafter.setup(target)
+        runner = Runner(target, drafter, SampledAcceptor(), draft_max=draft_max, context=512)
+        return list(runner.generate(prompt, 40, params)), runner.stats
+
+    expected, _ = sample(NoDrafter(), 0)
+    out, stats = sample(DraftModelDrafter(model=str(qwen05_path)), 4)
+    assert out == expected and stats.drafted > 0, (target.tokenizer.decode(out), target.tokenizer.decode(expected))
+    out, stats = sample(DraftModelDrafter(model=str(qwen05_path), sample=True), 4)
+    assert len(out) == 40 and stats.accepted >= 0.6 * stats.drafted > 0, (stats.drafted, stats.accepted)  # 31 of 31

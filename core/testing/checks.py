@@ -11,7 +11,7 @@ the obvious loop, analytic distributions of toy tables), never from the code und
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -430,10 +430,7 @@ def lossless_with_draft_min(subject: Subject) -> None:
 
 
 def _q_law(subject: Subject, controls: DraftControls, generations: int) -> None:
-    from dataclasses import replace
-
     from outrider.spec.drafter import Target
-    SampledAcceptor = builtin_plugin("acceptor", "sampled")
 
     drafter = subject.new()
     if not _may_give_q(subject, drafter):
@@ -451,11 +448,21 @@ def _q_law(subject: Subject, controls: DraftControls, generations: int) -> None:
         target = Target(model=toy, tokenizer=base.tokenizer, gguf=base.gguf, backend=base.backend)
         law = toy.law(PROMPT, Q_LAW_TOKENS, Q_LAW_PARAMS)
     drafter.setup(target)
+    sampled_law_holds(target, drafter, law, controls, generations)
+
+
+def sampled_law_holds(target: Any, drafter: Any, law: dict[tuple[int, ...], float],
+                      controls: DraftControls = DraftControls(), generations: int = Q_LAW_GENERATIONS,
+                      prompt: list[int] = PROMPT) -> tuple[int, int]:
+    """Assert that speculation with `drafter` (set up on `target`) and the sampled acceptor emits its first
+    Q_LAW_TOKENS tokens after `prompt` with the law `law` (exact_law under Q_LAW_PARAMS), by chi-square over
+    `generations` seeded generations; returns (drafted, accepted) over them."""
+    SampledAcceptor = builtin_plugin("acceptor", "sampled")
     runner = Runner(target, drafter, SampledAcceptor(), draft_max=3, controls=controls, context=64)
     counts: dict[tuple[int, ...], int] = {}
     drafted = accepted = 0
     for s in range(generations):
-        out = tuple(runner.generate(list(PROMPT), Q_LAW_TOKENS + 1, replace(Q_LAW_PARAMS, seed=1000 + s)))
+        out = tuple(runner.generate(list(prompt), Q_LAW_TOKENS + 1, replace(Q_LAW_PARAMS, seed=1000 + s)))
         counts[out[:Q_LAW_TOKENS]] = counts.get(out[:Q_LAW_TOKENS], 0) + 1
         drafted, accepted = drafted + runner.stats.drafted, accepted + runner.stats.accepted
     rate = f"{accepted / drafted:.2f}" if drafted else "n/a (nothing drafted)"
@@ -481,6 +488,7 @@ def _q_law(subject: Subject, controls: DraftControls, generations: int) -> None:
                   "token drawn from it (outrider.api.draft_loop)")
         assert forbidden == 0, f"{detail}; {forbidden} outputs the target cannot produce were emitted"
         assert pval > P_THRESHOLD, detail
+    return drafted, accepted
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:

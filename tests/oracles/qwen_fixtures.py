@@ -60,9 +60,11 @@ def write_tokenizer(folder: Path) -> int:
     return len(tok)
 
 
-def write_checkpoint(folder: str | Path, variant: str, seed: int = 0) -> Path:
+def write_checkpoint(folder: str | Path, variant: str, seed: int = 0, n_layers: int | None = None) -> Path:
     """A transformers Qwen2/Qwen3ForCausalLM with random weights (norms perturbed away from one and biases away
-    from zero, so a skipped norm or bias shows) and the tiny tokenizer, saved in `folder`."""
+    from zero, so a skipped norm or bias shows) and the tiny tokenizer, saved in `folder`. With `n_layers`, the
+    same model cut to its first layers: a draft model that shares the full one's embedding, head and first layers,
+    so its q is near the full model's p without equalling it."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -81,22 +83,27 @@ def write_checkpoint(folder: str | Path, variant: str, seed: int = 0) -> Path:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15 if "embed" in name else 0.08)
+    if n_layers is not None:
+        model.model.layers = model.model.layers[:n_layers]
+        model.config.num_hidden_layers = n_layers
+        model.config.layer_types = model.config.layer_types[:n_layers]
     model.save_pretrained(folder)
     return folder
 
 
-def write_gguf(folder: str | Path, variant: str, outtype: str = "f32") -> Path:
+def write_gguf(folder: str | Path, variant: str, outtype: str = "f32", n_layers: int | None = None) -> Path:
     """The checkpoint for `variant` and its GGUF (`<variant>-<outtype>.gguf`) written by llama.cpp's converter."""
     from oracles.llama_cpp import convert_hf_to_gguf
 
     folder = Path(folder)
-    hf_dir = write_checkpoint(folder / f"hf-{variant}", variant)
+    hf_dir = write_checkpoint(folder / f"hf-{variant}", variant, n_layers=n_layers)
     return convert_hf_to_gguf(hf_dir, folder / f"{variant}-{outtype}.gguf", outtype=outtype, pre="qwen2")
 
 
-def cached_fixture(variant: str, outtype: str = "f32") -> tuple[Path, Path]:
+def cached_fixture(variant: str, outtype: str = "f32", n_layers: int | None = None) -> tuple[Path, Path]:
     """(transformers checkpoint folder, converted GGUF) for `variant`, built once per machine under
-    `$OUTRIDER_HOME/fixtures/`, keyed by this file, the converter's, transformers' and torch's versions."""
+    `$OUTRIDER_HOME/fixtures/`, keyed by this file, the converter's, transformers' and torch's versions; with
+    `n_layers`, the draft model cut from it (write_checkpoint)."""
     import tokenizers
     import torch
     import transformers
@@ -106,9 +113,10 @@ def cached_fixture(variant: str, outtype: str = "f32") -> tuple[Path, Path]:
 
     digest = hashlib.sha256(Path(__file__).read_bytes())
     for part in (LLAMA_CPP_PYTHON, transformers.__version__, torch.__version__, tokenizers.__version__, variant,
-                 outtype):
+                 outtype, str(n_layers)):
         digest.update(part.encode())
-    folder = outrider_home() / "fixtures" / f"{variant}-{outtype}-{digest.hexdigest()[:12]}"
+    cut = "" if n_layers is None else f"-{n_layers}layers"
+    folder = outrider_home() / "fixtures" / f"{variant}{cut}-{outtype}-{digest.hexdigest()[:12]}"
     hf_dir, gguf_path = folder / f"hf-{variant}", folder / f"{variant}-{outtype}.gguf"
-    build_once(folder, gguf_path, lambda staging: write_gguf(staging, variant, outtype))
+    build_once(folder, gguf_path, lambda staging: write_gguf(staging, variant, outtype, n_layers))
     return hf_dir, gguf_path
