@@ -118,3 +118,32 @@ def test_each_kind_of_draft_has_its_own_cost():
     p.rounds = 0  # not an exploring round
     assert p.choose(cheap) == 8
     assert p.choose(dear) == 2
+
+
+def test_a_position_reached_for_the_first_time_starts_from_what_it_was_priced_at():
+    # Positions 1-3 accepted in 10 rounds (estimates ~0.99), then one exploring round drafts 7 and all are
+    # accepted. Positions 4-7, priced at ~0.99 while unreached, must not fall back to the prior (0.6) on being
+    # reached: from the prior one hit gives 0.72 each, and with verify(n) = 1 + 0.2 (n - 1), no draft cost,
+    # rate(k) = E(k) / (1 + 0.2 k) peaks at k = 4 (3: 2.459, 4: 2.572, 5: 2.566); from ~0.99 it grows to the cap.
+    costs = {n: 1 + 0.2 * (n - 1) for n in range(1, 10)}
+    p = AdaptiveDraftLength(cap=8, verify_s=dict(costs), draft_s_per_token=0.0)
+    for _ in range(10):
+        p.update(3, 3, 0.0, 1.6)
+    p.update(7, 7, 0.0, 2.2)
+    p.verify_s = dict(costs)
+    assert min(p.estimates().acceptance[3:7]) > 0.95, p.estimates().acceptance
+    assert p.choose() == 8
+
+
+def test_a_new_position_learns_in_a_few_rounds_not_ten():
+    # From the prior 0.6 with the running average's weight 0.3, three misses leave 0.6 x 0.7^3 = 0.21; with the
+    # first observations weighed 1/2, 1/3, then max(1/4, 0.3): 0.6 x 1/2 x 2/3 x 0.7 = 0.14. Three hits:
+    # 1 - 0.4 x 1/2 x 2/3 x 0.7 = 0.9067 (running average alone: 0.863).
+    p = AdaptiveDraftLength(cap=4)
+    for _ in range(3):
+        p.update(1, 0, 0.0, 1.0)
+    assert abs(p.estimates().acceptance[0] - 0.14) < 1e-12
+    q = AdaptiveDraftLength(cap=4)
+    for _ in range(3):
+        q.update(1, 1, 0.0, 1.0)
+    assert abs(q.estimates().acceptance[0] - (1 - 0.4 * 0.7 / 3)) < 1e-12

@@ -13,6 +13,8 @@
 - the per-position conditional acceptance a_j = P(draft j accepted | draft j-1 accepted), as running
   averages over the rounds that reached position j; a position no round has reached yet is assumed to
   do as well as the deepest one measured, so a drafter that is always right gets to draft further.
+  A position's first observations weigh as a mean from that assumed value (1/2, 1/3, ... until the
+  running average's weight is larger).
   These are kept per kind of draft (`DraftKind`, which the drafter names before it drafts: for the lookup
   drafter, the length of the matched n-gram), each starting from its kind's prior, so that a weak 2-gram
   match is not priced like a 4-gram one. A round the drafter has nothing for is plain decoding and
@@ -156,6 +158,15 @@ class AdaptiveDraftLength:
             by_kind = self.draft_s_per_token_by_kind
             by_kind[kind] = self._average(by_kind.get(kind), draft_s / drafted)
         for j in range(min(drafted, accepted + 1)):
+            if not est.reached[j] and j:
+                # reached for the first time: it was priced as the deepest measured position, so that is what
+                # its first observation moves (from the prior, a drafter right at positions 1-3 needed some
+                # ten rounds at each deeper position, which it reaches only on exploring rounds, before drafting
+                # there paid: on an echo at 95% acceptance, 2 tokens a round instead of 8)
+                est.acceptance[j] = est.acceptance[j - 1]
             est.reached[j] += 1
             hit = 1.0 if j < accepted else 0.0
-            est.acceptance[j] = self._average(est.acceptance[j], hit)
+            # the first observations of a position count as a mean from its assumed value (worth one), then
+            # as the running average: a handful of rounds decides, one round does not
+            weight = max(self.smoothing, 1.0 / (est.reached[j] + 1))
+            est.acceptance[j] += weight * (hit - est.acceptance[j])
