@@ -55,7 +55,7 @@ FLAT = lambda n: 1.0 + 0.01 * (n - 1)  # noqa: E731
 
 def test_a_q_drafter_under_auto_reproduces_whatever_the_timings(outrider_contract_fixtures, monkeypatch):
     path = str(outrider_contract_fixtures.tiny_draft_llama_path)
-    runs = [_run(outrider_contract_fixtures, DraftModelDrafter(model=path, sample=True), verify, monkeypatch)
+    runs = [_run(outrider_contract_fixtures, DraftModelDrafter(p_min=0.0, model=path, sample=True), verify, monkeypatch)
             for verify in (STEEP, FLAT)]
     (tokens_a, lengths_a), (tokens_b, lengths_b) = runs
     assert lengths_a == lengths_b, "the chosen draft lengths followed the timings"
@@ -86,7 +86,7 @@ def test_a_chain_with_a_q_member_under_auto_reproduces_whatever_the_timings(outr
     from outrider.spec.chain import DrafterChain
 
     path = str(outrider_contract_fixtures.tiny_draft_llama_path)
-    chain = lambda: DrafterChain([LookupDrafter(min_n=2), DraftModelDrafter(model=path, sample=True)],  # noqa: E731
+    chain = lambda: DrafterChain([LookupDrafter(min_n=2), DraftModelDrafter(p_min=0.0, model=path, sample=True)],  # noqa: E731
                                  ["lookup", "draft-model"])
     runs = [_run(outrider_contract_fixtures, chain(), verify, monkeypatch) for verify in (STEEP, FLAT)]
     (tokens_a, lengths_a), (tokens_b, lengths_b) = runs

@@ -69,7 +69,7 @@ def test_greedy_output_equals_plain_greedy(tiny, arch, draft_max, drafter_name):
     drafter = {
         "none": lambda: NoDrafter(),
         "lookup": lambda: LookupDrafter(),
-        "draft-model": lambda: DraftModelDrafter(model=str(tiny[f"{arch}_draft_path"])),
+        "draft-model": lambda: DraftModelDrafter(p_min=0.0, model=str(tiny[f"{arch}_draft_path"])),
         "random": lambda: RandomDrafter(target.model.config.vocab_size, seed=len(str(draft_max))),
     }[drafter_name]()
     expected = plain_greedy(target.model, TINY_PROMPT, 40)
@@ -90,7 +90,7 @@ def test_same_seed_same_output_with_and_without_drafter(tiny, drafter_name, seed
     drafter = {
         # Sampled text from a random tiny model rarely repeats a bigram; 1-grams keep lookup drafting.
         "lookup": lambda: LookupDrafter(min_n=1),
-        "draft-model": lambda: DraftModelDrafter(model=str(tiny["llama_draft_path"])),
+        "draft-model": lambda: DraftModelDrafter(p_min=0.0, model=str(tiny["llama_draft_path"])),
         "random": lambda: RandomDrafter(target.model.config.vocab_size, seed=seed),
     }[drafter_name]()
     expected = plain_sampled(target.model, TINY_PROMPT, 30, params)
@@ -141,7 +141,7 @@ def test_metrics_of_a_run_whose_drafts_are_all_right(tiny):
 
 def test_draft_p_min_stops_low_confidence_drafts(tiny):
     target = tiny["llama"]
-    drafter = DraftModelDrafter(model=str(tiny["llama_draft_path"]))
+    drafter = DraftModelDrafter(p_min=0.0, model=str(tiny["llama_draft_path"]))
     _, loose = run(target, drafter, GreedyAcceptor(), TINY_PROMPT, 30, draft_max=4)
     _, strict = run(target, drafter, GreedyAcceptor(), TINY_PROMPT, 30, draft_max=4,
                     controls=DraftControls(draft_p_min=0.99))
@@ -152,7 +152,7 @@ def test_vocabulary_mismatch_is_refused(tiny, tmp_path):
     from outrider.errors import ConfigError
 
     gemma_path = write_tiny_gemma3(tmp_path / "g.gguf")
-    drafter = DraftModelDrafter(model=str(gemma_path))
+    drafter = DraftModelDrafter(p_min=0.0, model=str(gemma_path))
     with pytest.raises(ConfigError, match="same tokenizer"):
         drafter.setup(tiny["llama"])
 
@@ -192,7 +192,7 @@ def test_real_draft_model_greedy_equals_plain(real_target, request):
     prompt = target.tokenizer.encode(OPEN_PROMPT)
     plain, _ = run(target, NoDrafter(), GreedyAcceptor(), prompt, 32)
     for draft_max in (1, 4, 8):
-        drafter = DraftModelDrafter(model=str(path), dtype="bfloat16")
+        drafter = DraftModelDrafter(p_min=0.0, model=str(path), dtype="bfloat16")
         drafter.setup(target)
         runner = Runner(target, drafter, GreedyAcceptor(), draft_max=draft_max, context=256)
         assert list(runner.generate(prompt, 32, SamplingParams())) == plain
@@ -263,7 +263,7 @@ def test_draft_model_keeps_its_own_activations_and_threads_and_the_target_its_ow
         g = GGUFFile(write_tiny_llama(tmp_path / "target.gguf", seed=0))
         backend = CPUBackend(activations="float32", threads=2)
         target = Target(backend.load_model(g), Tokenizer.from_gguf(g), g, backend)
-        drafter = DraftModelDrafter(model=str(write_tiny_llama(tmp_path / "draft.gguf", seed=1, n_layers=1)),
+        drafter = DraftModelDrafter(p_min=0.0, model=str(write_tiny_llama(tmp_path / "draft.gguf", seed=1, n_layers=1)),
                                     activations="int8", threads=1)
         drafter.setup(target)
         assert (kernels.int8_activations(), torch.get_num_threads()) == (False, 2)  # put back after loading
@@ -288,7 +288,7 @@ def test_draft_model_with_a_reduced_head_drafts_only_its_rows_and_stays_lossless
     control tokens past them), and the output is still plain greedy's."""
     target = tiny["llama"]
     rows = 40
-    drafter = DraftModelDrafter(model=str(tiny["llama_draft_path"]), head_rows=rows)
+    drafter = DraftModelDrafter(p_min=0.0, model=str(tiny["llama_draft_path"]), head_rows=rows)
     drafter.setup(target)
     drafted = []
     propose = drafter.propose
@@ -302,7 +302,29 @@ def test_draft_model_with_a_reduced_head_drafts_only_its_rows_and_stays_lossless
     out = list(runner.generate(TINY_PROMPT, 40, SamplingParams()))
     assert out == plain_greedy(target.model, TINY_PROMPT, 40)
     assert drafted and max(drafted) < rows
-    full = DraftModelDrafter(model=str(tiny["llama_draft_path"]))
+    full = DraftModelDrafter(p_min=0.0, model=str(tiny["llama_draft_path"]))
     full.setup(target)
     full.begin(TINY_PROMPT, SamplingParams(), DraftControls())
     assert any(t >= rows for t in full.propose(TINY_PROMPT + out[:1], 16).tokens)  # the whole head's would not
+
+
+def test_draft_model_stops_where_unsure_unless_told_otherwise(tiny):
+    """The draft model's confidence stop (`-o drafter.p_min`, 0.75 by default) applies where --draft-p-min is not
+    given; a given --draft-p-min wins; 0 turns it off; a value outside [0, 1) is refused in one line."""
+    from outrider.errors import ConfigError
+
+    def controls_used(drafter, given):
+        drafter.setup(tiny["llama"])
+        drafter.begin(list(TINY_PROMPT), SamplingParams(), given)
+        return drafter.controls.draft_p_min
+
+    path = str(tiny["llama_draft_path"])
+    assert controls_used(DraftModelDrafter(model=path), DraftControls()) == 0.75
+    assert controls_used(DraftModelDrafter(model=path), DraftControls(draft_p_min=0.3)) == 0.3
+    assert controls_used(DraftModelDrafter(model=path, p_min=0.0), DraftControls()) == 0.0
+    # the tiny draft model is unsure everywhere (its largest probability stays below 0.75): it drafts nothing
+    out, stats = run(tiny["llama"], DraftModelDrafter(model=path), GreedyAcceptor(), TINY_PROMPT, 20, draft_max=4)
+    assert out == plain_greedy(tiny["llama"].model, TINY_PROMPT, 20) and stats.drafted == 0
+    with pytest.raises(ConfigError, match="p_min") as e:
+        DraftModelDrafter(model=path, p_min=1.5)
+    assert "\n" not in str(e.value)

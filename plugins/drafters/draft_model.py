@@ -7,12 +7,15 @@ is a third of the bytes it reads a token); a token outside them is never drafted
 change, never the output. By default it drafts by argmax
 (deterministic, so the sampled acceptor uses the one-hot rule and a seeded run reproduces plain
 sampling exactly); with `sample = true` it samples from its own warped distribution q and
-reports q, for the Leviathan full-q rule.
+reports q, for the Leviathan full-q rule. A draft ends where the draft model's largest probability falls
+below `p_min` (llama.cpp's --draft-p-min rule, on by default here; --draft-p-min wins where given): whether a
+position is drafted depends on its q row only, so both acceptors stay lossless.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -29,6 +32,10 @@ from outrider.spec.sampling import SamplingParams
 # llama.cpp's rule: ids below this may differ (special tokens), the rest must spell the same.
 _SPECIAL_PREFIX = 5
 _MAX_VOCAB_SIZE_DIFFERENCE = 128
+# The draft's own confidence stop where --draft-p-min is not given: a draft model of the target's family is
+# rarely wrong where it is sure and often where it is not, and each token drafted costs a draft step and a
+# verify row whether it is kept or not (measured in docs/bench/qwen-pair.md, Confidence stop).
+DEFAULT_P_MIN = 0.75
 
 
 def check_vocab_compatible(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:
@@ -48,12 +55,14 @@ class DraftModelDrafter(DrafterBase):
     gives_draft_probs = False  # True on an instance made with sample = true; the runner asks the instance
 
     def __init__(self, model: str = "", sample: bool = False, context: int = 4096, dtype: str = "",
-                 activations: str = "", threads: int = 0, head_rows: int = 0):
+                 activations: str = "", threads: int = 0, head_rows: int = 0, p_min: float = DEFAULT_P_MIN):
         if not model:
             raise ConfigError("drafter 'draft-model' needs a model: pass --draft-model NAME|PATH")
         if head_rows < 0:
             raise ConfigError(f"drafter 'draft-model': head_rows = {head_rows}; give 0 (the whole head) or more")
-        self.head_rows = head_rows
+        if not 0.0 <= p_min < 1.0:
+            raise ConfigError(f"drafter 'draft-model': p_min = {p_min}; give a probability in [0, 1), 0 = off")
+        self.head_rows, self.p_min = head_rows, p_min
         if activations:
             native.check_activations_mode(activations)
         self.model_name, self.sample, self.context, self.dtype = model, sample, context, dtype
@@ -121,6 +130,8 @@ class DraftModelDrafter(DrafterBase):
         """Prefill the draft model with the prompt now, as the target is: a round's catch-up is then only the
         tokens the last round made certain, and `--draft-max auto` prices drafting by what it costs per
         round, not by a prompt's prefill billed to the first draft."""
+        if controls.draft_p_min == 0.0 and self.p_min > 0.0:
+            controls = dataclasses.replace(controls, draft_p_min=self.p_min)
         super().begin(prompt, params, controls)
         self.cache.truncate(0)
         usable = prompt[: self.cache.max_len - 1]
@@ -165,6 +176,8 @@ def register_drafters(register):
         "activations": (str, "the draft model's activations on the CPU backend: auto, int8 or float32 (empty: "
                         "the target's); the target keeps its own"),
         "threads": (int, "threads for the draft model's forwards (0: the target's); the target keeps its own"),
+        "p_min": (float, "stop a draft where the draft model's largest probability is below this, as "
+                   "--draft-p-min does (which wins where given); 0 = draft the length asked"),
         "head_rows": (int, "draft from the first N rows of the draft model's output head (and every control "
                       "token) only: faster drafts of a large vocabulary's frequent tokens; 0 = the whole head"),
     })
