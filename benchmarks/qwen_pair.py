@@ -1,7 +1,8 @@
 """Speculative decoding on a real target/draft pair, Outrider beside llama-server, in one run.
 
 The pair is the catalog's Qwen2.5-Coder 1.5B (target) with its 0.5B (draft), both Q4_K_M. Every engine gets
-the same prompt text (the file's chat template, rendered by Outrider), greedy decoding, the same threads and
+the same prompt text (the file's chat template, rendered by Outrider), greedy decoding (`--temperature T`:
+sampled, top-k 40, top-p 0.95, a seed per run; Outrider adds `draft-model -o drafter.sample true`), the same threads and
 at most --tokens new tokens; decode speed is new tokens / decode seconds as each engine reports it (Outrider's
 stats, llama-server's `timings.predicted_per_second`), prefill excluded on both sides. Medians over --runs,
 the configurations of one engine interleaved run by run.
@@ -55,6 +56,8 @@ LLAMA_CONFIGS = {
     "ngram-simple": ["--spec-type", "ngram-simple"],
 }
 OUTRIDER_CONFIGS = ("none", "draft-model", "lookup,draft-model")
+SAMPLED_CONFIG = "draft-model -o drafter.sample true"  # at T > 0: drafts drawn from q, the full-q rule
+TOP_K, TOP_P = 40, 0.95  # at T > 0, both engines (llama-server's min_p is turned off)
 
 
 def llama_server_binary() -> Path:
@@ -93,10 +96,10 @@ class LlamaServer:
                 time.sleep(0.5)
         raise RuntimeError(f"llama-server did not start: see {self.log.name}")
 
-    def decode(self, prompt: str, tokens: int) -> tuple[float, int, float]:
+    def decode(self, prompt: str, tokens: int, temperature: float = 0.0, seed: int = 1) -> tuple[float, int, float]:
         """(decode tok/s, new tokens, acceptance of drafts or nan)."""
-        body = json.dumps({"prompt": prompt, "n_predict": tokens, "temperature": 0.0, "cache_prompt": False,
-                           "seed": 1}).encode()
+        body = json.dumps({"prompt": prompt, "n_predict": tokens, "temperature": temperature, "top_k": TOP_K,
+                           "top_p": TOP_P, "min_p": 0.0, "cache_prompt": False, "seed": seed}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body,
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
@@ -113,10 +116,11 @@ class LlamaServer:
 
 
 def outrider_runs(target_path: Path, draft_path: Path, prompts: dict[str, str], tokens: int, runs: int,
-                  threads: int, draft_max: str) -> dict:
+                  threads: int, draft_max: str, temperature: float) -> dict:
     from outrider.io.gguf import GGUFFile
     from outrider.io.tokenizer import Tokenizer
     from outrider.plugins.acceptors.greedy import GreedyAcceptor
+    from outrider.plugins.acceptors.sampled import SampledAcceptor
     from outrider.plugins.backends.cpu import CPUBackend
     from outrider.plugins.drafters.draft_model import DraftModelDrafter
     from outrider.plugins.drafters.lookup import LookupDrafter
@@ -135,14 +139,19 @@ def outrider_runs(target_path: Path, draft_path: Path, prompts: dict[str, str], 
     lookup.setup(target)
     drafters = {"none": NoDrafter(), "draft-model": draft,
                 "lookup,draft-model": DrafterChain([lookup, draft], ["lookup", "draft-model"])}
-    runners = {name: Runner(target, drafters[name], GreedyAcceptor(), draft_max=0 if name == "none" else draft_max,
-                            context=4096) for name in OUTRIDER_CONFIGS}
+    if temperature > 0:
+        drafters[SAMPLED_CONFIG] = DraftModelDrafter(model=str(draft_path), sample=True)
+        drafters[SAMPLED_CONFIG].setup(target)
+    acceptor = SampledAcceptor if temperature > 0 else GreedyAcceptor
+    runners = {name: Runner(target, drafter, acceptor(), draft_max=0 if name == "none" else draft_max,
+                            context=4096) for name, drafter in drafters.items()}
     results = {}
     for label, text in prompts.items():
         ids = target.tokenizer.encode(text)
         for run in range(runs + 1):  # the first is a warm-up
             for name, runner in runners.items():
-                list(runner.generate(ids, tokens, SamplingParams(), stop_ids=target.tokenizer.eog_ids))
+                params = SamplingParams(temperature, TOP_K, TOP_P, seed=1 + run) if temperature > 0 else SamplingParams()
+                list(runner.generate(ids, tokens, params, stop_ids=target.tokenizer.eog_ids))
                 s = runner.stats.as_dict()
                 if run:
                     results.setdefault((label, name), []).append(
@@ -151,15 +160,15 @@ def outrider_runs(target_path: Path, draft_path: Path, prompts: dict[str, str], 
 
 
 def llama_runs(binary: Path, target_path: Path, draft_path: Path, prompts: dict[str, str], tokens: int, runs: int,
-               threads: int, configs: list[str]) -> dict:
+               threads: int, configs: list[str], temperature: float) -> dict:
     results = {}
     for name in configs:
         server = LlamaServer(binary, target_path, draft_path, LLAMA_CONFIGS[name], threads)
         try:
             for label, text in prompts.items():
                 server.decode(text, 16)  # warm-up
-                for _ in range(runs):
-                    results.setdefault((label, name), []).append(server.decode(text, tokens))
+                for run in range(runs):
+                    results.setdefault((label, name), []).append(server.decode(text, tokens, temperature, 1 + run))
         finally:
             server.close()
     return results
@@ -180,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draft-max", default="auto")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help=f"0: greedy; above: sampled with top-k {TOP_K}, top-p {TOP_P}, a seed per run")
     parser.add_argument("--engines", default="outrider,llama.cpp")
     parser.add_argument("--prompts", default=",".join(PROMPTS))
     parser.add_argument("--llama-configs", default=",".join(LLAMA_CONFIGS))
@@ -201,13 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     server = llama_server_binary() if "llama.cpp" in engines else None
     if server:
         results["llama.cpp"] = llama_runs(server, target_path, draft_path, prompts, args.tokens,
-                                          args.runs, args.threads, args.llama_configs.split(","))
+                                          args.runs, args.threads, args.llama_configs.split(","), args.temperature)
     if "outrider" in engines:
         results["outrider"] = outrider_runs(target_path, draft_path, prompts, args.tokens, args.runs, args.threads,
-                                            args.draft_max)
+                                            args.draft_max, args.temperature)
     print(f"CPU vector extensions: {' '.join(vector_extensions())}; Outrider's kernels built with "
           f"{' '.join(cflags())}; llama-server: {server or 'not run'}; "
-          f"{args.threads} threads; greedy; {args.tokens} tokens; medians of {args.runs}; draft-max "
+          f"{args.threads} threads; "
+          f"{'greedy' if not args.temperature else f'T={args.temperature}, top-k {TOP_K}, top-p {TOP_P}'}; {args.tokens} tokens; medians of {args.runs}; draft-max "
           f"{args.draft_max} (Outrider)\n")
     print("| prompt | engine | configuration | decode tok/s | vs own plain | vs llama.cpp plain | tokens | "
           "accepted |")
