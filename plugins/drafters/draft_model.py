@@ -34,7 +34,7 @@ _SPECIAL_PREFIX = 5
 _MAX_VOCAB_SIZE_DIFFERENCE = 128
 # The draft's own confidence stop where --draft-p-min is not given: a draft model of the target's family is
 # rarely wrong where it is sure and often where it is not, and each token drafted costs a draft step and a
-# verify row whether it is kept or not (measured in docs/bench/qwen-pair.md, Confidence stop).
+# verify row whether it is kept or not (docs/bench/qwen-pair.md: what a round of the AVX2 path costs).
 DEFAULT_P_MIN = 0.75
 
 
