@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oracles.gemma4_fixtures import VARIANTS, cached_fixture
-from oracles.llama_cpp import ReferenceUnavailable
-from oracles.model_checks import replayed_and_fresh, verify_and_single_steps
+from oracles.model_checks import converted_variant, replayed_and_fresh, verify_and_single_steps
 
 from outrider.errors import ModelFileError
 from outrider.io.chat import apply_chat_template
@@ -32,12 +31,7 @@ TEXTS = ["the world is", "Hello, World!", "  two  spaces", "line\n\nbreaks\n\n\n
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def variant(request):
-    try:
-        hf_dir, path = cached_fixture(request.param)
-    except ReferenceUnavailable as e:
-        pytest.skip(str(e))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    return request.param, hf_dir, path, hf
+    return converted_variant(cached_fixture, request.param)
 
 
 def _ids(n: int, seed: int, vocab: int = 332) -> torch.Tensor:

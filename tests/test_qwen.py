@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from oracles.llama_cpp import ReferenceUnavailable
-from oracles.model_checks import native_stack_and_loop, replayed_and_fresh, verify_and_single_steps
+from oracles.model_checks import converted_variant, native_stack_and_loop, replayed_and_fresh, verify_and_single_steps
 from oracles.qwen_fixtures import VARIANTS, cached_fixture
 
 from outrider.errors import ModelFileError
@@ -36,12 +36,7 @@ TEXTS = ["the world is", "Hello, World!", "  two  spaces", "line\n\nbreaks\n\n\n
 
 @pytest.fixture(scope="module", params=VARIANTS)
 def variant(request):
-    try:
-        hf_dir, path = cached_fixture(request.param)
-    except ReferenceUnavailable as e:
-        pytest.skip(str(e))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    return request.param, hf_dir, path, hf
+    return converted_variant(cached_fixture, request.param)
 
 
 def _ids(n: int, seed: int, vocab: int = 390) -> torch.Tensor:

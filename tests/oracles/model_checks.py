@@ -4,9 +4,27 @@ sides; the test says how close they must be (bit for bit with compact weights)."
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from outrider.models.stack import LayerStack
+
+
+def converted_variant(cached_fixture: Callable[[str], tuple], name: str):
+    """(name, transformers folder, converted GGUF, the transformers model in float32) for a tiny checkpoint
+    built by `cached_fixture(name)`; the test is skipped where the converter or its checkpoint is unavailable."""
+    import pytest
+    import transformers
+
+    from oracles.llama_cpp import ReferenceUnavailable
+
+    try:
+        hf_dir, path = cached_fixture(name)
+    except ReferenceUnavailable as e:
+        pytest.skip(str(e))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    return name, hf_dir, path, hf
 
 
 def verify_and_single_steps(model, prefix: torch.Tensor, block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
