@@ -439,9 +439,7 @@ def _q_law(subject: Subject, controls: DraftControls, generations: int) -> None:
     if reads_the_target(drafter) or NEEDS_DRAFT_MODEL in subject.capability("needs", drafter, frozenset()):
         # it drafts from the target's hidden states, or with a draft model made for the tiny target: the tiny
         # model it drafts for, whose law costs a forward per prefix (13 with top-k 3)
-        target = subject.fixtures.target(_arch(subject))
-        law = exact_law(lambda context: model_next_logits(target.model, context), PROMPT, Q_LAW_TOKENS,
-                        Q_LAW_PARAMS)
+        target, law = subject.fixtures.target(_arch(subject)), None
     else:
         base = subject.fixtures.target("llama")
         toy = CopyingToyModel(base.model.config.vocab_size, seed=11)
@@ -451,12 +449,15 @@ def _q_law(subject: Subject, controls: DraftControls, generations: int) -> None:
     sampled_law_holds(target, drafter, law, controls, generations)
 
 
-def sampled_law_holds(target: Any, drafter: Any, law: dict[tuple[int, ...], float],
+def sampled_law_holds(target: Any, drafter: Any, law: dict[tuple[int, ...], float] | None = None,
                       controls: DraftControls = DraftControls(), generations: int = Q_LAW_GENERATIONS,
                       prompt: list[int] = PROMPT) -> tuple[int, int]:
     """Assert that speculation with `drafter` (set up on `target`) and the sampled acceptor emits its first
-    Q_LAW_TOKENS tokens after `prompt` with the law `law` (exact_law under Q_LAW_PARAMS), by chi-square over
-    `generations` seeded generations; returns (drafted, accepted) over them."""
+    Q_LAW_TOKENS tokens after `prompt` with the law `law` (exact_law under Q_LAW_PARAMS; None: computed from
+    the target model's own forwards, one per prefix), by chi-square over `generations` seeded generations;
+    returns (drafted, accepted) over them."""
+    if law is None:
+        law = exact_law(lambda context: model_next_logits(target.model, context), prompt, Q_LAW_TOKENS, Q_LAW_PARAMS)
     SampledAcceptor = builtin_plugin("acceptor", "sampled")
     runner = Runner(target, drafter, SampledAcceptor(), draft_max=3, controls=controls, context=64)
     counts: dict[tuple[int, ...], int] = {}
