@@ -160,9 +160,8 @@ class AdaptiveDraftLength:
         for j in range(min(drafted, accepted + 1)):
             if not est.reached[j] and j:
                 # reached for the first time: it was priced as the deepest measured position, so that is what
-                # its first observation moves (from the prior, a drafter right at positions 1-3 needed some
-                # ten rounds at each deeper position, which it reaches only on exploring rounds, before drafting
-                # there paid: on an echo at 95% acceptance, 2 tokens a round instead of 8)
+                # its first observation moves; from the prior, a drafter right everywhere would need many
+                # rounds at each deeper position, reached only on exploring rounds, before drafting there paid
                 est.acceptance[j] = est.acceptance[j - 1]
             est.reached[j] += 1
             hit = 1.0 if j < accepted else 0.0
