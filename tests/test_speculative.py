@@ -78,8 +78,8 @@ def test_greedy_output_equals_plain_greedy(tiny, arch, draft_max, drafter_name):
         assert out == expected
         assert stats.generated_tokens == 40
         assert stats.rounds + 1 == 40 - stats.accepted  # each round emits accepted + 1; the first token is prefill's
-        if drafter_name != "none":
-            assert stats.drafted > 0
+        if drafter_name != "none":  # under auto, a drafter whose drafts are cleaned away is soon asked for none
+            assert stats.drafted > 0 or (drafter_name == "random" and draft_max == "auto" and any(stats.chosen_lengths))
 
 
 @pytest.mark.parametrize("drafter_name", ["lookup", "draft-model", "random"])

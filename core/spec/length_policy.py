@@ -24,8 +24,12 @@ Expected tokens for k drafts: 1 + sum_{i<=k} prod_{j<=i} a_j (the recovered/bonu
 A cost is only measured for the lengths that get chosen, so one slow round could price longer drafts out
 for good; every `explore_every`-th round that drafts therefore asks for 2k + 1 tokens instead of k, and
 the costs (and acceptance) further out are measured again.
-Rounds where a kind could have been drafted but was not let that kind's estimates drift back towards
-its prior, so a kind of draft that was poor in one stretch of text is tried again later.
+A policy at k = 0 measures nothing about drafting, so one noisy early round (a slow draft, a rejected first
+token) could decide a whole generation, and a kind of draft that was poor in one stretch of text would never
+be tried in the next. It therefore drafts one token from 0 (an exploring round) whenever what exploring rounds
+have lost against plain decoding (a won round counts as a negative loss), plus what the next one could lose,
+stays within `explore_budget` of the run's time: trying again never costs more than
+that share, and it measures the draft's cost, the two-token verify and the first position's acceptance anew.
 
 Measured timings differ from run to run. Where the draft lengths change the output (a drafter that gives q:
 the Leviathan rule emits another token at a drafted position than at an undrafted one; a lossy acceptor)
@@ -53,7 +57,7 @@ class FixedDraftLength:
         return self.n
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-               kind: DraftKind | None = DEFAULT_KIND) -> None:
+               kind: DraftKind | None = DEFAULT_KIND, upkeep_s: float = 0.0, asked: int | None = None) -> None:
         pass
 
 
@@ -75,9 +79,9 @@ class KindAcceptance:
 class AdaptiveDraftLength:
     cap: int = AUTO_DRAFT_CAP
     smoothing: float = 0.3  # weight of the newest observation in every running average
-    recovery: float = 0.03  # per idle round, how far acceptance estimates move back to the prior
     initial_slope: float = 0.03  # assumed extra verify cost per extra token before any is measured
     explore_every: int = 8
+    explore_budget: float = 0.01  # share of the run's time that exploring rounds from k = 0 may lose
     timed: bool = True  # False: the fixed cost model above, for runs whose output the lengths change
     untimed_draft_cost: float = 0.1  # a drafted token's cost in one-token verifies, when not timed
     rounds: int = 0
@@ -85,6 +89,9 @@ class AdaptiveDraftLength:
     draft_s_per_token: float | None = None  # over every kind: for a kind not yet timed
     draft_s_per_token_by_kind: dict[DraftKind, float] = field(default_factory=dict)
     kinds: dict[DraftKind, KindAcceptance] = field(default_factory=dict)
+    run_s: float = 0.0  # every round's time, upkeep included (untimed: the cost model's)
+    explore_loss_s: float = 0.0  # what exploring rounds from 0 took beyond plain decoding's price of their tokens
+    exploring: bool = False  # the length just chosen is an exploring round's
 
     def estimates(self, kind: DraftKind = DEFAULT_KIND) -> KindAcceptance:
         if kind not in self.kinds:
@@ -127,37 +134,65 @@ class AdaptiveDraftLength:
         return 1.0 if k == 0 else next(islice(self._expected_by_length(kind), k - 1, None))
 
     def choose(self, kind: DraftKind = DEFAULT_KIND) -> int:
+        self.exploring = False
+        best_k = self.best_length(kind)
+        if 0 < best_k < self.cap and self.rounds % self.explore_every == self.explore_every - 1:
+            return min(2 * best_k + 1, self.cap)
+        if best_k == 0 and self._may_explore_from_zero(kind):
+            self.exploring = True
+            return 1
+        return best_k
+
+    def _draft_cost(self, kind: DraftKind) -> float:
         if self.timed:
-            draft_cost = self.draft_s_per_token_by_kind.get(kind, self.draft_s_per_token or 0.0)
-        else:
-            draft_cost = self.untimed_draft_cost
+            return self.draft_s_per_token_by_kind.get(kind, self.draft_s_per_token or 0.0)
+        return self.untimed_draft_cost
+
+    def best_length(self, kind: DraftKind = DEFAULT_KIND) -> int:
+        """The k in 0..cap with the most expected tokens per second, exploring aside."""
+        draft_cost = self._draft_cost(kind)
         best_k, best_rate = 0, 1.0 / self.verify_cost(1)
         for k, expected in enumerate(self._expected_by_length(kind), start=1):
             rate = expected / (self.verify_cost(k + 1) + k * draft_cost)
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        if 0 < best_k < self.cap and self.rounds % self.explore_every == self.explore_every - 1:
-            return min(2 * best_k + 1, self.cap)
         return best_k
 
+    def _may_explore_from_zero(self, kind: DraftKind) -> bool:
+        # no spacing between exploring rounds: the budget spaces them where they lose, and where they win
+        # (the policy priced out what pays) the sooner the better
+        worst = self._draft_cost(kind) + self.verify_cost(2) - self.verify_cost(1)  # the draft rejected
+        return self.explore_loss_s + worst <= self.explore_budget * self.run_s
+
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-               kind: DraftKind | None = DEFAULT_KIND) -> None:
-        """After a round; `kind` None: the drafter had nothing to offer."""
+               kind: DraftKind | None = DEFAULT_KIND, upkeep_s: float = 0.0, asked: int | None = None) -> None:
+        """After a round; `kind` None: the drafter had nothing to offer. `draft_s` excludes `upkeep_s`.
+        `asked`: the length asked for (default: `drafted`). A draft shorter than asked (the drafter's confidence
+        stop, a lookup continuation that ran out) yields what a rejection there yields, and its drafter worked
+        on the position it stopped at: that position counts as missed, and the draft's time is spread over
+        it too, so a drafter that mostly stops before its first token is priced as what it is."""
         self.rounds += 1
         n = drafted + 1
+        # untimed: the cost model's, so that when to explore follows the seeded history alone
+        round_s = draft_s + upkeep_s + verify_s if self.timed else self.verify_cost(n) + drafted * self.untimed_draft_cost
+        if self.exploring:  # priced before this round's timings move the plain verify's
+            self.explore_loss_s += round_s - (accepted + 1) * self.verify_cost(1)
+            self.exploring = False
+        self.run_s += round_s
         if self.timed:
             self.verify_s[n] = self._average(self.verify_s.get(n), verify_s)
         if kind is None:
             return
         est = self.estimates(kind)
-        if drafted == 0:
-            est.acceptance = [a + self.recovery * (est.prior - a) for a in est.acceptance]
+        stopped = int(asked is not None and drafted < asked)
+        worked = drafted + stopped  # positions the drafter spent time on
+        if worked == 0:
             return
         if self.timed:
-            self.draft_s_per_token = self._average(self.draft_s_per_token, draft_s / drafted)
+            self.draft_s_per_token = self._average(self.draft_s_per_token, draft_s / worked)
             by_kind = self.draft_s_per_token_by_kind
-            by_kind[kind] = self._average(by_kind.get(kind), draft_s / drafted)
-        for j in range(min(drafted, accepted + 1)):
+            by_kind[kind] = self._average(by_kind.get(kind), draft_s / worked)
+        for j in range(min(worked, accepted + 1)):
             if not est.reached[j] and j:
                 # reached for the first time: it was priced as the deepest measured position, so that is what
                 # its first observation moves; from the prior, a drafter right everywhere would need many

@@ -189,7 +189,7 @@ class Runner:
                 stats.chosen_by_kind.setdefault(kind.name, []).append(chosen)
             # a draft's price is what drafting it took, less what the drafter spent keeping up with the target
             self.draft_length.update(len(draft.tokens), result.accepted, t_drafted - t - upkeep, t_verified - t_drafted,
-                                     kind)
+                                     kind, upkeep, asked=k)
             cache.truncate(n + 1 + result.accepted)
             self.drafter.rollback(n + 1 + result.accepted)
             if observe is not None:  # t0 and the accepted drafts: the rows whose tokens are now certain

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 
 import torch
 
@@ -94,6 +95,7 @@ class DraftModelDrafter(DrafterBase):
             torch.set_num_threads(targets_threads)
         self.vocab_size = min(target.tokenizer.vocab_size, self.model.config.vocab_size)
         self.cache = self.model.new_cache(min(self.context, self.model.config.context_length))
+        self.step_s: float | None = None  # running average of a one-token draft forward
         self.device = self.model.device
         self.head_ids = None  # token id of each row of a reduced head; None: the whole head
         if 0 < self.head_rows < self.vocab_size:
@@ -150,11 +152,21 @@ class DraftModelDrafter(DrafterBase):
         # the first draft needs the logits after the last token: at least that one is run again
         self.cache.truncate(min(self.cache.length, len(tokens) - 1))
         start = self.cache.length
+        upkeep_s = 0.0
 
         def next_logits(drafted: list[int]) -> torch.Tensor:
-            nonlocal start
+            nonlocal start, upkeep_s
             pending = tokens[start:] if not drafted else drafted[-1:]
+            t = time.perf_counter()
             logits = self.model.forward(torch.tensor(pending, device=self.device), start, self.cache, last_only=True)[-1]
+            took = time.perf_counter() - t
+            if len(pending) == 1:
+                self.step_s = took if self.step_s is None else self.step_s + 0.3 * (took - self.step_s)
+            elif self.step_s is not None:
+                # catching up with tokens the target made certain (after rounds that drafted nothing, as many
+                # as there were): a step of it is the first draft's, the rest keeps up and is not billed per
+                # drafted token, or one round after a stretch without drafts would price drafting out
+                upkeep_s += max(took - self.step_s, 0.0)
             start += len(pending)
             if self.head_ids is None:
                 return logits[: self.vocab_size].float().cpu()
@@ -163,7 +175,9 @@ class DraftModelDrafter(DrafterBase):
             return full
 
         with self._own_settings():
-            return self.draft_from_logits(k, next_logits, tokens, self.sample)
+            draft = self.draft_from_logits(k, next_logits, tokens, self.sample)
+        draft.upkeep_s = upkeep_s
+        return draft
 
 
 @hookimpl
