@@ -203,3 +203,16 @@ def test_a_draft_stopped_short_is_priced_as_a_miss_there():
     assert blind.best_length() > 0
     assert seeing.best_length() == 0
     assert abs(seeing.draft_s_per_token - 0.3) < 1e-9  # each round's draft time is one position's
+
+
+def test_a_kind_that_knows_its_cost_is_priced_by_it_before_any_timing():
+    # Untimed model: verify(n) = 1 + 0.03 (n - 1), prior 0.6. A token at 0.1 (the default): rate(1) = 1.6 / 1.13
+    # = 1.42, rate(2) = 1.96 / 1.26 = 1.56, ... drafting pays. At 0.5 (a draft model half the target's bytes):
+    # rate(1) = 1.6 / 1.53 = 1.046, rate(2) = 1.96 / 2.06 = 0.951: one token. At 0.7: 1.6 / 1.73 = 0.92: none.
+    p = AdaptiveDraftLength(cap=8, timed=False)
+    assert p.best_length(DraftKind("unknown")) > 1
+    assert p.best_length(DraftKind("half", cost=0.5)) == 1
+    assert p.best_length(DraftKind("dear", cost=0.7)) == 0
+    # timed, before its first draft is timed: cost x the one-token verify measured (2 s): 1.6 / (2.06 + 1.4) < 1/2
+    q = AdaptiveDraftLength(cap=8, verify_s={1: 2.0})
+    assert q.best_length(DraftKind("dear", cost=0.7)) == 0 and q.best_length(DraftKind("unknown")) > 0

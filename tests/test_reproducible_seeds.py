@@ -74,6 +74,7 @@ def test_two_cli_runs_with_the_same_seed_a_q_drafter_and_auto_are_identical(outr
     fx = outrider_contract_fixtures
     args = ["generate", "-m", str(fx.tiny_llama_path), "--drafter", "draft-model", "--draft-model",
             str(fx.tiny_draft_llama_path), "-o", "drafter.sample", "true", "-o", "drafter.p_min", "0",
+            "-o", "drafter.step_cost", "0.1",
             "--draft-max", "auto", "-t", "0.9",
             "--seed", "7", "-n", "40", "--json", "one two one two one two one two"]
     outs = [json.loads(CliRunner().invoke(main, args).stdout) for _ in range(2)]

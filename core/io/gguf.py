@@ -181,3 +181,12 @@ def _dequantize_q8_0(data: np.ndarray) -> torch.Tensor:
     blocks = torch.from_numpy(data.reshape(-1, 34).copy())
     scale = blocks[:, :2].contiguous().view(torch.float16).float()
     return (blocks[:, 2:].view(torch.int8).float() * scale).reshape(-1)
+
+
+def step_bytes(gguf: "GGUFFile") -> int:
+    """Bytes of weights a one-token forward reads: every tensor but the token embedding, of which it reads one
+    row, unless that embedding is also the output head (no `output.weight`)."""
+    total = sum(t.nbytes for t in gguf.tensors.values())
+    if "output.weight" in gguf.tensors and "token_embd.weight" in gguf.tensors:
+        total -= gguf.tensors["token_embd.weight"].nbytes
+    return total

@@ -56,6 +56,9 @@ class DraftKind:
 
     name: str
     prior: float = 0.6
+    # a drafted token's cost in one-token target forwards, where the drafter can tell before any timing (a
+    # draft model: the share of the target's bytes a step reads); None: unknown
+    cost: float | None = None
 
 
 DEFAULT_KIND = DraftKind("draft")  # for drafters that do not say

@@ -9,7 +9,8 @@
 - the drafter's cost per drafted token (a running average per kind of draft: in a chain a lookup draft is
   nearly free and an MTP draft costs head forwards; a kind not yet timed takes the average over all kinds).
   What a drafter spends keeping up with the target rather than drafting (the MTP head's catch-up of rows
-  accepted in other rounds, reported as its `upkeep_s`) does not grow with k and is not billed per token;
+  accepted in other rounds, a draft model's catch-up beyond one step, reported as `upkeep_s`) does not grow
+  with k and is not billed per token;
 - the per-position conditional acceptance a_j = P(draft j accepted | draft j-1 accepted), as running
   averages over the rounds that reached position j; a position no round has reached yet is assumed to
   do as well as the deepest one measured, so a drafter that is always right gets to draft further.
@@ -35,7 +36,8 @@ Measured timings differ from run to run. Where the draft lengths change the outp
 the Leviathan rule emits another token at a drafted position than at an undrafted one; a lossy acceptor)
 and the run should reproduce (a seed, or temperature 0), the runner makes the policy `timed=False`: a
 fixed cost model (a verify of n tokens costs 1 + initial_slope (n - 1) one-token verifies, a drafted token
-`untimed_draft_cost` of one), so the lengths depend on the seeded acceptance history alone.
+its kind's `cost` where the drafter knows it, else `untimed_draft_cost` of one), so the lengths depend on the
+seeded acceptance history alone.
 """
 
 from __future__ import annotations
@@ -144,9 +146,13 @@ class AdaptiveDraftLength:
         return best_k
 
     def _draft_cost(self, kind: DraftKind) -> float:
-        if self.timed:
-            return self.draft_s_per_token_by_kind.get(kind, self.draft_s_per_token or 0.0)
-        return self.untimed_draft_cost
+        if not self.timed:
+            return self.untimed_draft_cost if kind.cost is None else kind.cost
+        if kind in self.draft_s_per_token_by_kind:
+            return self.draft_s_per_token_by_kind[kind]
+        if kind.cost is not None:  # not timed yet, but the drafter knows its price in verifies
+            return kind.cost * self.verify_cost(1)
+        return self.draft_s_per_token or 0.0
 
     def best_length(self, kind: DraftKind = DEFAULT_KIND) -> int:
         """The k in 0..cap with the most expected tokens per second, exploring aside."""
@@ -173,8 +179,12 @@ class AdaptiveDraftLength:
         it too, so a drafter that mostly stops before its first token is priced as what it is."""
         self.rounds += 1
         n = drafted + 1
-        # untimed: the cost model's, so that when to explore follows the seeded history alone
-        round_s = draft_s + upkeep_s + verify_s if self.timed else self.verify_cost(n) + drafted * self.untimed_draft_cost
+        stopped = int(asked is not None and drafted < asked)
+        worked = drafted + stopped  # positions the drafter spent time on
+        if self.timed:
+            round_s = draft_s + upkeep_s + verify_s
+        else:  # the cost model's, so that when to explore follows the seeded history alone
+            round_s = self.verify_cost(n) + worked * self._draft_cost(kind or DEFAULT_KIND)
         if self.exploring:  # priced before this round's timings move the plain verify's
             self.explore_loss_s += round_s - (accepted + 1) * self.verify_cost(1)
             self.exploring = False
@@ -184,8 +194,6 @@ class AdaptiveDraftLength:
         if kind is None:
             return
         est = self.estimates(kind)
-        stopped = int(asked is not None and drafted < asked)
-        worked = drafted + stopped  # positions the drafter spent time on
         if worked == 0:
             return
         if self.timed:

@@ -24,10 +24,10 @@ from outrider import native
 from outrider.catalog import resolve_model
 from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
-from outrider.io.gguf import GGUFFile
+from outrider.io.gguf import GGUFFile, step_bytes
 from outrider.io.tokenizer import Tokenizer, TokenType
 from outrider.models.weight_forms import load_linear
-from outrider.spec.drafter import NEEDS_DRAFT_MODEL, Draft, DraftControls, DrafterBase, Target
+from outrider.spec.drafter import NEEDS_DRAFT_MODEL, Draft, DraftControls, DrafterBase, DraftKind, Target
 from outrider.spec.sampling import SamplingParams
 
 # llama.cpp's rule: ids below this may differ (special tokens), the rest must spell the same.
@@ -56,14 +56,18 @@ class DraftModelDrafter(DrafterBase):
     gives_draft_probs = False  # True on an instance made with sample = true; the runner asks the instance
 
     def __init__(self, model: str = "", sample: bool = False, context: int = 4096, dtype: str = "",
-                 activations: str = "", threads: int = 0, head_rows: int = 0, p_min: float = DEFAULT_P_MIN):
+                 activations: str = "", threads: int = 0, head_rows: int = 0, p_min: float = DEFAULT_P_MIN,
+                 step_cost: float = 0.0):
         if not model:
             raise ConfigError("drafter 'draft-model' needs a model: pass --draft-model NAME|PATH")
         if head_rows < 0:
             raise ConfigError(f"drafter 'draft-model': head_rows = {head_rows}; give 0 (the whole head) or more")
         if not 0.0 <= p_min < 1.0:
             raise ConfigError(f"drafter 'draft-model': p_min = {p_min}; give a probability in [0, 1), 0 = off")
-        self.head_rows, self.p_min = head_rows, p_min
+        if not 0.0 <= step_cost:
+            raise ConfigError(f"drafter 'draft-model': step_cost = {step_cost}; give a share of a target step, 0 = "
+                              "from the files")
+        self.head_rows, self.p_min, self.step_cost = head_rows, p_min, step_cost
         if activations:
             native.check_activations_mode(activations)
         self.model_name, self.sample, self.context, self.dtype = model, sample, context, dtype
@@ -100,6 +104,14 @@ class DraftModelDrafter(DrafterBase):
         self.head_ids = None  # token id of each row of a reduced head; None: the whole head
         if 0 < self.head_rows < self.vocab_size:
             self.head_ids = self._reduce_head(gguf)
+        # what a draft step costs in target steps before any timing: the share of the bytes each reads (decode
+        # on a CPU is bound by them), less the rows a reduced head skips
+        self.kind = DraftKind("draft-model", cost=self.step_cost or None)
+        head = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")
+        if not self.step_cost and isinstance(target.gguf, GGUFFile) and head is not None:
+            skipped = 0 if self.head_ids is None else head.nbytes * (1 - len(self.head_ids) / head.shape[0])
+            share = (step_bytes(gguf) - skipped) / max(step_bytes(target.gguf), 1)
+            self.kind = DraftKind("draft-model", cost=min(share, 1.0))
 
     def _reduce_head(self, gguf: GGUFFile) -> torch.Tensor:
         """Swap the draft model's head for its first `head_rows` rows and every control and user-defined
@@ -140,6 +152,9 @@ class DraftModelDrafter(DrafterBase):
         if usable:
             with self._own_settings():
                 self.model.forward(torch.tensor(usable, device=self.device), 0, self.cache, last_only=True)
+
+    def draft_kind(self, tokens: list[int]) -> DraftKind:
+        return self.kind
 
     def rollback(self, length: int) -> None:
         self.cache.truncate(min(self.cache.length, length))
@@ -192,6 +207,8 @@ def register_drafters(register):
         "threads": (int, "threads for the draft model's forwards (0: the target's); the target keeps its own"),
         "p_min": (float, "stop a draft where the draft model's largest probability is below this, as "
                    "--draft-p-min does (which wins where given); 0 = draft the length asked"),
+        "step_cost": (float, "a draft step's cost in target steps, for --draft-max auto before it has timed one "
+                      "(and in seeded runs with q, which use no timings); 0 = the share of bytes each reads"),
         "head_rows": (int, "draft from the first N rows of the draft model's output head (and every control "
                       "token) only: faster drafts of a large vocabulary's frequent tokens; 0 = the whole head"),
     })
