@@ -64,7 +64,7 @@ class DraftModelDrafter(DrafterBase):
             raise ConfigError(f"drafter 'draft-model': head_rows = {head_rows}; give 0 (the whole head) or more")
         if not 0.0 <= p_min < 1.0:
             raise ConfigError(f"drafter 'draft-model': p_min = {p_min}; give a probability in [0, 1), 0 = off")
-        if not 0.0 <= step_cost:
+        if step_cost < 0.0:
             raise ConfigError(f"drafter 'draft-model': step_cost = {step_cost}; give a share of a target step, 0 = "
                               "from the files")
         self.head_rows, self.p_min, self.step_cost = head_rows, p_min, step_cost
@@ -104,14 +104,16 @@ class DraftModelDrafter(DrafterBase):
         self.head_ids = None  # token id of each row of a reduced head; None: the whole head
         if 0 < self.head_rows < self.vocab_size:
             self.head_ids = self._reduce_head(gguf)
-        # what a draft step costs in target steps before any timing: the share of the bytes each reads (decode
-        # on a CPU is bound by them), less the rows a reduced head skips
-        self.kind = DraftKind("draft-model", cost=self.step_cost or None)
+        self.kind = DraftKind("draft-model", cost=self.step_cost or self._bytes_share(gguf, target.gguf))
+
+    def _bytes_share(self, gguf: GGUFFile, target_gguf) -> float | None:
+        """What a draft step costs in target steps before any timing: the share of the bytes each reads (decode on
+        a CPU is bound by them), less the rows a reduced head skips; None where the target has no file."""
         head = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")
-        if not self.step_cost and isinstance(target.gguf, GGUFFile) and head is not None:
-            skipped = 0 if self.head_ids is None else head.nbytes * (1 - len(self.head_ids) / head.shape[0])
-            share = (step_bytes(gguf) - skipped) / max(step_bytes(target.gguf), 1)
-            self.kind = DraftKind("draft-model", cost=min(share, 1.0))
+        if not isinstance(target_gguf, GGUFFile) or head is None:
+            return None
+        skipped = 0 if self.head_ids is None else head.nbytes * (1 - len(self.head_ids) / head.shape[0])
+        return min((step_bytes(gguf) - skipped) / max(step_bytes(target_gguf), 1), 1.0)
 
     def _reduce_head(self, gguf: GGUFFile) -> torch.Tensor:
         """Swap the draft model's head for its first `head_rows` rows and every control and user-defined
