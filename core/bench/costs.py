@@ -9,6 +9,8 @@ from typing import Any, Iterable
 
 import torch
 
+from outrider.io.gguf import stored_weight_bytes  # noqa: F401  (part of the bench API)
+
 
 def read_bandwidth_gbs(size_mb: int = 1024, runs: int = 5) -> float:
     """Sustained read bandwidth: a reduction over a buffer far larger than the cache."""
@@ -20,15 +22,6 @@ def read_bandwidth_gbs(size_mb: int = 1024, runs: int = 5) -> float:
         buffer.sum()
         times.append(time.perf_counter() - t)
     return buffer.numel() * 4 / statistics.median(times) / 1e9
-
-
-def stored_weight_bytes(gguf) -> int:
-    """Bytes of weights read per decoded token as stored in the GGUF. The input embedding is a row gather,
-    so it counts only when it doubles as the output head."""
-    stored = sum(info.nbytes for name, info in gguf.tensors.items() if name != "token_embd.weight")
-    if "output.weight" not in gguf.tensors and "token_embd.weight" in gguf.tensors:
-        stored += gguf.tensors["token_embd.weight"].nbytes
-    return stored
 
 
 _EMBEDDING_NAMES = ("embd", "embed", "tok_emb", "wte")

@@ -183,10 +183,10 @@ def _dequantize_q8_0(data: np.ndarray) -> torch.Tensor:
     return (blocks[:, 2:].view(torch.int8).float() * scale).reshape(-1)
 
 
-def step_bytes(gguf: "GGUFFile") -> int:
-    """Bytes of weights a one-token forward reads: every tensor but the token embedding, of which it reads one
-    row, unless that embedding is also the output head (no `output.weight`)."""
-    total = sum(t.nbytes for t in gguf.tensors.values())
-    if "output.weight" in gguf.tensors and "token_embd.weight" in gguf.tensors:
-        total -= gguf.tensors["token_embd.weight"].nbytes
-    return total
+def stored_weight_bytes(gguf) -> int:
+    """Bytes of weights read per decoded token as stored in the GGUF. The input embedding is a row gather,
+    so it counts only when it doubles as the output head."""
+    stored = sum(info.nbytes for name, info in gguf.tensors.items() if name != "token_embd.weight")
+    if "output.weight" not in gguf.tensors and "token_embd.weight" in gguf.tensors:
+        stored += gguf.tensors["token_embd.weight"].nbytes
+    return stored

@@ -24,7 +24,7 @@ from outrider import native
 from outrider.catalog import resolve_model
 from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
-from outrider.io.gguf import GGUFFile, step_bytes
+from outrider.io.gguf import GGUFFile, stored_weight_bytes
 from outrider.io.tokenizer import Tokenizer, TokenType
 from outrider.models.weight_forms import load_linear
 from outrider.spec.drafter import NEEDS_DRAFT_MODEL, Draft, DraftControls, DrafterBase, DraftKind, Target
@@ -37,6 +37,7 @@ _MAX_VOCAB_SIZE_DIFFERENCE = 128
 # rarely wrong where it is sure and often where it is not, and each token drafted costs a draft step and a
 # verify row whether it is kept or not (docs/bench/qwen-pair.md: what a round of the AVX2 path costs).
 DEFAULT_P_MIN = 0.75
+STEP_SMOOTHING = 0.3  # as auto's running averages: a slow step moves the estimate, one does not decide it
 
 
 def check_vocab_compatible(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:
@@ -99,7 +100,7 @@ class DraftModelDrafter(DrafterBase):
             torch.set_num_threads(targets_threads)
         self.vocab_size = min(target.tokenizer.vocab_size, self.model.config.vocab_size)
         self.cache = self.model.new_cache(min(self.context, self.model.config.context_length))
-        self.step_s: float | None = None  # running average of a one-token draft forward
+        self.step_s: float | None = None  # running average (weight STEP_SMOOTHING) of a one-token draft forward
         self.device = self.model.device
         self.head_ids = None  # token id of each row of a reduced head; None: the whole head
         if 0 < self.head_rows < self.vocab_size:
@@ -113,7 +114,7 @@ class DraftModelDrafter(DrafterBase):
         if not isinstance(target_gguf, GGUFFile) or head is None:
             return None
         skipped = 0 if self.head_ids is None else head.nbytes * (1 - len(self.head_ids) / head.shape[0])
-        return min((step_bytes(gguf) - skipped) / max(step_bytes(target_gguf), 1), 1.0)
+        return min((stored_weight_bytes(gguf) - skipped) / max(stored_weight_bytes(target_gguf), 1), 1.0)
 
     def _reduce_head(self, gguf: GGUFFile) -> torch.Tensor:
         """Swap the draft model's head for its first `head_rows` rows and every control and user-defined
@@ -178,7 +179,7 @@ class DraftModelDrafter(DrafterBase):
             logits = self.model.forward(torch.tensor(pending, device=self.device), start, self.cache, last_only=True)[-1]
             took = time.perf_counter() - t
             if len(pending) == 1:
-                self.step_s = took if self.step_s is None else self.step_s + 0.3 * (took - self.step_s)
+                self.step_s = took if self.step_s is None else self.step_s + STEP_SMOOTHING * (took - self.step_s)
             elif self.step_s is not None:
                 # catching up with tokens the target made certain (after rounds that drafted nothing, as many
                 # as there were): a step of it is the first draft's, the rest keeps up and is not billed per
