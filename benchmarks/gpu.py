@@ -3,8 +3,8 @@ c(k)/c(1) for k = 1..16, for the new path (compact weights + CUDA graphs), compa
 and the old path (every weight dequantized to bfloat16, eager ops), side by side in one run.
 
 Models are synthetic: random weights of real shapes, quantized with gguf-py (Q4_0 or Q8_0) and written here,
-so the machine that runs this needs no network and no model files. Shapes: Llama-3.2-1B, Llama-3.1-8B, and
-the two real models Outrider ships with (SmolLM2-135M, Gemma-3-270M). Each distinct tensor shape is quantized
+so the machine that runs this needs no network and no model files. Shapes: Llama-3.2-1B, Llama-3.1-8B, the
+two small real models Outrider ships with (SmolLM2-135M, Gemma-3-270M), and the Qwen2.5-Coder 1.5B + 0.5B pair. Each distinct tensor shape is quantized
 once and its bytes reused by every layer (same bytes read per token; the values do not matter here).
 
     python benchmarks/gpu.py --models llama-1b llama-8b smollm2-135m gemma3-270m --quants Q4_0 Q8_0
@@ -53,8 +53,11 @@ SHAPES = {
     "llama-8b": Shape("llama", 128256, 4096, 32, 32, 8, 128, 14336, tied=False),
     "smollm2-135m": Shape("llama", 49152, 576, 30, 9, 3, 64, 1536, tied=True),
     "gemma3-270m": Shape("gemma3", 262144, 640, 18, 4, 1, 256, 2048, tied=True, window=512),
+    "qwen2.5-1.5b": Shape("qwen2", 151936, 1536, 28, 12, 2, 128, 8960, tied=False),  # the catalog's pair
+    "qwen2.5-0.5b": Shape("qwen2", 151936, 896, 24, 14, 2, 64, 4864, tied=False),
     "tiny-llama": Shape("llama", 512, 128, 2, 4, 2, 32, 256, tied=False),
     "tiny-gemma3": Shape("gemma3", 512, 128, 3, 4, 1, 32, 256, tied=True, window=16),
+    "tiny-qwen2": Shape("qwen2", 512, 128, 2, 4, 2, 32, 256, tied=False),
 }
 VARIANTS = {  # label: (weights, graphs); the old path first, so the others print their ratio to it
     "dense bf16 eager (old)": ("dense", False),
@@ -96,6 +99,8 @@ def write_synthetic(path: Path, shape: Shape, qtype_name: str, seed: int = 0, em
     if s.arch == "llama":
         w.add_rope_dimension_count(s.head_dim)
         w.add_rope_freq_base(500000.0)
+    elif s.arch == "qwen2":
+        w.add_rope_freq_base(1_000_000.0)
     else:
         w.add_rope_freq_base(1_000_000.0)
         w.add_sliding_window(s.window)
@@ -117,6 +122,9 @@ def write_synthetic(path: Path, shape: Shape, qtype_name: str, seed: int = 0, em
                                  ("attn_output", s.hidden, q), ("ffn_gate", s.ffn, s.hidden),
                                  ("ffn_up", s.ffn, s.hidden), ("ffn_down", s.hidden, s.ffn)):
             w.add_tensor(p + name + ".weight", matrix(rows, cols), raw_dtype=qtype)
+        if s.arch == "qwen2":
+            for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                w.add_tensor(p + name + ".bias", np.zeros(rows, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -205,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, few tokens: the script runs")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.models = args.models or ["tiny-llama", "tiny-gemma3"]
+        args.models = args.models or ["tiny-llama", "tiny-gemma3", "tiny-qwen2"]
         args.tokens, args.runs, device = 8, 1, torch.device("cpu")
     elif torch.cuda.is_available():
         device = torch.device("cuda")

@@ -160,3 +160,17 @@ def test_the_sampled_acceptor_keeps_the_gpu_targets_distribution(cuda_models):
         counts[result.tokens[0]] += 1
     stat, df, pval, forbidden = chi2_test(counts, p / p.sum())
     assert forbidden == 0 and pval > 1e-4, f"chi2={stat:.1f} df={df} p={pval:.2g}"
+
+
+def test_a_draft_model_on_the_gpu_is_first_priced_by_its_share_of_layers(outrider_contract_fixtures):
+    """Before any timing, draft-model prices a step on a GPU by its share of the target's layers (small steps there
+    are bound by launches, not bytes): the tiny draft has 1 layer of the tiny llama's 2."""
+    from outrider.io.tokenizer import Tokenizer
+    from outrider.plugins.drafters.draft_model import DraftModelDrafter
+
+    backend = _backend({})
+    gguf = GGUFFile(outrider_contract_fixtures.tiny_llama_path)
+    target = Target(model=backend.load_model(gguf), tokenizer=Tokenizer.from_gguf(gguf), gguf=gguf, backend=backend)
+    drafter = DraftModelDrafter(model=str(outrider_contract_fixtures.tiny_draft_llama_path))
+    drafter.setup(target)
+    assert drafter.kind.cost == pytest.approx(1 / 2), drafter.kind

@@ -12,10 +12,10 @@ import torch
 
 from outrider.io.gguf import GGUFFile
 from outrider.models import ARCHITECTURES
-from outrider.models.static_step import ROW_BUCKETS, StaticKVCache, StaticStepModel, bucket_for
+from outrider.models.static_step import ROW_BUCKETS, STATIC_ARCHITECTURES, StaticKVCache, StaticStepModel, bucket_for
 from outrider.models.torch_quant import Int4Linear, Int8Linear
 
-ARCHS = ["llama", "gemma3"]
+ARCHS = list(STATIC_ARCHITECTURES)
 
 
 @pytest.fixture(scope="module")

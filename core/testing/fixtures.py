@@ -96,6 +96,17 @@ class ContractFixtures:
         return write_tiny_gemma3(self.folder / "tiny-gemma3.gguf", seed=0)
 
     @functools.cached_property
+    def tiny_qwen2_path(self) -> Path:
+        """The tiny llama's block with q/k/v biases (the GPU tests' qwen2; transformers checks the architecture
+        itself in tests/test_qwen.py)."""
+        return write_tiny_llama(self.folder / "tiny-qwen2.gguf", seed=0, arch="qwen2")
+
+    @functools.cached_property
+    def tiny_qwen3_path(self) -> Path:
+        """The tiny llama's block with per-head q/k norms, a head wider than hidden / heads, and a tied head."""
+        return write_tiny_llama(self.folder / "tiny-qwen3.gguf", seed=0, arch="qwen3", head_dim=32, tied=True)
+
+    @functools.cached_property
     def tiny_gemma4_path(self) -> Path:
         """A tiny Gemma 4 written with the converter's keys and names (no transformers needed): the target of
         drafters that draft only for Gemma 4."""
@@ -108,9 +119,11 @@ class ContractFixtures:
         return write_tiny_gemma4_assistant(self.folder / "tiny-gemma4-assistant.gguf", self.tiny_gemma4_path, seed=0)
 
     def model_path(self, arch: str) -> Path:
-        if arch not in ARCHITECTURES:
-            raise ValueError(f"no tiny model for architecture {arch!r}; have {ARCHITECTURES}")
-        return {"llama": self.tiny_llama_path, "gemma3": self.tiny_gemma3_path, "gemma4": self.tiny_gemma4_path}[arch]
+        paths = {"llama": "tiny_llama_path", "gemma3": "tiny_gemma3_path", "gemma4": "tiny_gemma4_path",
+                 "qwen2": "tiny_qwen2_path", "qwen3": "tiny_qwen3_path"}
+        if arch not in paths:
+            raise ValueError(f"no tiny model for architecture {arch!r}; have {', '.join(paths)}")
+        return getattr(self, paths[arch])
 
     def target(self, arch: str = "llama") -> Target:
         if arch not in self._targets:

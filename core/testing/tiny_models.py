@@ -45,8 +45,10 @@ def _add(writer, name: str, array: np.ndarray, quantize: bool) -> None:
 
 def write_tiny_llama(path: str | Path, seed: int = 0, n_layers: int = 2, hidden: int = 64, heads: int = 4,
                      kv_heads: int = 2, ffn: int = 128, context: int = 256, quantize: bool = True,
-                     tied: bool = False) -> Path:
-    """A llama GGUF with a byte-level vocabulary: 256 byte tokens, a few merges, <s> </s> <|im_end|>."""
+                     tied: bool = False, arch: str = "llama", head_dim: int | None = None) -> Path:
+    """A llama GGUF with a byte-level vocabulary: 256 byte tokens, a few merges, <s> </s> <|im_end|>. With
+    `arch="qwen2"` the same block gains q/k/v biases, with `arch="qwen3"` per-head q/k norms (and `head_dim` may
+    differ from hidden / heads), as llama.cpp's converter writes those architectures."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -55,8 +57,8 @@ def write_tiny_llama(path: str | Path, seed: int = 0, n_layers: int = 2, hidden:
     tokens = ["<unk>", "<s>", "</s>", "<|im_end|>"] + byte_tokens + [m.replace(" ", "") for m in merges]
     types = [3, 3, 3, 3] + [1] * (len(tokens) - 4)
     vocab = len(tokens)
-    head_dim = hidden // heads
-    w = gguf.GGUFWriter(str(path), "llama")
+    head_dim = head_dim or hidden // heads
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(context)
     w.add_embedding_length(hidden)
     w.add_block_count(n_layers)
@@ -66,6 +68,8 @@ def write_tiny_llama(path: str | Path, seed: int = 0, n_layers: int = 2, hidden:
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_vocab_size(vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
@@ -87,6 +91,12 @@ def write_tiny_llama(path: str | Path, seed: int = 0, n_layers: int = 2, hidden:
         _add(w, p + "attn_k.weight", _matrix(rng, kv_heads * head_dim, hidden), quantize)
         _add(w, p + "attn_v.weight", _matrix(rng, kv_heads * head_dim, hidden), quantize)
         _add(w, p + "attn_output.weight", _matrix(rng, hidden, heads * head_dim), quantize)
+        if arch == "qwen2":
+            for name, rows in (("attn_q", heads * head_dim), ("attn_k", kv_heads * head_dim), ("attn_v", kv_heads * head_dim)):
+                w.add_tensor(p + name + ".bias", (0.1 * rng.standard_normal(rows)).astype(np.float32))
+        if arch == "qwen3":
+            w.add_tensor(p + "attn_q_norm.weight", _norm(rng, head_dim))
+            w.add_tensor(p + "attn_k_norm.weight", _norm(rng, head_dim))
         _add(w, p + "ffn_gate.weight", _matrix(rng, ffn, hidden), quantize)
         _add(w, p + "ffn_up.weight", _matrix(rng, ffn, hidden), quantize)
         _add(w, p + "ffn_down.weight", _matrix(rng, hidden, ffn), quantize)

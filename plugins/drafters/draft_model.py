@@ -26,6 +26,7 @@ from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
 from outrider.io.gguf import GGUFFile, stored_weight_bytes
 from outrider.io.tokenizer import Tokenizer, TokenType
+from outrider.models.layers import trunk_layers
 from outrider.models.weight_forms import load_linear
 from outrider.spec.drafter import NEEDS_DRAFT_MODEL, Draft, DraftControls, DrafterBase, DraftKind, Target
 from outrider.spec.sampling import SamplingParams
@@ -109,10 +110,14 @@ class DraftModelDrafter(DrafterBase):
 
     def _bytes_share(self, gguf: GGUFFile, target_gguf) -> float | None:
         """What a draft step costs in target steps before any timing: the share of the bytes each reads (decode on
-        a CPU is bound by them), less the rows a reduced head skips; None where the target has no file."""
+        a CPU is bound by them), less the rows a reduced head skips; None where the target has no file. On an
+        accelerator small steps are bound by kernel launches, a fixed number per layer, so the share of layers
+        (an upper bound there: docs/bench/gpu.md) is the guess."""
         head = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")
         if not isinstance(target_gguf, GGUFFile) or head is None:
             return None
+        if torch.device(self.device).type != "cpu":
+            return min(trunk_layers(gguf) / max(trunk_layers(target_gguf), 1), 1.0)
         skipped = 0 if self.head_ids is None else head.nbytes * (1 - len(self.head_ids) / head.shape[0])
         return min((stored_weight_bytes(gguf) - skipped) / max(stored_weight_bytes(target_gguf), 1), 1.0)
 
