@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from outrider.spec.drafter import DraftKind
-from outrider.spec.length_policy import AdaptiveDraftLength
+from outrider.spec.length_policy import AdaptiveDraftLength, FixedDraftLength
 
 
 def policy(acceptance: float, verify: dict[int, float], cap: int = 8) -> AdaptiveDraftLength:
@@ -190,9 +192,9 @@ def test_one_slow_first_draft_does_not_decide_a_generation():
 
 def test_a_draft_stopped_short_is_priced_as_a_miss_there():
     # A drafter that stops before its first token (its confidence stop) 3 rounds in 4 and is right when it
-    # drafts: asked for 1, it yields 1.25 tokens a round for a draft forward (0.3) and a 2-row verify (1.1)
-    # each round, against plain decoding's 1 token for 1.0: not worth it. Seen only through the rounds that
-    # drafted it would look always right.
+    # drafts: asked for 1, it yields 1.25 tokens a round for a draft forward (0.3) each round and a 2-row verify
+    # (1.1) one round in 4 (1.0 in the others), 1.325 a round, against plain decoding's 1 token for 1.0: not
+    # worth it. Seen only through the rounds that drafted it would look always right.
     verify = {n: 1 + 0.1 * (n - 1) for n in range(1, 10)}
     blind, seeing = (AdaptiveDraftLength(cap=8, verify_s=dict(verify)) for _ in range(2))
     for i in range(40):
@@ -203,6 +205,38 @@ def test_a_draft_stopped_short_is_priced_as_a_miss_there():
     assert blind.best_length() > 0
     assert seeing.best_length() == 0
     assert abs(seeing.draft_s_per_token - 0.3) < 1e-9  # each round's draft time is one position's
+
+
+def simulate_stops(p, rounds: int, go_on: float, acceptance: float, draft_s: float, verify, seed: int = 0) -> float:
+    """Rounds of a world where the drafter goes on at each position with probability `go_on` (else it stops
+    there, after a draft step that showed the stop) and the target accepts each drafted token with probability
+    `acceptance`; a round's verify is over the tokens drafted. Returns tokens per second."""
+    import random
+    rng = random.Random(seed)
+    seconds = tokens = 0.0
+    for _ in range(rounds):
+        k = p.choose()
+        drafted = accepted = 0
+        while drafted < k and rng.random() < go_on:
+            drafted += 1
+        while accepted < drafted and rng.random() < acceptance:
+            accepted += 1
+        draft = draft_s * (drafted + (drafted < k))
+        p.update(drafted, accepted, draft, verify(drafted + 1), asked=k)
+        seconds += draft + verify(drafted + 1)
+        tokens += accepted + 1
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("go_on, acceptance, draft_s", [(0.75, 1.0, 0.3), (0.8, 0.95, 0.25), (0.6, 0.95, 0.2)])
+def test_drafts_that_stop_early_are_priced_at_what_they_cost(go_on, acceptance, draft_s):
+    # A drafter whose confidence stop ends a quarter of its drafts at each position: a round asked for k costs
+    # the draft steps and the verify rows of where it stopped, not of k, so long asks pay. Priced as if every
+    # ask were drafted whole, auto kept to 1-2 tokens and ran at 0.85-0.89 of the best fixed length.
+    verify = lambda n: 1 + 0.05 * (n - 1)  # noqa: E731
+    best_fixed = max(simulate_stops(FixedDraftLength(k), 4000, go_on, acceptance, draft_s, verify) for k in range(9))
+    auto = simulate_stops(AdaptiveDraftLength(cap=8), 4000, go_on, acceptance, draft_s, verify)
+    assert auto >= 0.93 * best_fixed, (auto, best_fixed)
 
 
 def test_a_kind_that_knows_its_cost_is_priced_by_it_before_any_timing():

@@ -21,7 +21,11 @@
   match is not priced like a 4-gram one. A round the drafter has nothing for is plain decoding and
   teaches nothing about acceptance.
 
-Expected tokens for k drafts: 1 + sum_{i<=k} prod_{j<=i} a_j (the recovered/bonus token included).
+Expected tokens for k drafts: 1 + sum_{i<=k} prod_{j<=i} a_j (the recovered/bonus token included), where a
+draft that stops short (a confidence stop, a lookup continuation that ran out) counts as missed where it
+stopped. Its expected cost sums over where the drafter stops: asked for k and stopped after d < k tokens, it
+cost d + 1 draft steps and a verify of d + 1 rows, so the drafter's own per-position continuation rates are
+kept beside the acceptance (a drafter that stops often is cheap to ask for many).
 A cost is only measured for the lengths that get chosen, so one slow round could price longer drafts out
 for good; every `explore_every`-th round that drafts therefore asks for 2k + 1 tokens instead of k, and
 the costs (and acceptance) further out are measured again.
@@ -65,16 +69,22 @@ class FixedDraftLength:
 
 @dataclass
 class KindAcceptance:
-    """One kind of draft's running per-position acceptance, and how many rounds reached each position."""
+    """One kind of draft's running per-position acceptance, and how many rounds reached each position; and
+    how often the drafter goes on drafting at each position it is asked for (a confidence stop ends a draft
+    before the target sees it, whatever the target would have accepted)."""
 
     prior: float
     cap: int
     acceptance: list[float] = field(init=False)
     reached: list[int] = field(init=False)  # rounds that drafted position j + 1
+    continued: list[float] = field(init=False)  # P(drafts position j + 1 | asked for it and drafted up to j)
+    asked: list[int] = field(init=False)  # rounds that asked for position j + 1 with everything before it drafted
 
     def __post_init__(self) -> None:
         self.acceptance = [self.prior] * self.cap
         self.reached = [0] * self.cap
+        self.continued = [1.0] * self.cap
+        self.asked = [0] * self.cap
 
 
 @dataclass
@@ -154,14 +164,32 @@ class AdaptiveDraftLength:
             return kind.cost * self.verify_cost(1)
         return self.draft_s_per_token or 0.0
 
+    def _drafted_beyond(self, kind: DraftKind) -> Iterator[float]:
+        """P(the drafter, asked for more, drafts at least j tokens) for j = 1, 2, ..., cap; a position no round
+        has asked for goes on as the deepest one that was."""
+        est = self.estimates(kind)
+        survive, deepest = 1.0, 1.0
+        for j in range(self.cap):
+            if est.asked[j]:
+                deepest = est.continued[j]
+            survive *= est.continued[j] if est.asked[j] else deepest
+            yield survive
+
     def best_length(self, kind: DraftKind = DEFAULT_KIND) -> int:
-        """The k in 0..cap with the most expected tokens per second, exploring aside."""
+        """The k in 0..cap with the most expected tokens per second, exploring aside. Asked for k, a drafter
+        that stops after d < k tokens costs d + 1 draft steps (the last one showed the stop) and a verify of
+        d + 1 rows, not k: the expected cost sums over where it stops."""
         draft_cost = self._draft_cost(kind)
         best_k, best_rate = 0, 1.0 / self.verify_cost(1)
-        for k, expected in enumerate(self._expected_by_length(kind), start=1):
-            rate = expected / (self.verify_cost(k + 1) + k * draft_cost)
+        stopped_cost, beyond = 0.0, 1.0  # expected cost of the rounds that stop before position k; P(D >= k - 1)
+        for k, (expected, beyond_k) in enumerate(zip(self._expected_by_length(kind), self._drafted_beyond(kind)),
+                                                 start=1):
+            stopped_cost += (beyond - beyond_k) * (self.verify_cost(k) + k * draft_cost)  # stopped at position k
+            cost = stopped_cost + beyond_k * (self.verify_cost(k + 1) + k * draft_cost)
+            rate = expected / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
+            beyond = beyond_k
         return best_k
 
     def _may_explore_from_zero(self, kind: DraftKind) -> bool:
@@ -194,6 +222,7 @@ class AdaptiveDraftLength:
         if kind is None:
             return
         est = self.estimates(kind)
+        self._count_continuations(est, drafted, drafted if asked is None else asked)
         if worked == 0:
             return
         if self.timed:
@@ -212,3 +241,10 @@ class AdaptiveDraftLength:
             # as the running average: a handful of rounds decides, one round does not
             weight = max(self.smoothing, 1.0 / (est.reached[j] + 1))
             est.acceptance[j] += weight * (hit - est.acceptance[j])
+
+    def _count_continuations(self, est: KindAcceptance, drafted: int, asked: int) -> None:
+        for j in range(min(drafted + 1, asked, self.cap)):  # positions asked for with all before them drafted
+            est.asked[j] += 1
+            went_on = 1.0 if j < drafted else 0.0
+            weight = max(self.smoothing, 1.0 / (est.asked[j] + 1))
+            est.continued[j] += weight * (went_on - est.continued[j])
