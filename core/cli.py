@@ -169,9 +169,13 @@ _NOT_SERVED = {"prompt", "chat", "as_json", "verbose"}
 @click.option("--request-timeout", type=click.FloatRange(min=0), default=0, show_default=True,
               help="End a request after this many seconds with its text so far and finish_reason \"timeout\". "
                    "0: off.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=4 * 1024 * 1024, show_default=True,
+              help="Answer a request body larger than this 413, before reading it whole.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Open connections at most; more are answered 503 at once.")
 @friendly_errors
-def serve(host, port, queue_size, api_key, api_key_file, stall_timeout, request_timeout, options, config_file,
-          **flags):
+def serve(host, port, queue_size, api_key, api_key_file, stall_timeout, request_timeout, max_body_bytes,
+          max_connections, options, config_file, **flags):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
 
     Takes every setting `generate` takes; the model is assembled once. Sampling settings given here are
@@ -189,22 +193,28 @@ def serve(host, port, queue_size, api_key, api_key_file, stall_timeout, request_
         click.echo(f"warning: serving on {host} without an API key: anyone who can reach the port can use it; "
                    "pass --api-key or --api-key-file", err=True)
     app = create_app(assembly, config, queue_size=queue_size, api_keys=keys, stall_timeout=stall_timeout,
-                     request_timeout=request_timeout)
+                     request_timeout=request_timeout, max_body_bytes=max_body_bytes)
     click.echo(f"serving {app.state.server.model_id} ({', '.join(f'{k} {s.name}' for k, s in assembly.plugins.items())}) "
                f"on http://{host}:{port}/v1", err=True)
-    run_server(app, host, port)
+    run_server(app, host, port, max_connections=max_connections)
 
 
 serve.params.extend(p for p in generate.params if p.name not in _NOT_SERVED)
 
 
 def api_keys(given: tuple[str, ...], key_file: str | None) -> list[str]:
-    """The keys of --api-key / $OUTRIDER_API_KEY and of --api-key-file (one a line); never echoed anywhere."""
+    """The keys of --api-key / $OUTRIDER_API_KEY and of --api-key-file (one a line); never echoed anywhere. An
+    empty key is refused: `--api-key "$UNSET_VARIABLE"` must not start a server open to all."""
+    import os
     from pathlib import Path
 
     from outrider.errors import ConfigError
 
-    keys = [key.strip() for key in given if key.strip()]
+    env = os.environ.get("OUTRIDER_API_KEY")
+    if any(not key.strip() for key in given) or (not given and env is not None and not env.strip()):
+        raise ConfigError("the API key given (--api-key or $OUTRIDER_API_KEY) is empty: give the key, or leave "
+                          "both out (and unset the variable) for a server without one")
+    keys = [key.strip() for key in given]
     if key_file:
         try:
             lines = Path(key_file).read_text().splitlines()

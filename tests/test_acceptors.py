@@ -23,7 +23,7 @@ from outrider.plugins.acceptors.sampled import SampledAcceptor
 from outrider.spec.acceptance import Acceptor, AcceptResult, VerifyRound
 from outrider.spec.random_streams import PositionRandom
 from outrider.spec.sampling import SamplingParams, sample_at, warp
-from outrider.testing.stats import chi2_sf, chi2_test
+from outrider.testing.stats import chi2_sf, chi2_test, detectable_tv
 from outrider.testing.toy import ToyModel
 
 P_THRESHOLD = 1e-4
@@ -50,6 +50,27 @@ def test_chi2_sf_against_scipy_if_present():
     for df in (1, 3, 7, 24, 63):
         for x in (0.5, df * 0.8, df * 1.0, df * 2.5 + 10):
             assert chi2_sf(x, df) == pytest.approx(float(special.chdtrc(df, x)), rel=1e-8)
+
+
+@pytest.mark.parametrize("n", [400, 2000])  # the contract's q-law check's two sizes
+def test_a_planted_bias_of_the_stated_size_is_detected_95_times_in_100(n):
+    # The hardest bias of a given total variation for a Pearson test (the same relative error in every cell),
+    # planted in a law of 9 cells (the q-law check's two-token law): at the distance detectable_tv states,
+    # the test at level 1e-4 rejects in 95% of samples; at 0.8 of it, plainly less often (the bound is no
+    # looser than it says).
+    q = np.array([0.2, 0.15, 0.1, 0.05, 0.2, 0.12, 0.08, 0.06, 0.04])  # halves of mass 0.5 each
+    sign = np.array([1, 1, 1, 1, -1, -1, -1, -1, -1])
+    tv = detectable_tv(n, len(q) - 1, P_THRESHOLD)
+    rng = np.random.default_rng(n)
+    repeats = 1000
+
+    def rejected(distance: float) -> float:
+        p = q * (1 + 2 * distance * sign)  # sum |p - q| = 2 distance
+        return np.mean([chi2_test(rng.multinomial(n, p), q)[2] <= P_THRESHOLD for _ in range(repeats)])
+
+    at_bound = rejected(tv)
+    assert at_bound >= 0.95 - 3 * math.sqrt(0.95 * 0.05 / repeats), (tv, at_bound)
+    assert rejected(0.8 * tv) < 0.9, tv
 
 
 # ------------------------------------------------------------------------------------------------ greedy

@@ -93,6 +93,14 @@ class BigramDrafter(DrafterBase):
         return Draft(ids, torch.stack(rows) if rows else None)
 
 
+class StopsWheneverAskedDrafter(BigramDrafter):
+    """The correct bigram drafter, except that any confidence stop asked of it stops every draft: the laws it
+    is checked under then come from plain sampling, and so would pass whatever its drafts did."""
+
+    def propose(self, tokens, k):
+        return Draft() if self.controls.draft_p_min > 0 else super().propose(tokens, k)
+
+
 class WrongResidualAcceptor:
     """Leviathan acceptance, but at a rejection it resamples from p instead of norm(max(0, p - q))."""
 
@@ -161,6 +169,16 @@ def test_a_bigram_drafter_that_samples_from_its_q_passes(outrider_contract_fixtu
     assert {name: r.status for name, r in results.items() if r.status == "FAIL"} == {}, results
     assert results["lossless_with_its_draft_probabilities"].status == "PASS"
     assert results["consistent_after_rollback"].status == "PASS"
+
+
+def test_a_law_check_under_which_nothing_is_drafted_fails(outrider_contract_fixtures):
+    results = _checks({"lossless_with_draft_p_min", "lossless_with_its_draft_probabilities"},
+                      StopsWheneverAskedDrafter, outrider_contract_fixtures)
+    check = results["lossless_with_draft_p_min"]
+    assert check.status == "FAIL", check
+    assert "the drafter drafted 0 tokens in 2000 seeded generations" in check.message, check.message
+    assert "must draft at least 150 tokens" in check.message, check.message
+    assert results["lossless_with_its_draft_probabilities"].status == "PASS"
 
 
 @pytest.mark.parametrize("make", [WrongResidualAcceptor, LosslessClaimingPMin])

@@ -12,7 +12,7 @@ import pytest
 from outrider.testing.contracts import registry_params
 
 # Extra option sets for plugins whose options switch behaviour the default does not exercise.
-VARIANTS = {("drafter", "draft-model"): [{"sample": True}, {"sample": True, "p_min": 0.0}], ("drafter", "gemma-assistant"): [{"sample": False}],
+VARIANTS = {("drafter", "draft-model"): [{"sample": True, "p_min": 0.4}, {"sample": True, "p_min": 0.0}], ("drafter", "gemma-assistant"): [{"sample": False}],
             ("drafter", "mtp"): [{"sample": False}]}
 
 

@@ -592,3 +592,106 @@ def test_a_request_timeout_ends_with_the_text_so_far_and_says_so(tmp_path):
         assert time.monotonic() - started < 10
     finally:
         s.stop()
+
+
+# -- doors a server must not leave open (issue 40) --------------------------------------------------------
+
+
+def test_an_empty_api_key_is_refused_at_start_up(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from outrider.cli import api_keys, serve
+    from outrider.errors import ConfigError, OutriderError
+
+    monkeypatch.delenv("OUTRIDER_API_KEY", raising=False)
+    for given in (("",), ("  ",), ("good", "")):
+        with pytest.raises(ConfigError, match="empty"):
+            api_keys(given, None)
+    monkeypatch.setenv("OUTRIDER_API_KEY", "")  # `OUTRIDER_API_KEY=$UNSET serve` must not serve openly
+    with pytest.raises(ConfigError, match="empty"):
+        api_keys((), None)
+    result = CliRunner().invoke(serve, ["--model", str(tmp_path / "none.gguf")])
+    assert result.exit_code != 0 and "empty" in result.output and "Traceback" not in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    monkeypatch.delenv("OUTRIDER_API_KEY")
+    result = CliRunner().invoke(serve, ["--model", str(tmp_path / "none.gguf"), "--api-key", ""])
+    assert result.exit_code != 0 and "empty" in result.output, result.output
+    with pytest.raises(OutriderError, match="empty"):  # the app refuses it too, for callers of create_app
+        from outrider.serve.app import key_check
+        key_check(["key", " "])
+
+
+def test_a_post_that_is_not_json_is_answered_415(server):
+    for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}, {}):
+        request = urllib.request.Request(server.base + "/v1/completions", data=b'{"prompt": "hi", "max_tokens": 1}',
+                                         method="POST", headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(request)
+        assert answer.value.code == 415, headers
+        assert json.loads(answer.value.read())["error"]["code"] == "unsupported_media_type"
+    ok = urllib.request.Request(server.base + "/v1/completions", data=b'{"prompt": "hi", "max_tokens": 1}',
+                                method="POST", headers={"Content-Type": "application/json; charset=utf-8"})
+    with urllib.request.urlopen(ok) as response:
+        assert response.status == 200
+
+
+def test_a_body_over_the_cap_is_answered_413_declared_or_streamed(server):
+    state = server.app.state.server
+    cap, state.max_body_bytes = state.max_body_bytes, 1000
+    body = ('{"prompt": "%s", "max_tokens": 1}' % ("x" * 2000)).encode()
+    try:
+        status, _, answer = server.post("/v1/completions", body)  # Content-Length says so: refused unread
+        assert status == 413 and answer["error"]["code"] == "request_too_large", answer
+        host, port = server.base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:  # chunked: no length to read ahead
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+            for start in range(0, len(body), 500):
+                piece = body[start:start + 500]
+                sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            sock.sendall(b"0\r\n\r\n")
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+        assert server.post("/v1/completions", b'{"prompt": "hi", "max_tokens": 1}')[0] == 200  # under the cap
+    finally:
+        state.max_body_bytes = cap
+
+
+def test_the_connection_limit_reaches_uvicorn():
+    from outrider.serve.app import DEFAULT_MAX_CONNECTIONS, uvicorn_config
+
+    assert uvicorn_config(None).limit_concurrency == DEFAULT_MAX_CONNECTIONS
+    assert uvicorn_config(None, max_connections=3).limit_concurrency == 3
+
+
+class FailingDrafter(HangingDrafter):
+    def propose(self, tokens, k):
+        raise RuntimeError("secret detail from /home/alice/plugin.py")
+
+
+def test_a_failure_inside_is_a_500_that_tells_the_client_nothing_but_an_incident_id(tmp_path, caplog):
+    s = Server(write_tiny_llama(tmp_path / "tiny.gguf", context=TINY_CONTEXT), TINY_CONTEXT, DENSE, draft_max=4)
+    s.app.state.server.engine.runner.drafter = FailingDrafter()
+    try:
+        with caplog.at_level("ERROR", logger="outrider.serve"):
+            status, _, answer = s.post("/v1/completions", b'{"prompt": "the cat", "max_tokens": 4}')
+        message = answer["error"]["message"]
+        assert status == 500 and answer["error"]["type"] == "server_error", answer
+        assert "secret" not in message and "RuntimeError" not in message, message
+        incident = message.split("incident ")[1].split(",")[0]
+        assert any(incident in r.getMessage() and r.exc_info for r in caplog.records), caplog.records
+    finally:
+        s.stop()
+
+
+def test_a_request_while_the_server_shuts_down_is_answered_503(tmp_path):
+    s = Server(write_tiny_llama(tmp_path / "tiny.gguf", context=TINY_CONTEXT), TINY_CONTEXT, DENSE, draft_max=4)
+    try:
+        s.app.state.server.engine._stopping = True  # what stop() sets first
+        status, _, answer = s.post("/v1/completions", b'{"prompt": "the cat", "max_tokens": 4}')
+        assert status == 503 and answer["error"]["code"] == "shutting_down", answer
+    finally:
+        s.app.state.server.engine._stopping = False
+        s.stop()

@@ -6,6 +6,11 @@ feature flags, so a second process loads it in milliseconds. The source is copie
 compiled from there: torch's builder rebuilds whenever the source's path changes, which checkouts in
 different folders sharing one cache would otherwise do by turns.
 
+A build holds an advisory lock on `build.lock` in that folder (`fcntl.flock`, released by the kernel when its
+holder exits, however it exits): a second process waits for it, saying so, and a process that gets it knows
+that torch's own lock file there (`lock`, left behind by a build that was killed) is stale and removes it,
+where torch's builder would wait on it forever.
+
 Where the build fails (no compiler, no ninja, a compile error) `load()` raises `NativeUnavailable` with the
 reason, and the CPU backend falls back to torch's own ops. The failure is remembered in a marker file in
 that folder, keyed by the compiler too, so later processes fall back at once instead of trying again;
@@ -116,6 +121,29 @@ def _place_source(folder: Path) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """Hold `folder`'s build lock for a block; while it is held no other process of ours builds there, so torch's
+    own lock file, if one is there, was left by a build that died, and is removed."""
+    import fcntl
+
+    with open(folder / "build.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"outrider: another process is building the CPU kernels in {folder}; waiting for it",
+                  file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        stale = folder / "lock"
+        if stale.exists():
+            print(f"outrider: removing {stale}, left by a kernel build that was stopped", file=sys.stderr)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load():
     """The compiled kernels module: functions `linear`, `dequantize_rows`, `attend` and the class `LayerStack`
@@ -139,7 +167,7 @@ def load():
         print("outrider: building the CPU kernels for this machine (once, about a minute)", file=sys.stderr)
     log = io.StringIO()
     try:
-        with redirect_stdout(log), redirect_stderr(log):
+        with _build_lock(folder), redirect_stdout(log), redirect_stderr(log):
             module = cpp_extension.load(name=f"outrider_kernels_{key}", sources=[str(source)],
                                         extra_cflags=cflags(), extra_ldflags=["-fopenmp"], build_directory=str(folder),
                                         verbose=False)

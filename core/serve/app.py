@@ -27,12 +27,15 @@ from starlette.routing import Route
 from outrider.assembly import Assembly
 from outrider.config import Config
 from outrider.errors import OutriderError
-from outrider.serve.engine import GenerationEngine, Job, Outcome, QueueFull, Stalled, acceptors_by_greediness
+from outrider.serve.engine import (GenerationEngine, Job, Outcome, QueueFull, ShuttingDown, Stalled,
+                                  acceptors_by_greediness, log)
 from outrider.serve.metrics import ServerMetrics
 from outrider.serve.requests import APIError, ServerDefaults, chat_request, completion_request
 from outrider.spec.runner import GenerationStats
 
 DEFAULT_QUEUE_SIZE = 16
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a whole 32k-token prompt is ~130 kB of JSON; an image is refused anyway
+DEFAULT_MAX_CONNECTIONS = 64  # waiting clients (the queue, 16) and streams, with room for /health and /metrics
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest ~10 deep (a tool's JSON schema); deeper is a mistake or an attack
 
@@ -148,9 +151,14 @@ def _as_api_error(exc: Exception) -> APIError:
     if isinstance(exc, Stalled):
         return APIError(503, f"the server is stalled: {exc.reason}; it is failing requests until that generation "
                              "returns", type="server_error", code="stalled", headers={"Retry-After": "30"})
+    if isinstance(exc, ShuttingDown):
+        return APIError(503, str(exc), type="server_error", code="shutting_down")
     if isinstance(exc, OutriderError):
         return APIError(400, str(exc))
-    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
+    # what failed is the server's business: the log has the traceback, the client an id to quote
+    incident = uuid.uuid4().hex[:12]
+    log.error("internal error %s", incident, exc_info=exc)
+    return APIError(500, f"the server failed on this request (incident {incident}, in its log)", type="server_error")
 
 
 def served_model_id(config: Config) -> str:
@@ -161,7 +169,9 @@ def key_check(api_keys: list[str] | None):
     """A check of a request's `Authorization: Bearer KEY` against `api_keys` (None or empty: every request
     passes), comparing the SHA-256 of the given key with every key's in constant time: digests of one length,
     so the answer's timing tells nothing about a key, its length included."""
-    keys = [hashlib.sha256(key.encode()).digest() for key in api_keys or [] if key]
+    if any(not key.strip() for key in api_keys or []):
+        raise OutriderError("an API key is empty: give every key some text, or none for a server without keys")
+    keys = [hashlib.sha256(key.strip().encode()).digest() for key in api_keys or []]
 
     def check(request: Request) -> None:
         if not keys:
@@ -192,6 +202,7 @@ class ServerState:
     engine: GenerationEngine
     defaults: ServerDefaults
     authorized: Callable[[Request], None]
+    max_body_bytes: int = 0
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -208,7 +219,24 @@ def _server(request: Request) -> ServerState:
 
 
 async def read_json(request: Request) -> Any:
-    raw = await request.body()  # a client gone mid-body raises ClientDisconnect: answered 499 below
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        # a web page may POST text/plain to 127.0.0.1 without asking first (no CORS preflight); JSON it may not
+        raise APIError(415, f"send the body as JSON with Content-Type: application/json, not "
+                            f"{media_type or 'no Content-Type'}", code="unsupported_media_type")
+    limit = _server(request).max_body_bytes
+    too_large = APIError(413, f"the request body is over {limit} bytes; send less, or start the server with a "
+                              "larger --max-body-bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():  # a client gone mid-body raises ClientDisconnect: answered 499 below
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -224,7 +252,7 @@ def enqueue(server: ServerState, generation) -> Job:
     job = Job(generation, asyncio.get_running_loop())
     try:
         server.engine.submit(job)
-    except Stalled as exc:
+    except (Stalled, ShuttingDown) as exc:
         raise _as_api_error(exc) from None
     except QueueFull:
         wait = server.engine.retry_after_s()
@@ -379,11 +407,12 @@ EXCEPTION_HANDLERS = {APIError: api_error, HTTPException: http_error, ClientDisc
 
 def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUEUE_SIZE,
                api_keys: list[str] | None = None, stall_timeout: float | None = None,
-               request_timeout: float | None = None) -> Starlette:
+               request_timeout: float | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
     """An ASGI app over an assembled runner; `config` gives the defaults for what requests leave out. With
     `api_keys`, every /v1 route requires one of them as a bearer token; /health and /metrics stay open.
     `stall_timeout` (None: default_stall_timeout; 0: off) fails a generation that makes no progress for that
-    long; `request_timeout` ends one that runs longer, with its text so far (finish_reason "timeout")."""
+    long; `request_timeout` ends one that runs longer, with its text so far (finish_reason "timeout"). A request
+    body over `max_body_bytes` is answered 413 before it is read whole."""
     model_id = served_model_id(config)
     defaults = ServerDefaults(model_id=model_id, context=assembly.runner.context, max_tokens=config["max_tokens"],
                               temperature=config["temperature"], top_k=config["top_k"], top_p=config["top_p"],
@@ -394,11 +423,22 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
     engine = GenerationEngine(assembly, acceptors_by_greediness(assembly, config["acceptor"]), metrics, queue_size,
                               stall_timeout=stall_timeout or None, request_timeout=request_timeout or None)
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
-    app.state.server = ServerState(assembly, engine, defaults, key_check(api_keys))
+    app.state.server = ServerState(assembly, engine, defaults, key_check(api_keys), max_body_bytes)
     return app
 
 
-def run_server(app: Starlette, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info") -> None:
+def uvicorn_config(app: Starlette, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",
+                   max_connections: int = DEFAULT_MAX_CONNECTIONS):
+    """How the app is served: past `max_connections` open connections uvicorn answers 503 at once, so idle or
+    slow clients cannot take every socket and thread."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                          limit_concurrency=max_connections)
+
+
+def run_server(app: Starlette, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",
+               max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+    import uvicorn
+
+    uvicorn.Server(uvicorn_config(app, host, port, log_level, max_connections)).run()

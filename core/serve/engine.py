@@ -36,6 +36,10 @@ class QueueFull(Exception):
     """Every place in the queue is taken."""
 
 
+class ShuttingDown(Exception):
+    """The server stopped taking work while this request waited."""
+
+
 class Stalled(Exception):
     """The worker is held by a generation that makes no progress; `reason` says where."""
 
@@ -161,6 +165,8 @@ class GenerationEngine:
             self._thread = None
 
     def submit(self, job: Job) -> None:
+        if self._stopping:  # no worker will take it
+            raise ShuttingDown("the server is shutting down; retry on another server")
         if self.stalled:
             raise Stalled(self.stalled)
         with self._lock:
@@ -190,7 +196,7 @@ class GenerationEngine:
 
     def _take(self, job: Job) -> tuple[str, Any] | None:
         if self._stopping:
-            return "error", OutriderError("the server is shutting down; retry on another server")
+            return "error", ShuttingDown("the server is shutting down; retry on another server")
         if job.cancelled.is_set():
             self.metrics.request_success.labels(self.metrics.model_name, "abort").inc()
             return None

@@ -78,3 +78,37 @@ def tv_distance(counts: np.ndarray, probs: np.ndarray) -> float:
     """Total-variation distance between the empirical distribution of `counts` and `probs`."""
     counts = np.asarray(counts, dtype=np.float64).ravel()
     return 0.5 * float(np.abs(counts / counts.sum() - np.asarray(probs, dtype=np.float64).ravel()).sum())
+
+
+def chi2_critical(df: float, p: float) -> float:
+    """The statistic x with P(chi-square(df) >= x) = p (bisection on chi2_sf)."""
+    lo, hi = 0.0, max(10.0, 10.0 * df)
+    while chi2_sf(hi, df) > p:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chi2_sf(mid, df) > p else (lo, mid)
+    return hi
+
+
+def chi2_power(df: int, noncentrality: float, p: float) -> float:
+    """P(the Pearson test at level p rejects) when the statistic is noncentral chi-square(df, noncentrality),
+    by Patnaik's two-moment approximation (a scaled central chi-square; within about 1% here)."""
+    lam = noncentrality
+    scale = (df + 2 * lam) / (df + lam)
+    return chi2_sf(chi2_critical(df, p) / scale, (df + lam) ** 2 / (df + 2 * lam))
+
+
+def detectable_tv(n: int, df: int, p: float, power: float = 0.95) -> float:
+    """The total-variation distance between two laws that a Pearson test of n draws over df + 1 cells, at level
+    p, detects with probability `power` whatever its shape: the statistic's noncentrality is n times the
+    chi-square distance sum (p_i - q_i)^2 / q_i, which is at least (sum |p_i - q_i|)^2 = 4 TV^2 (Cauchy-Schwarz,
+    equal where |p_i - q_i| / q_i is the same in every cell), so TV >= sqrt(lambda / 4n) suffices, lambda the
+    noncentrality at which the power is reached."""
+    lo, hi = 0.0, 1.0
+    while chi2_power(df, hi, p) < power:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chi2_power(df, mid, p) < power else (lo, mid)
+    return math.sqrt(hi / (4 * n))
