@@ -57,6 +57,42 @@ class OutriderGroup(click.Group):
         return command
 
 
+class ThreadCount(click.ParamType):
+    """-t is llama.cpp's thread count; it was Outrider's temperature, so a number with a point gets a hint."""
+
+    name = "N"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        try:
+            count = int(value)
+        except ValueError:
+            hint = f" (for a temperature of {value} use --temp {value})" if _is_number(value) else ""
+            self.fail(f"-t/--threads takes a whole number of threads, as in llama.cpp{hint}", param, ctx)
+        if count < 1:
+            self.fail(f"-t/--threads must be at least 1 (got {count}); leave it out for the backend's default",
+                      param, ctx)
+        return count
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def with_threads(options, threads: int | None) -> list[tuple[str, str]]:
+    """The -o options, with -t N as `backend.threads N` unless -o gave that already (the later flag wins in
+    llama.cpp; here the explicit option does)."""
+    options = list(options)
+    if threads is not None and not any(key in ("backend.threads", "threads") for key, _ in options):
+        options.append(("backend.threads", str(threads)))
+    return options
+
+
 @click.group(cls=OutriderGroup)
 @click.version_option(package_name="outrider")
 def main():
@@ -71,7 +107,9 @@ def _read_prompt(prompt: str) -> str:
 @click.argument("prompt")
 @click.option("--model", "-m", help="Target model: catalog name (see `outrider models`) or .gguf path.")
 @click.option("--max-tokens", "-n", type=int, help="Most tokens to generate [128].")
-@click.option("--temperature", "-t", type=float, help="Sampling temperature; 0 = greedy [0].")
+@click.option("--temperature", "--temp", type=float, help="Sampling temperature; 0 = greedy [0].")
+@click.option("--threads", "-t", type=ThreadCount(), help="CPU threads (as llama.cpp's -t); the same as "
+              "`-o backend.threads N` [the backend's default].")
 @click.option("--top-k", type=int, help="Keep the k most likely tokens; 0 = off [0].")
 @click.option("--top-p", type=float, help="Nucleus sampling mass; 1 = off [1].")
 @click.option("--seed", type=int, help="Random seed [random].")
@@ -80,13 +118,13 @@ def _read_prompt(prompt: str) -> str:
               "drafters (the first with a draft drafts each round).")
 @click.option("--acceptor", "-a", help="Acceptor plugin [auto: greedy at T=0, sampled above].")
 @click.option("--backend", "-b", help="Backend plugin [cpu].")
-@click.option("--draft-model", help="Draft model for the draft-model drafter: catalog name or .gguf path.")
+@click.option("--draft-model", "-md", help="Draft model for the draft-model drafter: catalog name or .gguf path.")
 @click.option("--draft-max", help="Tokens drafted per round: a number, or auto (chosen each round) [auto].")
 @click.option("--draft-min", type=int, help="Drop proposals shorter than this, except drafts sampled from q, "
                                             "whose length depends on their tokens (dropping them would bias the output) [0].")
 @click.option("--draft-p-min", type=float, help="Drafter-side stop: end the draft at a position where the drafter's "
                                                 "largest probability is below this, decided before its token is drawn [0].")
-@click.option("--context", type=int, help="KV cache length in tokens [4096].")
+@click.option("--context", "--ctx-size", "-c", type=int, help="KV cache length in tokens [4096].")
 @click.option("-o", "--option", "options", type=(str, str), multiple=True, metavar="KEY VALUE",
               help="Plugin option, e.g. `-o drafter.max_n 5` or `-o p_min 0.2`.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML settings file.")
@@ -99,7 +137,7 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
     from outrider.config import resolve_config
     from outrider.io.chat import prompt_ids as chat_prompt_ids
 
-    config = resolve_config(flags, config_file, option_flags=list(options))
+    config = resolve_config(flags, config_file, option_flags=with_threads(options, flags.pop("threads")))
     load_start = time.perf_counter()
     assembly = assemble(config)
     load_s = time.perf_counter() - load_start
@@ -185,7 +223,7 @@ def serve(host, port, queue_size, api_key, api_key_file, stall_timeout, request_
     from outrider.serve import create_app, run_server
 
     keys = api_keys(api_key, api_key_file)
-    config = resolve_config(flags, config_file, option_flags=list(options))
+    config = resolve_config(flags, config_file, option_flags=with_threads(options, flags.pop("threads")))
     assembly = assemble(config)
     for warning in assembly.warnings:
         click.echo(f"warning: {warning}", err=True)

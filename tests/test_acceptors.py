@@ -375,6 +375,18 @@ def test_pmin_greedy_accepts_a_probable_non_argmax_token():
     assert (res.tokens, res.accepted) == ([0], 0)
 
 
+def test_pmin_at_zero_never_emits_a_token_the_warped_law_forbids():
+    # top-k 1 leaves the argmax alone: p-min 0 must not force a draft the warped law gives 0 (0 >= 0 did)
+    logits = torch.tensor([[2.0, 1.8, -5.0, -5.0], [0.0, 0.0, 3.0, 0.0]])
+    params = SamplingParams(1.0, top_k=1)
+    for seed in range(20):
+        res = PMinAcceptor(0.0).accept(VerifyRound(logits, [1], None, params, PositionRandom(seed), 1))
+        assert (res.tokens, res.accepted) == ([0], 0), (seed, res)
+    masked = torch.tensor([[2.0, float("-inf"), 0.0, 0.0], [0.0, 0.0, 3.0, 0.0]])  # greedy: a logit of -inf
+    res = PMinAcceptor(0.0).accept(VerifyRound(masked, [1], None, SamplingParams(0.0), PositionRandom(0), 1))
+    assert (res.tokens, res.accepted) == ([0], 0), res
+
+
 def test_pmin_deviation_from_target_is_measured():
     # built for it: the target gives the drafted token 0.3 (not the argmax), the drafter always proposes
     # it; p-min 0.1 accepts it every time, so the first token is that token with probability 1 instead of 0.3

@@ -167,3 +167,21 @@ def test_plugins_and_models_listings():
     assert all(r["package"] for r in rows)
     models = invoke("models")
     assert models.exit_code == 0 and "smollm2-135m (default)" in models.output and "gemma3-270m" in models.output
+
+
+def test_llama_cpp_flags_mean_what_they_mean_there(files):
+    result = invoke("generate", "--model", files["llama"], "--json", "-n", "4", "-t", "1", "-c", "96", "--temp",
+                    "0.7", "--seed", "3", "-md", files["llama"], "-d", "draft-model", "the the the")
+    assert result.exit_code == 0, result.output
+    config = json.loads(result.output.strip().splitlines()[-1])["stats"]["config"]
+    assert config["settings"]["context"]["value"] == 96 and config["settings"]["temperature"]["value"] == 0.7
+    assert config["settings"]["draft_model"]["value"] == str(files["llama"])
+    assert config["options"]["backend"]["threads"]["value"] in (1, "1"), config["options"]
+    long = invoke("generate", "--model", files["llama"], "--json", "-n", "2", "--threads", "1", "--ctx-size", "96",
+                  "the")
+    assert long.exit_code == 0, long.output
+
+
+def test_a_temperature_given_to_t_gets_a_hint():
+    result = invoke("generate", "-t", "0.7", "hi")
+    assert result.exit_code == 2 and "--temp 0.7" in result.output and "threads" in result.output, result.output

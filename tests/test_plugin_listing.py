@@ -37,7 +37,7 @@ def test_generate_json_reports_every_option_with_its_source_and_the_instances_ca
     fx = outrider_contract_fixtures
     result = CliRunner().invoke(main, [
         "generate", "-m", str(fx.tiny_llama_path), "--drafter", "draft-model", "--draft-model",
-        str(fx.tiny_draft_llama_path), "-o", "drafter.sample", "true", "-t", "0.8", "--seed", "1", "-n", "4",
+        str(fx.tiny_draft_llama_path), "-o", "drafter.sample", "true", "--temp", "0.8", "--seed", "1", "-n", "4",
         "--json", "hello"])
     assert result.exit_code == 0, result.output
     stats = json.loads(result.stdout)["stats"]

@@ -75,7 +75,7 @@ def test_two_cli_runs_with_the_same_seed_a_q_drafter_and_auto_are_identical(outr
     args = ["generate", "-m", str(fx.tiny_llama_path), "--drafter", "draft-model", "--draft-model",
             str(fx.tiny_draft_llama_path), "-o", "drafter.sample", "true", "-o", "drafter.p_min", "0",
             "-o", "drafter.step_cost", "0.1",
-            "--draft-max", "auto", "-t", "0.9",
+            "--draft-max", "auto", "--temp", "0.9",
             "--seed", "7", "-n", "40", "--json", "one two one two one two one two"]
     outs = [json.loads(CliRunner().invoke(main, args).stdout) for _ in range(2)]
     assert outs[0]["stats"]["drafted"] > 0
@@ -100,7 +100,7 @@ def test_a_chain_with_a_q_member_under_auto_reproduces_whatever_the_timings(outr
 def test_a_seeded_lookup_mtp_chain_gives_the_same_tokens_at_one_and_two_threads(outrider_contract_fixtures):
     fx = outrider_contract_fixtures
     base = ["generate", "-m", str(fx.tiny_llama_path), "--drafter", "lookup,mtp", "--draft-model",
-            str(fx.tiny_mtp_sidecar_path), "--draft-max", "auto", "-t", "0.7", "--seed", "1", "-n", "40", "--json",
+            str(fx.tiny_mtp_sidecar_path), "--draft-max", "auto", "--temp", "0.7", "--seed", "1", "-n", "40", "--json",
             "one two one two one two one two"]
     outs = []
     for threads in ("1", "2", "1"):

@@ -183,7 +183,7 @@ def greedy_tiny(server):
     settings = dict(prompt=TINY_ECHO, max_tokens=24, temperature=0)
     # really streamed: text in several chunks, one per verify round, before the final one
     return complete(server, **settings), complete(server, stream=True, min_chunks=4, **settings), \
-        server.cli_text("-n", 24, "-t", 0, TINY_ECHO)
+        server.cli_text("-n", 24, "--temp", 0, TINY_ECHO)
 
 
 def check_same_answer(whole, streamed, cli, max_tokens):
@@ -206,7 +206,7 @@ def test_sampled_completion_takes_the_request_settings(server):
     settings = dict(prompt="In 1492, Columbus", max_tokens=12, temperature=0.9, top_p=0.95, seed=3,
                     extra_body={"top_k": 50})
     whole, streamed = complete(server, **settings), complete(server, stream=True, **settings)
-    assert whole[0] == streamed[0] == server.cli_text("-n", 12, "-t", 0.9, "--top-p", 0.95, "--top-k", 50,
+    assert whole[0] == streamed[0] == server.cli_text("-n", 12, "--temp", 0.9, "--top-p", 0.95, "--top-k", 50,
                                                       "--seed", 3, "In 1492, Columbus")
     assert whole[0] != complete(server, prompt="In 1492, Columbus", max_tokens=12, temperature=0)[0]
 
@@ -410,13 +410,13 @@ def test_metrics_counters_equal_the_sum_of_the_responses_timings(server):
 def test_smollm2_completion_and_chat_streamed_equal_whole_equal_cli(smollm2):
     settings = dict(prompt=ECHO_PROMPT, max_tokens=16, temperature=0)
     check_same_answer(complete(smollm2, **settings), complete(smollm2, stream=True, **settings),
-                      smollm2.cli_text("-n", 16, "-t", 0, ECHO_PROMPT), max_tokens=16)
+                      smollm2.cli_text("-n", 16, "--temp", 0, ECHO_PROMPT), max_tokens=16)
     message = "Name three colours."
     settings = dict(messages=[{"role": "user", "content": message}], max_tokens=12, temperature=0.8, top_p=0.9,
                     seed=7, extra_body={"top_k": 40})
     text, _, timings, usage = chat(smollm2, **settings)
     assert text == chat(smollm2, stream=True, **settings)[0] == smollm2.cli_text(
-        "--chat", "-n", 12, "-t", 0.8, "--top-p", 0.9, "--top-k", 40, "--seed", 7, message)
+        "--chat", "-n", 12, "--temp", 0.8, "--top-p", 0.9, "--top-k", 40, "--seed", 7, message)
     assert usage.completion_tokens == timings["predicted_n"] == 12
     assert chat(smollm2, **{**settings, "seed": 8})[0] != text  # the seed is the request's
     with pytest.raises(openai.BadRequestError) as too_long:

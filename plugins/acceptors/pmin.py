@@ -41,7 +41,8 @@ class PMinAcceptor:
                 row = torch.softmax(verify.target_logits[i].to(torch.float32), dim=-1)
             else:
                 row = verify.target_probs(i)
-            return bool(row[verify.draft_tokens[i]] >= self.p_min)
+            p = row[verify.draft_tokens[i]]
+            return bool(p > 0 and p >= self.p_min)  # at p_min 0, still never a token the warped law forbids
 
         return sampled_round(verify, force)
 
