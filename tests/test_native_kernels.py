@@ -831,3 +831,37 @@ def test_avx_vnni_gives_the_avx2_builds_bits(which, smollm2_path, gemma3_path, t
     assert (plain_dpbusd, vnni_dpbusd) == (False, True)  # each build took the path it is named for
     assert plain.shape == (8, plain.shape[1]) and torch.isfinite(plain).all()
     assert torch.equal(plain, vnni)
+
+
+# Instruction sets a default build takes where the CPU has them: AVX-VNNI's 256-bit dpbusd (Intel since Alder
+# Lake, the path of most recent laptops) and AMX tiles with AVX512-VNNI (Xeons since Sapphire Rapids). Their
+# bit-exactness tests run only where the CPU has them; this compiles each wherever the compiler can target it,
+# so a change that breaks one cannot pass on a machine without it.
+COMPILE_ONLY = {
+    "avx-vnni (x86-64-v3 -mavxvnni)": ("-march=x86-64-v3", "-mavxvnni"),
+    "amx + avx512-vnni (sapphirerapids)": ("-march=sapphirerapids",),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 instruction sets")
+@pytest.mark.parametrize("label", COMPILE_ONLY)
+def test_every_default_kernel_path_compiles_here(label, tmp_path):
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    march = COMPILE_ONLY[label]
+    flags = [f for f in native.cflags() if not f.startswith("-march")]
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    probe = subprocess.run([native._compiler(), *march, "-E", "-dM", "-x", "c++", "/dev/null"], capture_output=True,
+                           text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"the compiler cannot target {label}: {probe.stderr.strip()[:200]}")
+    wanted = {"avx-vnni (x86-64-v3 -mavxvnni)": ["__AVXVNNI__"],
+              "amx + avx512-vnni (sapphirerapids)": ["__AMX_INT8__", "__AMX_TILE__", "__AVX512VNNI__"]}[label]
+    assert all(f"#define {m} " in probe.stdout for m in wanted), f"{label} does not define {wanted}"
+    command = [native._compiler(), *flags, *march, "-O1", "-std=c++20", "-fPIC", "-DTORCH_EXTENSION_NAME=compile_check",
+               "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, "-c", str(native.SOURCE), "-o", str(tmp_path / "k.o")]
+    built = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert built.returncode == 0, built.stderr[-3000:]
