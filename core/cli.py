@@ -106,7 +106,7 @@ def _read_prompt(prompt: str) -> str:
 @main.command()
 @click.argument("prompt")
 @click.option("--model", "-m", help="Target model: catalog name (see `outrider models`) or .gguf path.")
-@click.option("--max-tokens", "-n", type=int, help="Most tokens to generate [128].")
+@click.option("--max-tokens", "-n", type=int, help="Most tokens to generate [128; served requests that leave it out get the rest of the context unless this is given].")
 @click.option("--temperature", "--temp", type=float, help="Sampling temperature; 0 = greedy [0].")
 @click.option("--threads", "-t", type=ThreadCount(), help="CPU threads (as llama.cpp's -t); the same as "
               "`-o backend.threads N` [the backend's default].")

@@ -319,6 +319,19 @@ def test_a_full_queue_answers_503_with_retry_after(server):
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}', 400,
      "top_logprobs", None),
     ("/v1/completions", b'{"prompt": "hi", "frobnicate": 1}', 400, "frobnicate", None),
+    # llama-server's fields (issue 40)
+    ("/v1/completions", b'{"prompt": "hi", "n_predict": 0}', 400, "n_predict", None),
+    ("/v1/completions", b'{"prompt": "hi", "n_predict": "5"}', 400, "n_predict", None),
+    ("/v1/completions", b'{"prompt": "hi", "n_predict": 5, "max_tokens": 6}', 400, "n_predict", None),
+    ("/v1/completions", b'{"prompt": "hi", "cache_prompt": "yes"}', 400, "cache_prompt", None),
+    ("/tokenize", b'{"content": 5}', 400, "content", None),
+    ("/tokenize", b'{"content": "hi", "with_pieces": 1}', 400, "with_pieces", None),
+    ("/tokenize", b'{"content": "hi", "tokens": [1]}', 400, "tokens", None),
+    ("/tokenize", b'["hi"]', 400, None, None),
+    ("/detokenize", b'{"tokens": [1, 100000]}', 400, "tokens", None),
+    ("/detokenize", b'{"tokens": [-1]}', 400, "tokens", None),
+    ("/detokenize", b'{"tokens": [true]}', 400, "tokens", None),
+    ("/detokenize", b'{"tokens": "12"}', 400, "tokens", None),
 ])
 def test_a_bad_request_gets_openai_error_json(server, path, body, status, param, code):
     got, _, answer = server.post(path, body)
@@ -357,6 +370,111 @@ def test_wrong_method_and_path_get_error_json_and_the_client_raises(server):
     with pytest.raises(openai.BadRequestError):
         server.client.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=-3)
+
+
+# -- llama-server's fields and routes (issue 40) -----------------------------------------------------------
+
+
+def request_defaults(server, max_tokens=None):
+    from dataclasses import replace
+
+    return replace(server.app.state.server.defaults, max_tokens=max_tokens)
+
+
+def test_a_request_without_max_tokens_gets_the_rest_of_the_context(server):
+    from outrider.serve.requests import completion_request
+
+    tokenizer = server.app.state.server.assembly.tokenizer
+    prompt = tokenizer.encode(TINY_ECHO)
+    unset = request_defaults(server)  # the server's max_tokens left at its default
+    ask = lambda body, defaults=unset: completion_request(dict(prompt=TINY_ECHO, **body), defaults, tokenizer)
+    assert ask({}).max_tokens == TINY_CONTEXT - len(prompt)
+    assert ask({"max_tokens": 7}).max_tokens == 7
+    assert ask({"max_tokens": TINY_CONTEXT}).max_tokens == TINY_CONTEXT - len(prompt)  # the runner's cap, stated
+    assert ask({"n_predict": 9}).max_tokens == ask({"n_predict": 9, "max_tokens": 9}).max_tokens == 9
+    assert ask({"n_predict": -1}).max_tokens == TINY_CONTEXT - len(prompt)
+    assert ask({"cache_prompt": True}).max_tokens == TINY_CONTEXT - len(prompt)
+    # an operator's --max-tokens is the default instead (llama-server's -n); this server was started with 8
+    assert server.app.state.server.defaults.max_tokens == 8 and ask({}, request_defaults(server, 8)).max_tokens == 8
+
+
+def test_n_predict_is_max_tokens_and_cache_prompt_changes_nothing(server):
+    plain = complete(server, prompt=TINY_ECHO, max_tokens=5, temperature=0)
+    status, _, answer = server.post("/v1/completions", json.dumps(
+        dict(prompt=TINY_ECHO, n_predict=5, cache_prompt=True, temperature=0)).encode())
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == plain[0] and answer["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("field, value", [("min_p", 0.05), ("repeat_penalty", 1.1), ("samplers", "edkypmxt"),
+                                          ("samplers", ["top_k", "temperature"]), ("dry_multiplier", 0.8),
+                                          ("typical_p", 0.9), ("mirostat", 2), ("xtc_probability", 0.5),
+                                          ("grammar", "root ::= \"a\""), ("ignore_eos", True)])
+def test_a_llama_server_field_outrider_does_not_implement_is_refused_by_name(server, field, value):
+    for path, body in [("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
+        status, _, answer = server.post(path, json.dumps({**body, field: value, "max_tokens": 2}).encode())
+        assert status == 400, answer
+        error = answer["error"]
+        assert error["param"] == field and error["type"] == "invalid_request_error"
+        assert f"'{field}'" in error["message"] and "llama-server field Outrider does not implement" \
+            in error["message"]
+
+
+def test_llama_server_fields_set_to_off_are_accepted(server):
+    # what llama-server's web UI sends with its samplers turned off
+    off = dict(min_p=0, repeat_penalty=1.0, repeat_last_n=64, typical_p=1, dry_multiplier=0, dry_base=1.75,
+               xtc_probability=0, xtc_threshold=0.1, dynatemp_range=0, mirostat=0, timings_per_token=False)
+    plain = complete(server, prompt=TINY_ECHO, max_tokens=4, temperature=0)
+    status, _, answer = server.post("/v1/completions", json.dumps(
+        dict(prompt=TINY_ECHO, max_tokens=4, temperature=0, **off)).encode())
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == plain[0]
+
+
+@pytest.mark.parametrize("text", [TINY_ECHO, "the  cat\n\tsat, 42 times: caf\u00e9 \u2603 \U0001F600", ""])
+def test_tokenize_then_detokenize_gives_the_text_back(server, text):
+    tokenizer = server.app.state.server.assembly.tokenizer
+    status, _, answer = server.post("/tokenize", json.dumps({"content": text}).encode())
+    assert status == 200, answer
+    assert answer["tokens"] == tokenizer.encode(text, add_bos=False)
+    status, _, back = server.post("/detokenize", json.dumps({"tokens": answer["tokens"]}).encode())
+    assert status == 200 and back == {"content": text}
+    _, _, pieces = server.post("/tokenize", json.dumps({"content": text, "with_pieces": True}).encode())
+    assert [p["id"] for p in pieces["tokens"]] == answer["tokens"]
+    # a piece is text, or the bytes of part of a character as numbers
+    joined = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"])
+                      for p in pieces["tokens"])
+    assert joined.decode() == text
+
+
+def test_tokenize_add_special_and_control_tokens_as_llama_server_gives_them(server):
+    tokenizer = server.app.state.server.assembly.tokenizer
+    _, _, plain = server.post("/tokenize", b'{"content": "the cat"}')
+    _, _, special = server.post("/tokenize", b'{"content": "the cat", "add_special": true}')
+    assert special["tokens"] == tokenizer.encode("the cat", add_bos=None)
+    im_end = tokenizer.tokens.index("<|im_end|>")
+    _, _, parsed = server.post("/tokenize", b'{"content": "<|im_end|>", "with_pieces": true}')
+    assert parsed["tokens"] == [{"id": im_end, "piece": "<|im_end|>"}]
+    _, _, literal = server.post("/tokenize", b'{"content": "<|im_end|>", "parse_special": false}')
+    assert im_end not in literal["tokens"]
+    # /detokenize writes control tokens out, as llama-server does (generated text leaves them out)
+    assert server.post("/detokenize", json.dumps({"tokens": [im_end] + plain["tokens"]}).encode())[2] == \
+        {"content": "<|im_end|>the cat"}
+
+
+def test_props_answers_as_llama_server_does(server):
+    status, _, props = server.post("/props", None, method="GET")
+    assert status == 200, props
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] == TINY_CONTEXT and props["total_slots"] == 1
+    assert settings["params"]["n_predict"] == 8  # this server was started with max_tokens 8
+    defaults = server.app.state.server.defaults
+    assert {k: settings["params"][k] for k in ("temperature", "top_k", "top_p")} == \
+        {"temperature": defaults.temperature, "top_k": defaults.top_k, "top_p": defaults.top_p}
+    assert props["model_path"] == str(server.model_path)
+    assert props["chat_template"] == ""  # the tiny model's file has none
+    assert server.post("/props", b"{}")[0] == 405
 
 
 def test_models_and_health(server):
@@ -463,7 +581,9 @@ def keyed(tmp_path_factory):
 def test_with_api_keys_every_v1_route_answers_401_without_one_and_health_stays_open(keyed):
     body = b'{"prompt": "the cat", "max_tokens": 2}'
     for path, data, method in [("/v1/completions", body, "POST"), ("/v1/models", None, "GET"),
-                               ("/v1/chat/completions", b'{"messages": []}', "POST")]:
+                               ("/v1/chat/completions", b'{"messages": []}', "POST"),
+                               ("/tokenize", b'{"content": "the cat"}', "POST"),
+                               ("/detokenize", b'{"tokens": [5]}', "POST"), ("/props", None, "GET")]:
         for key in (None, "wrong-key", "first-key-but-longer"):
             status, headers, answer = keyed.post(path, data, method=method, key=key)
             assert status == 401, (path, key, answer)
@@ -472,6 +592,8 @@ def test_with_api_keys_every_v1_route_answers_401_without_one_and_health_stays_o
     for key in ("first-key", "second-key"):
         assert keyed.post("/v1/completions", body, key=key)[0] == 200
     assert keyed.post("/v1/models", None, method="GET", key="second-key")[0] == 200
+    assert keyed.post("/tokenize", b'{"content": "the cat"}', key="first-key")[0] == 200
+    assert keyed.post("/props", None, method="GET", key="first-key")[0] == 200
     with urllib.request.urlopen(keyed.base + "/health") as response:
         assert response.status == 200
     with urllib.request.urlopen(keyed.base + "/metrics") as response:
@@ -643,13 +765,14 @@ def test_a_body_over_the_cap_is_answered_413_declared_or_streamed(server):
         status, _, answer = server.post("/v1/completions", body)  # Content-Length says so: refused unread
         assert status == 413 and answer["error"]["code"] == "request_too_large", answer
         host, port = server.base.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port))) as sock:  # chunked: no length to read ahead
+        with socket.create_connection((host, int(port)), timeout=30) as sock:  # chunked: no length to read ahead
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
-            for start in range(0, len(body), 500):
+            # past the cap, then no more: the server answers without the rest (bytes it never read would make
+            # its close a reset, which can drop the answer before this side reads it)
+            for start in range(0, 1500, 500):
                 piece = body[start:start + 500]
                 sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
-            sock.sendall(b"0\r\n\r\n")
             reply = b""
             while chunk := sock.recv(65536):
                 reply += chunk

@@ -1,6 +1,6 @@
 """The HTTP side: Starlette routes, OpenAI's response and stream formats, errors as OpenAI's JSON.
 
-Starlette + uvicorn, not FastAPI: the routes are five and the request bodies are validated by
+Starlette + uvicorn, not FastAPI: the routes are eight and the request bodies are validated by
 `requests.py` into Outrider's own types, so FastAPI's pydantic layer would only add a second schema to
 keep in step. uvicorn is the ASGI server Starlette is developed against.
 """
@@ -24,13 +24,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from outrider import __version__
 from outrider.assembly import Assembly
 from outrider.config import Config
 from outrider.errors import OutriderError
+from outrider.io.chat import chat_template_for
+from outrider.io.tokenizer import TokenType
 from outrider.serve.engine import (GenerationEngine, Job, Outcome, QueueFull, ShuttingDown, Stalled,
                                   acceptors_by_greediness, log)
 from outrider.serve.metrics import ServerMetrics
-from outrider.serve.requests import APIError, ServerDefaults, chat_request, completion_request
+from outrider.serve.requests import (APIError, ServerDefaults, chat_request, completion_request, detokenize_request,
+                                     tokenize_request)
 from outrider.spec.runner import GenerationStats
 
 DEFAULT_QUEUE_SIZE = 16
@@ -350,6 +354,88 @@ async def models(request: Request) -> Response:
          "meta": {"context": server.defaults.context, "plugins": plugins}}]})
 
 
+def _piece(tokenizer, token_id: int) -> str | list[int]:
+    """llama-server's piece of a token: its text, a control token's spelling (`<|im_start|>`), or the token's
+    bytes as a list of numbers where they are not whole UTF-8 characters (part of an emoji)."""
+    if tokenizer.token_type(token_id) == TokenType.CONTROL:
+        return tokenizer.tokens[token_id]
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+def _tokenize(tokenizer, content: str, add_special: bool, parse_special: bool) -> list[int]:
+    ids = tokenizer.encode(content, add_bos=None if add_special else False, parse_special=parse_special)
+    if not add_special and tokenizer.add_eos and ids and ids[-1] == tokenizer.eos_id:
+        ids.pop()  # encode appends the file's EOS whenever the file asks; add_special false means none
+    return ids
+
+
+def _detokenize(tokenizer, ids: list[int]) -> str:
+    """The text of `ids` as llama-server gives it: control tokens written out (generation's text drops them),
+    everything else as generation decodes it."""
+    decoder, parts = tokenizer.stream_decoder(), []
+    for token_id in ids:
+        parts.append(tokenizer.tokens[token_id] if tokenizer.token_type(token_id) == TokenType.CONTROL
+                     else decoder.push(token_id))
+    return "".join(parts) + decoder.flush()
+
+
+async def tokenize(request: Request) -> Response:
+    server = _server(request)
+    server.authorized(request)
+    asked = tokenize_request(await read_json(request))
+    tokenizer = server.assembly.tokenizer
+    # off the event loop: a 4 MiB body takes a while to tokenize, and streams are being served meanwhile
+    ids = await asyncio.to_thread(_tokenize, tokenizer, asked.content, asked.add_special, asked.parse_special)
+    if asked.with_pieces:
+        return JSONResponse({"tokens": [{"id": i, "piece": _piece(tokenizer, i)} for i in ids]})
+    return JSONResponse({"tokens": ids})
+
+
+async def detokenize(request: Request) -> Response:
+    server = _server(request)
+    server.authorized(request)
+    tokenizer = server.assembly.tokenizer
+    ids = detokenize_request(await read_json(request), tokenizer.vocab_size)
+    return JSONResponse({"content": await asyncio.to_thread(_detokenize, tokenizer, ids)})
+
+
+async def props(request: Request) -> Response:
+    """llama-server's GET /props: what its web UI and clients read to learn the context and the defaults."""
+    server = _server(request)
+    server.authorized(request)
+    defaults, assembly = server.defaults, server.assembly
+    tokenizer = assembly.tokenizer
+    try:
+        template = chat_template_for(assembly.gguf.metadata)
+    except OutriderError:  # a model without one serves /v1/completions only
+        template = ""
+    special = lambda i: tokenizer.tokens[i] if i is not None else ""
+    drafter = assembly.plugins.get("drafter")
+    speculative = drafter is not None and drafter.name != "none"
+    n_predict = -1 if defaults.max_tokens is None else defaults.max_tokens  # -1: llama-server's "the rest"
+    params = {"n_predict": n_predict, "max_tokens": n_predict, "temperature": defaults.temperature,
+              "top_k": defaults.top_k, "top_p": defaults.top_p, "min_p": 0.0, "typical_p": 1.0,
+              "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "mirostat": 0,
+              "seed": -1 if defaults.seed is None else defaults.seed, "stop": [], "stream": False,
+              "samplers": ["temperature", "top_k", "top_p"]}  # Outrider's order, which llama.cpp's is not
+    return JSONResponse({
+        "default_generation_settings": {"id": 0, "n_ctx": defaults.context, "speculative": speculative,
+                                        "params": params},
+        "total_slots": 1,  # one generation at a time; the rest wait in the queue
+        "model_alias": server.model_id,
+        "model_path": str(assembly.gguf.path),
+        "modalities": {"vision": False, "audio": False},
+        "chat_template": template,
+        "bos_token": special(tokenizer.bos_id),
+        "eos_token": special(tokenizer.eos_id),
+        "build_info": f"outrider {__version__}",
+    })
+
+
 async def health(request: Request) -> Response:
     engine = _server(request).engine
     if engine.stalled:  # a supervisor restarts the process on this
@@ -398,6 +484,9 @@ ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/models", models, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),  # llama-server's own routes, as it answers them
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/props", props, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics_page, methods=["GET"]),
 ]
@@ -409,12 +498,17 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
                api_keys: list[str] | None = None, stall_timeout: float | None = None,
                request_timeout: float | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
     """An ASGI app over an assembled runner; `config` gives the defaults for what requests leave out. With
-    `api_keys`, every /v1 route requires one of them as a bearer token; /health and /metrics stay open.
+    `api_keys`, every /v1 route and /tokenize, /detokenize, /props require one of them as a bearer token;
+    /health and /metrics stay open. A request that leaves `max_tokens` out gets the rest of the context unless
+    `config`'s max_tokens was set (a flag, the environment, a file) rather than left at its default.
     `stall_timeout` (None: default_stall_timeout; 0: off) fails a generation that makes no progress for that
     long; `request_timeout` ends one that runs longer, with its text so far (finish_reason "timeout"). A request
     body over `max_body_bytes` is answered 413 before it is read whole."""
     model_id = served_model_id(config)
-    defaults = ServerDefaults(model_id=model_id, context=assembly.runner.context, max_tokens=config["max_tokens"],
+    # the setting's default (128) suits a command line; a server's client that names no limit expects the rest
+    # of the context (OpenAI, vLLM), an operator who set one gets it (llama-server's -n)
+    max_tokens = None if config.sources.get("max_tokens", "default") == "default" else config["max_tokens"]
+    defaults = ServerDefaults(model_id=model_id, context=assembly.runner.context, max_tokens=max_tokens,
                               temperature=config["temperature"], top_k=config["top_k"], top_p=config["top_p"],
                               seed=config["seed"])
     metrics = ServerMetrics(model_id)

@@ -1,13 +1,17 @@
 """OpenAI request bodies -> what one generation needs, or an `APIError` naming the bad field.
 
-Settings a request leaves out take the server's (`outrider serve -t 0.7 ...`); fields OpenAI defines but
-Outrider does not implement (n > 1, logprobs, logit_bias, penalties, tools) are refused rather than ignored,
-and so is a field neither OpenAI nor llama-server defines, so a client never gets something other than
-what it asked for without knowing. A temperature below `outrider.spec.sampling.GREEDY_BELOW` is greedy (SamplingParams).
+Settings a request leaves out take the server's (`outrider serve --temp 0.7 ...`), except `max_tokens`: left out
+it is the rest of the context, as OpenAI and vLLM answer, unless the server was started with an explicit
+--max-tokens (llama-server's `-n`). Fields OpenAI or llama-server define but Outrider does not implement (n > 1,
+logprobs, logit_bias, penalties, tools, llama-server's other samplers) are refused rather than ignored unless
+set to the value that turns them off, and so is a field neither defines, so a client never gets something other
+than what it asked for without knowing. A temperature below `outrider.spec.sampling.GREEDY_BELOW` is greedy
+(SamplingParams).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,11 +26,29 @@ CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # implemented; `user`, `metadata`, `store` and `service_tier` change nothing a server computes.
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
                  "stream_options", "frequency_penalty", "presence_penalty", "logit_bias", "user", "metadata",
-                 "store", "service_tier"}
+                 "store", "service_tier", "n_predict", "cache_prompt"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                "functions", "tool_choice", "function_call", "parallel_tool_calls",
                                "response_format"}
+# llama-server's sampling and slot fields that Outrider does not implement (its web UI sends most of them on
+# every request): each with the values that turn it off, which are accepted, since then the answer is the one
+# asked for. A field that only tunes another (`dry_base` under `dry_multiplier`) maps to (): accepted, because
+# whatever it says changes nothing while the field it tunes is off, and that one is refused when on.
+LLAMA_SERVER_FIELDS: dict[str, tuple] = {
+    "min_p": (0, 0.0), "typical_p": (1, 1.0), "top_n_sigma": (-1, -1.0), "min_keep": (0, 1),
+    "repeat_penalty": (1, 1.0), "repeat_last_n": (), "penalize_nl": (False,),
+    "dry_multiplier": (0, 0.0), "dry_base": (), "dry_allowed_length": (), "dry_penalty_last_n": (),
+    "dry_sequence_breakers": (), "xtc_probability": (0, 0.0), "xtc_threshold": (),
+    "dynatemp_range": (0, 0.0), "dynatemp_exponent": (), "mirostat": (0,), "mirostat_tau": (), "mirostat_eta": (),
+    # llama.cpp's default order puts temperature last, Outrider's (Hugging Face's) first: refused in any order
+    "samplers": (None,),
+    "grammar": ("",), "json_schema": ({},), "ignore_eos": (False,), "n_probs": (0,), "post_sampling_probs": (False,),
+    "n_keep": (0, -1), "n_indent": (0,), "t_max_predict_ms": (0,), "id_slot": (-1, 0), "lora": ([],),
+    "timings_per_token": (False,), "return_tokens": (False,), "return_progress": (False,),
+    "response_fields": ([],), "reasoning_format": ("none",), "chat_template_kwargs": ({},),
+    "backend_sampling": (False,),
+}
 
 
 class APIError(Exception):
@@ -48,7 +70,7 @@ class ServerDefaults:
 
     model_id: str
     context: int
-    max_tokens: int
+    max_tokens: int | None  # None: the rest of the context
     temperature: float
     top_k: int
     top_p: float
@@ -113,13 +135,24 @@ def _stop_strings(body: dict) -> list[str]:
     return [s for s in stops if s]
 
 
+def _max_tokens(body: dict, defaults: ServerDefaults, prompt_ids: list[int], names: tuple[str, ...]) -> int:
+    rest = defaults.context - len(prompt_ids)
+    given = [name for name in names if body.get(name) is not None]
+    asked = _number(body, given[0], None, 1, defaults.context, integer=True) if given else None
+    n_predict = body.get("n_predict")  # llama-server's name; -1 is its "until the context is full"
+    if n_predict is not None:
+        if n_predict != -1 or isinstance(n_predict, bool):
+            n_predict = _number(body, "n_predict", None, 1, defaults.context, integer=True)
+        n_predict = rest if n_predict == -1 else n_predict
+        if asked is not None and min(asked, rest) != min(n_predict, rest):
+            raise _bad("n_predict", f"'n_predict' and '{given[0]}' disagree; send one of them")
+        asked = n_predict
+    if asked is None:
+        asked = rest if defaults.max_tokens is None else defaults.max_tokens
+    return min(asked, rest)
+
+
 def _common(body: Any, defaults: ServerDefaults, prompt_ids: list[int], max_tokens_names: tuple[str, ...]):
-    for name in max_tokens_names:
-        if body.get(name) is not None:
-            max_tokens = _number(body, name, None, 1, defaults.context, integer=True)
-            break
-    else:
-        max_tokens = defaults.max_tokens
     try:
         params = SamplingParams(
             temperature=float(_number(body, "temperature", defaults.temperature, 0, 2)),
@@ -132,6 +165,9 @@ def _common(body: Any, defaults: ServerDefaults, prompt_ids: list[int], max_toke
     for name in ("frequency_penalty", "presence_penalty"):
         _unsupported(body, name, (None, 0, 0.0))
     _unsupported(body, "logit_bias", (None, {}))
+    cache_prompt = body.get("cache_prompt")
+    if cache_prompt is not None and not isinstance(cache_prompt, bool):
+        raise _bad("cache_prompt", f"'cache_prompt' must be true or false, got {cache_prompt!r}")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -145,14 +181,21 @@ def _common(body: Any, defaults: ServerDefaults, prompt_ids: list[int], max_toke
                             f"{len(prompt_ids)} tokens; shorten the prompt or start the server with a larger "
                             "--context", param="messages" if "messages" in body else "prompt",
                        code="context_length_exceeded")
+    max_tokens = _max_tokens(body, defaults, prompt_ids, max_tokens_names)
     return GenerationRequest(prompt_ids, max_tokens, params, _stop_strings(body), stream,
                              bool(options.get("include_usage", False)))
 
 
-def _object(body: Any, fields: set[str]) -> dict:
+def _object(body: Any, fields: set[str], llama_fields: dict[str, tuple] = LLAMA_SERVER_FIELDS) -> dict:
     if not isinstance(body, dict):
         raise _bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - fields)
+    for name in sorted(set(body) & set(llama_fields)):
+        off, value = llama_fields[name], body[name]
+        if off and not any(value is a or (type(value) is type(a) and value == a) for a in off + (None,)):
+            hint = f"leave it out or send {json.dumps(off[0])} (off)" if off[0] is not None else "leave it out"
+            raise _bad(name, f"'{name}' = {json.dumps(value)[:80]} is a llama-server field Outrider does not "
+                             f"implement; {hint}")
+    unknown = sorted(set(body) - fields - set(llama_fields))
     if unknown:
         raise _bad(unknown[0], f"unknown field '{unknown[0]}'; this endpoint takes {', '.join(sorted(fields))}")
     return body
@@ -222,3 +265,41 @@ def chat_request(body: Any, defaults: ServerDefaults, tokenizer, gguf) -> Genera
     except OutriderError as exc:
         raise _bad("messages", str(exc)) from None
     return _common(body, defaults, ids, ("max_completion_tokens", "max_tokens"))
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(name, f"'{name}' must be true or false, got {json.dumps(value)[:80]}")
+    return value
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    content: str
+    add_special: bool  # BOS (and EOS) as the model's file asks
+    parse_special: bool  # control tokens written in the text are those tokens
+    with_pieces: bool
+
+
+def tokenize_request(body: Any) -> TokenizeRequest:
+    """POST /tokenize, llama-server's fields and defaults."""
+    body = _object(body, {"content", "add_special", "parse_special", "with_pieces"}, {})
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise _bad("content", f"'content' must be a string, got {json.dumps(content)[:80]}")
+    return TokenizeRequest(content, _flag(body, "add_special", False), _flag(body, "parse_special", True),
+                           _flag(body, "with_pieces", False))
+
+
+def detokenize_request(body: Any, vocab_size: int) -> list[int]:
+    """POST /detokenize: {"tokens": [ids]}, each in the vocabulary."""
+    body = _object(body, {"tokens"}, {})
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                                               for t in tokens):
+        raise _bad("tokens", f"'tokens' must be a list of token ids in [0, {vocab_size}), got "
+                             f"{json.dumps(tokens)[:80]}")
+    return tokens
