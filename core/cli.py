@@ -205,7 +205,8 @@ _NOT_SERVED = {"prompt", "chat", "as_json", "verbose"}
                    "gets a 503, /health answers 503 until it returns, waiting requests get 503 with Retry-After. "
                    "0: off. [default: max(120, context / 10): a whole-context prefill at 10 tokens/s]")
 @click.option("--request-timeout", type=click.FloatRange(min=0), default=0, show_default=True,
-              help="End a request after this many seconds with its text so far and finish_reason \"timeout\". "
+              help="End a request after this many seconds with its text so far, finish_reason \"length\" and "
+                   "stop_reason \"timeout\". "
                    "0: off.")
 @click.option("--max-body-bytes", type=click.IntRange(min=1), default=4 * 1024 * 1024, show_default=True,
               help="Answer a request body larger than this 413, before reading it whole.")

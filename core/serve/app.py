@@ -95,9 +95,10 @@ def llama_timings(stats: GenerationStats) -> dict[str, Any]:
     }
 
 
-def usage(stats: GenerationStats) -> dict[str, int]:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+def usage(outcome: Outcome) -> dict[str, int]:
+    stats = outcome.stats
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": outcome.completion_tokens,
+            "total_tokens": stats.prompt_tokens + outcome.completion_tokens}
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -123,9 +124,11 @@ class _Formatter:
 
     def whole(self, text: str, outcome: Outcome) -> dict[str, Any]:
         choice = {"index": 0, "finish_reason": outcome.finish_reason, "logprobs": None}
+        if outcome.stop_reason:
+            choice["stop_reason"] = outcome.stop_reason
         choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
         body = self._envelope([choice], chunk=False)
-        body.update(usage=usage(outcome.stats), timings=llama_timings(outcome.stats))
+        body.update(usage=usage(outcome), timings=llama_timings(outcome.stats))
         return body
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
@@ -139,9 +142,9 @@ class _Formatter:
             choice["text"] = text or ""
         return self._envelope([choice], chunk=True)
 
-    def usage_chunk(self, stats: GenerationStats) -> dict:
+    def usage_chunk(self, outcome: Outcome) -> dict:
         body = self._envelope([], chunk=True)
-        body["usage"] = usage(stats)
+        body["usage"] = usage(outcome)
         return body
 
 
@@ -277,10 +280,12 @@ async def stream(job: Job, fmt: _Formatter, include_usage: bool):
                 yield _sse(fmt.chunk(value))
             elif kind == "done":
                 final = fmt.chunk(None if fmt.chat else "", finish_reason=value.finish_reason)
+                if value.stop_reason:
+                    final["choices"][0]["stop_reason"] = value.stop_reason
                 final["timings"] = llama_timings(value.stats)
                 yield _sse(final)
                 if include_usage:
-                    yield _sse(fmt.usage_chunk(value.stats))
+                    yield _sse(fmt.usage_chunk(value))
                 yield _sse("[DONE]")
                 return
             else:  # the response has started: the error goes in the stream, as OpenAI does
@@ -502,7 +507,8 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
     /health and /metrics stay open. A request that leaves `max_tokens` out gets the rest of the context unless
     `config`'s max_tokens was set (a flag, the environment, a file) rather than left at its default.
     `stall_timeout` (None: default_stall_timeout; 0: off) fails a generation that makes no progress for that
-    long; `request_timeout` ends one that runs longer, with its text so far (finish_reason "timeout"). A request
+    long; `request_timeout` ends one that runs longer, with its text so far (finish_reason "length",
+    stop_reason "timeout"). A request
     body over `max_body_bytes` is answered 413 before it is read whole."""
     model_id = served_model_id(config)
     # the setting's default (128) suits a command line; a server's client that names no limit expects the rest

@@ -64,8 +64,10 @@ def holder(thread_id: int | None) -> str:
 
 @dataclass
 class Outcome:
-    finish_reason: str  # stop (end of generation or a stop string), length, abort (the client went away)
+    finish_reason: str  # OpenAI's: stop (end of generation or a stop string), length; abort (the client went away)
     stats: GenerationStats
+    completion_tokens: int = 0  # through the token that completed a stop string (vLLM's count), not past it
+    stop_reason: str | None = None  # what ended it beyond finish_reason: "timeout" (--request-timeout)
 
 
 @dataclass
@@ -226,13 +228,21 @@ class GenerationEngine:
         finish = None
         rounds = runner.rounds(request.prompt_ids, request.max_tokens, request.params, eog)
         deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
+        delivered = 0
         try:
             for round_ in rounds:
                 self._progress_at = now = time.monotonic()
                 if round_.index == 0:
                     metrics.ttft.labels(labels).observe(time.perf_counter() - job.arrival)
-                text.feed("".join(decoder.push(token) for token in round_.tokens if token not in eog))
-                piece = text.take()  # a round at a time: its tokens became certain together
+                pieces = []
+                for token in round_.tokens:  # a round's tokens became certain together; a stop string may end it
+                    delivered += 1
+                    if token not in eog:
+                        text.feed(decoder.push(token))
+                        pieces.append(text.take())
+                        if text.stopped:
+                            break
+                piece = "".join(pieces)
                 if piece:
                     job.send("text", piece)
                 if text.stopped:
@@ -256,4 +266,6 @@ class GenerationEngine:
             finish = "length" if stats.stop_reason == "length" and not text.stopped else "stop"
         metrics.record_generation(stats, finish)
         metrics.e2e_latency.labels(labels).observe(time.perf_counter() - job.arrival)
-        return Outcome(finish, stats)
+        if finish == "timeout":  # OpenAI clients know stop and length only: cut short is "length", as vLLM says
+            return Outcome("length", stats, delivered, stop_reason="timeout")
+        return Outcome(finish, stats, delivered)
