@@ -84,12 +84,19 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def with_threads(options, threads: int | None) -> list[tuple[str, str]]:
+def with_threads(options, threads: int | None, backend: str | None = None) -> list[tuple[str, str]]:
     """The -o options, with -t N as `backend.threads N` unless -o gave that already (the later flag wins in
-    llama.cpp; here the explicit option does)."""
+    llama.cpp; here the explicit option does). Another backend than the CPU's has no such option: there -t sets
+    the process's CPU threads, as llama.cpp's -t does beside a GPU."""
     options = list(options)
-    if threads is not None and not any(key in ("backend.threads", "threads") for key, _ in options):
-        options.append(("backend.threads", str(threads)))
+    if threads is None or any(key in ("backend.threads", "threads") for key, _ in options):
+        return options
+    if backend not in (None, "cpu"):
+        import torch
+
+        torch.set_num_threads(threads)
+        return options
+    options.append(("backend.threads", str(threads)))
     return options
 
 
@@ -137,7 +144,7 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
     from outrider.config import resolve_config
     from outrider.io.chat import prompt_ids as chat_prompt_ids
 
-    config = resolve_config(flags, config_file, option_flags=with_threads(options, flags.pop("threads")))
+    config = resolve_config(flags, config_file, option_flags=with_threads(options, flags.pop("threads"), flags.get("backend")))
     load_start = time.perf_counter()
     assembly = assemble(config)
     load_s = time.perf_counter() - load_start
@@ -196,7 +203,7 @@ _NOT_SERVED = {"prompt", "chat", "as_json", "verbose"}
 @click.option("--queue-size", type=click.IntRange(min=0), default=16, show_default=True,
               help="Requests that may wait while one generates; more are answered 503 with Retry-After.")
 @click.option("--api-key", "api_key", multiple=True, envvar="OUTRIDER_API_KEY",
-              help="Require `Authorization: Bearer KEY` on every /v1 route (repeat for several keys; also "
+              help="Require `Authorization: Bearer KEY` on every /v1 route and /tokenize, /detokenize, /props (repeat for several keys; also "
                    "$OUTRIDER_API_KEY, keys separated by spaces). /health and /metrics stay open, as vLLM's do.")
 @click.option("--api-key-file", type=click.Path(dir_okay=False), default=None,
               help="Read API keys from this file, one a line (blank lines and # comments skipped).")
@@ -208,23 +215,26 @@ _NOT_SERVED = {"prompt", "chat", "as_json", "verbose"}
               help="End a request after this many seconds with its text so far, finish_reason \"length\" and "
                    "stop_reason \"timeout\". "
                    "0: off.")
-@click.option("--max-body-bytes", type=click.IntRange(min=1), default=4 * 1024 * 1024, show_default=True,
-              help="Answer a request body larger than this 413, before reading it whole.")
-@click.option("--max-connections", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Open connections at most; more are answered 503 at once.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=None,
+              help="Answer a request body larger than this 413, before reading it whole. [default: 4 MiB]")
+@click.option("--max-connections", type=click.IntRange(min=1), default=None,
+              help="Open connections at most, idle keep-alives and probes included; more are answered 503 at once. "
+                   "[default: 64]")
 @friendly_errors
 def serve(host, port, queue_size, api_key, api_key_file, stall_timeout, request_timeout, max_body_bytes,
           max_connections, options, config_file, **flags):
-    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models), llama-server's /tokenize,
+    /detokenize and /props, /health and /metrics.
 
     Takes every setting `generate` takes; the model is assembled once. Sampling settings given here are
     the defaults for requests that leave them out."""
     from outrider.assembly import assemble
     from outrider.config import resolve_config
     from outrider.serve import create_app, run_server
+    from outrider.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS
 
     keys = api_keys(api_key, api_key_file)
-    config = resolve_config(flags, config_file, option_flags=with_threads(options, flags.pop("threads")))
+    config = resolve_config(flags, config_file, option_flags=with_threads(options, flags.pop("threads"), flags.get("backend")))
     assembly = assemble(config)
     for warning in assembly.warnings:
         click.echo(f"warning: {warning}", err=True)
@@ -232,10 +242,10 @@ def serve(host, port, queue_size, api_key, api_key_file, stall_timeout, request_
         click.echo(f"warning: serving on {host} without an API key: anyone who can reach the port can use it; "
                    "pass --api-key or --api-key-file", err=True)
     app = create_app(assembly, config, queue_size=queue_size, api_keys=keys, stall_timeout=stall_timeout,
-                     request_timeout=request_timeout, max_body_bytes=max_body_bytes)
+                     request_timeout=request_timeout, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     click.echo(f"serving {app.state.server.model_id} ({', '.join(f'{k} {s.name}' for k, s in assembly.plugins.items())}) "
                f"on http://{host}:{port}/v1", err=True)
-    run_server(app, host, port, max_connections=max_connections)
+    run_server(app, host, port, max_connections=max_connections or DEFAULT_MAX_CONNECTIONS)
 
 
 serve.params.extend(p for p in generate.params if p.name not in _NOT_SERVED)
@@ -250,7 +260,7 @@ def api_keys(given: tuple[str, ...], key_file: str | None) -> list[str]:
     from outrider.errors import ConfigError
 
     env = os.environ.get("OUTRIDER_API_KEY")
-    if any(not key.strip() for key in given) or (not given and env is not None and not env.strip()):
+    if any(not key.strip() for key in given) or (not given and not key_file and env is not None and not env.strip()):
         raise ConfigError("the API key given (--api-key or $OUTRIDER_API_KEY) is empty: give the key, or leave "
                           "both out (and unset the variable) for a server without one")
     keys = [key.strip() for key in given]

@@ -376,7 +376,7 @@ def test_pmin_greedy_accepts_a_probable_non_argmax_token():
 
 
 def test_pmin_at_zero_never_emits_a_token_the_warped_law_forbids():
-    # top-k 1 leaves the argmax alone: p-min 0 must not force a draft the warped law gives 0 (0 >= 0 did)
+    # top-k 1 leaves the argmax alone: p-min 0 must not force a draft the warped law gives 0
     logits = torch.tensor([[2.0, 1.8, -5.0, -5.0], [0.0, 0.0, 3.0, 0.0]])
     params = SamplingParams(1.0, top_k=1)
     for seed in range(20):

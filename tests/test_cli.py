@@ -185,3 +185,15 @@ def test_llama_cpp_flags_mean_what_they_mean_there(files):
 def test_a_temperature_given_to_t_gets_a_hint():
     result = invoke("generate", "-t", "0.7", "hi")
     assert result.exit_code == 2 and "--temp 0.7" in result.output and "threads" in result.output, result.output
+
+
+def test_t_on_another_backend_sets_the_process_threads(monkeypatch):
+    import torch
+
+    from outrider.cli import with_threads
+
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    assert with_threads([], 3, "cuda") == [] and set_to == [3]  # cuda has no threads option to pass it to
+    assert with_threads([], 3, None) == [("backend.threads", "3")] and with_threads([], 3, "cpu")[0][1] == "3"
+    assert with_threads([("backend.threads", "1")], 3, None) == [("backend.threads", "1")]

@@ -231,8 +231,8 @@ def simulate_stops(p, rounds: int, go_on: float, acceptance: float, draft_s: flo
 @pytest.mark.parametrize("go_on, acceptance, draft_s", [(0.75, 1.0, 0.3), (0.8, 0.95, 0.25), (0.6, 0.95, 0.2)])
 def test_drafts_that_stop_early_are_priced_at_what_they_cost(go_on, acceptance, draft_s):
     # A drafter whose confidence stop ends a quarter of its drafts at each position: a round asked for k costs
-    # the draft steps and the verify rows of where it stopped, not of k, so long asks pay. Priced as if every
-    # ask were drafted whole, auto kept to 1-2 tokens and ran at 0.85-0.89 of the best fixed length.
+    # the draft steps and the verify rows of where it stopped, not of k, so long asks pay; priced as if every
+    # ask were drafted whole, auto would keep to short asks.
     verify = lambda n: 1 + 0.05 * (n - 1)  # noqa: E731
     best_fixed = max(simulate_stops(FixedDraftLength(k), 4000, go_on, acceptance, draft_s, verify) for k in range(9))
     auto = simulate_stops(AdaptiveDraftLength(cap=8), 4000, go_on, acceptance, draft_s, verify)

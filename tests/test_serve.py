@@ -750,6 +750,8 @@ def test_an_empty_api_key_is_refused_at_start_up(tmp_path, monkeypatch):
     monkeypatch.setenv("OUTRIDER_API_KEY", "")  # `OUTRIDER_API_KEY=$UNSET serve` must not serve openly
     with pytest.raises(ConfigError, match="empty"):
         api_keys((), None)
+    (tmp_path / "keys").write_text("file-key\n")
+    assert api_keys((), str(tmp_path / "keys")) == ["file-key"]  # keys from a file: the empty variable is moot
     result = CliRunner().invoke(serve, ["--model", str(tmp_path / "none.gguf")])
     assert result.exit_code != 0 and "empty" in result.output and "Traceback" not in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1, result.output

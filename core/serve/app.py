@@ -39,7 +39,7 @@ from outrider.spec.runner import GenerationStats
 
 DEFAULT_QUEUE_SIZE = 16
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # a whole 32k-token prompt is ~130 kB of JSON; an image is refused anyway
-DEFAULT_MAX_CONNECTIONS = 64  # waiting clients (the queue, 16) and streams, with room for /health and /metrics
+DEFAULT_MAX_CONNECTIONS = 64  # waiting clients (the queue, 16), streams, idle keep-alives and probes together
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks that its client is still there
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest ~10 deep (a tool's JSON schema); deeper is a mistake or an attack
 
@@ -209,7 +209,7 @@ class ServerState:
     engine: GenerationEngine
     defaults: ServerDefaults
     authorized: Callable[[Request], None]
-    max_body_bytes: int = 0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -425,8 +425,9 @@ async def props(request: Request) -> Response:
     params = {"n_predict": n_predict, "max_tokens": n_predict, "temperature": defaults.temperature,
               "top_k": defaults.top_k, "top_p": defaults.top_p, "min_p": 0.0, "typical_p": 1.0,
               "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "mirostat": 0,
-              "seed": -1 if defaults.seed is None else defaults.seed, "stop": [], "stream": False,
-              "samplers": ["temperature", "top_k", "top_p"]}  # Outrider's order, which llama.cpp's is not
+              # no `samplers`: a request that sends it is refused (llama.cpp's order is not Outrider's), so a client
+              # that echoes these settings back must not find it here
+              "seed": -1 if defaults.seed is None else defaults.seed, "stop": [], "stream": False}
     return JSONResponse({
         "default_generation_settings": {"id": 0, "n_ctx": defaults.context, "speculative": speculative,
                                         "params": params},

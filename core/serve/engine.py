@@ -66,7 +66,7 @@ def holder(thread_id: int | None) -> str:
 class Outcome:
     finish_reason: str  # OpenAI's: stop (end of generation or a stop string), length; abort (the client went away)
     stats: GenerationStats
-    completion_tokens: int = 0  # through the token that completed a stop string (vLLM's count), not past it
+    completion_tokens: int  # through the token that completed a stop string (vLLM's count), not past it
     stop_reason: str | None = None  # what ended it beyond finish_reason: "timeout" (--request-timeout)
 
 
@@ -209,8 +209,7 @@ class GenerationEngine:
         try:
             return "done", self._generate(job)
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the server
-            if not isinstance(exc, OutriderError):
-                log.exception("generation failed")
+            # the client's answer logs it (app._as_api_error: an incident id with the traceback)
             self.metrics.request_success.labels(self.metrics.model_name, "error").inc()
             return "error", exc
         finally:

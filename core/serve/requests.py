@@ -165,9 +165,7 @@ def _common(body: Any, defaults: ServerDefaults, prompt_ids: list[int], max_toke
     for name in ("frequency_penalty", "presence_penalty"):
         _unsupported(body, name, (None, 0, 0.0))
     _unsupported(body, "logit_bias", (None, {}))
-    cache_prompt = body.get("cache_prompt")
-    if cache_prompt is not None and not isinstance(cache_prompt, bool):
-        raise _bad("cache_prompt", f"'cache_prompt' must be true or false, got {cache_prompt!r}")
+    _flag(body, "cache_prompt", True)  # one sequence is served: its cache is always the prompt's
     stream = body.get("stream", False)
     if stream is None:
         stream = False

@@ -411,8 +411,8 @@ def lossless_with_its_draft_probabilities(subject: Subject) -> None:
 # the first token comes out with probability .55). More generations: the bias is a few points of mass.
 Q_LAW_CONTROL_GENERATIONS = 2000
 # Just above top-k 3's floor (a warped q's largest probability is >= 1/3): flat rows stop, the tiny drafters'
-# sharper ones go on (MTP drafts 2.5 of 3 positions a generation here, the Gemma assistant 2.0; at 0.5 they
-# drafted 0.8 and 0), so the stop is exercised both ways and the law check keeps its power.
+# sharper ones go on, so the stop is exercised both ways and the check sees enough drafts to have power (at
+# 0.5 the tiny drafters' rows are too flat: their drafts stop almost always).
 Q_LAW_P_MIN = 0.4
 
 

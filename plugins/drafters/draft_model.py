@@ -112,7 +112,7 @@ class DraftModelDrafter(DrafterBase):
         """What a draft step costs in target steps before any timing: the share of the bytes each reads (decode on
         a CPU is bound by them), less the rows a reduced head skips; None where the target has no file. On an
         accelerator small steps are bound by kernel launches, a fixed number per layer, so the share of layers
-        (an upper bound there: docs/bench/gpu.md) is the guess."""
+        (above what was measured there, so it drafts less until timed: docs/bench/gpu.md) is the guess."""
         head = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")
         if not isinstance(target_gguf, GGUFFile) or head is None:
             return None
