@@ -148,21 +148,29 @@ def test_a_new_position_learns_in_a_few_rounds_not_ten():
 
 
 def simulate(p: AdaptiveDraftLength, rounds: int, acceptance: float, draft_s: float, verify, seed: int = 0,
-             first_draft_s: float | None = None) -> tuple[float, int, list[int]]:
+             first_draft_s: float | None = None, go_on: float = 1.0) -> tuple[float, int, list[int]]:
     """Rounds of a world where each drafted position is accepted with probability `acceptance` and a draft
-    token costs `draft_s`; returns (seconds, tokens, chosen lengths)."""
+    token costs `draft_s`; with `go_on` < 1 the drafter goes on at each position with that probability, else it
+    stops there after a draft step that showed the stop (the verify is over what it drafted). Returns (seconds,
+    tokens, chosen lengths)."""
     import random
     rng = random.Random(seed)
     seconds, tokens, chosen, drafted_before = 0.0, 0, [], False
     for _ in range(rounds):
         k = p.choose()
+        drafted = k
+        if go_on < 1.0:
+            drafted = 0
+            while drafted < k and rng.random() < go_on:
+                drafted += 1
         accepted = 0
-        while accepted < k and rng.random() < acceptance:
+        while accepted < drafted and rng.random() < acceptance:
             accepted += 1
-        cost = draft_s * k if drafted_before or first_draft_s is None or k == 0 else first_draft_s * k
+        step_s = draft_s if drafted_before or first_draft_s is None or k == 0 else first_draft_s
+        cost = step_s * (drafted + (drafted < k))
         drafted_before |= k > 0
-        p.update(k, accepted, cost, verify(k + 1))
-        seconds += cost + verify(k + 1)
+        p.update(drafted, accepted, cost, verify(drafted + 1), asked=k)
+        seconds += cost + verify(drafted + 1)
         tokens += accepted + 1
         chosen.append(k)
     return seconds, tokens, chosen
@@ -207,24 +215,8 @@ def test_a_draft_stopped_short_is_priced_as_a_miss_there():
     assert abs(seeing.draft_s_per_token - 0.3) < 1e-9  # each round's draft time is one position's
 
 
-def simulate_stops(p, rounds: int, go_on: float, acceptance: float, draft_s: float, verify, seed: int = 0) -> float:
-    """Rounds of a world where the drafter goes on at each position with probability `go_on` (else it stops
-    there, after a draft step that showed the stop) and the target accepts each drafted token with probability
-    `acceptance`; a round's verify is over the tokens drafted. Returns tokens per second."""
-    import random
-    rng = random.Random(seed)
-    seconds = tokens = 0.0
-    for _ in range(rounds):
-        k = p.choose()
-        drafted = accepted = 0
-        while drafted < k and rng.random() < go_on:
-            drafted += 1
-        while accepted < drafted and rng.random() < acceptance:
-            accepted += 1
-        draft = draft_s * (drafted + (drafted < k))
-        p.update(drafted, accepted, draft, verify(drafted + 1), asked=k)
-        seconds += draft + verify(drafted + 1)
-        tokens += accepted + 1
+def tokens_per_s(p, go_on: float, acceptance: float, draft_s: float, verify) -> float:
+    seconds, tokens, _ = simulate(p, 4000, acceptance, draft_s, verify, go_on=go_on)
     return tokens / seconds
 
 
@@ -234,8 +226,8 @@ def test_drafts_that_stop_early_are_priced_at_what_they_cost(go_on, acceptance, 
     # the draft steps and the verify rows of where it stopped, not of k, so long asks pay; priced as if every
     # ask were drafted whole, auto would keep to short asks.
     verify = lambda n: 1 + 0.05 * (n - 1)  # noqa: E731
-    best_fixed = max(simulate_stops(FixedDraftLength(k), 4000, go_on, acceptance, draft_s, verify) for k in range(9))
-    auto = simulate_stops(AdaptiveDraftLength(cap=8), 4000, go_on, acceptance, draft_s, verify)
+    best_fixed = max(tokens_per_s(FixedDraftLength(k), go_on, acceptance, draft_s, verify) for k in range(9))
+    auto = tokens_per_s(AdaptiveDraftLength(cap=8), go_on, acceptance, draft_s, verify)
     assert auto >= 0.93 * best_fixed, (auto, best_fixed)
 
 

@@ -169,6 +169,9 @@ def test_sentencepiece_byte_fallback_and_bos(spm_tokenizer):
     assert tok.encode("<s>hello") == [1, *ids_of(tok, "hello")]
     # ...unless asked explicitly.
     assert tok.encode("<s>hello", add_bos=True) == [1, 1, *ids_of(tok, "hello")]
+    # EOS (id 2) follows the file (which adds none) unless forced either way
+    assert tok.encode("é", add_eos=True) == [1, *ids_of(tok, "<0xC3>", "<0xA9>"), 2]
+    assert tok.encode("é</s>", add_bos=False, add_eos=False) == [*ids_of(tok, "<0xC3>", "<0xA9>"), 2]  # written: kept
 
 
 def test_sentencepiece_user_defined_tokens_are_matched_whole(spm_tokenizer):

@@ -228,14 +228,15 @@ class Tokenizer:
 
     # ---- encoding and decoding --------------------------------------------------------------------
 
-    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True,
+               add_eos: bool | None = None) -> list[int]:
         """Token ids for `text`.
 
         add_bos: None follows the file, except that no second BOS is added when the text already starts with
             one (chat templates write it themselves); True/False force it.
         parse_special: match control tokens written in the text (`<|im_start|>`) as those tokens; when False
             they are tokenized as plain text. User-defined tokens are always matched.
-        EOS is appended when the file asks for it (`tokenizer.ggml.add_eos_token`).
+        add_eos: None appends EOS when the file asks for it (`tokenizer.ggml.add_eos_token`); True/False force it.
         """
         with self._backend_lock:
             self._backend.encode_special_tokens = not parse_special
@@ -244,7 +245,7 @@ class Tokenizer:
             add_bos = self._add_bos and not (ids and ids[0] == self._bos_id)
         if add_bos and self._bos_id is not None:
             ids.insert(0, self._bos_id)
-        if self._add_eos and self._eos_id is not None:
+        if (self._add_eos if add_eos is None else add_eos) and self._eos_id is not None:
             ids.append(self._eos_id)
         return ids
 

@@ -359,11 +359,17 @@ async def models(request: Request) -> Response:
          "meta": {"context": server.defaults.context, "plugins": plugins}}]})
 
 
+def _control_spelling(tokenizer, token_id: int) -> str | None:
+    """A control token's text as llama-server writes it out (`<|im_start|>`); None for any other token."""
+    return tokenizer.tokens[token_id] if tokenizer.token_type(token_id) == TokenType.CONTROL else None
+
+
 def _piece(tokenizer, token_id: int) -> str | list[int]:
-    """llama-server's piece of a token: its text, a control token's spelling (`<|im_start|>`), or the token's
-    bytes as a list of numbers where they are not whole UTF-8 characters (part of an emoji)."""
-    if tokenizer.token_type(token_id) == TokenType.CONTROL:
-        return tokenizer.tokens[token_id]
+    """llama-server's piece of a token: its text, a control token's spelling, or the token's bytes as a list of
+    numbers where they are not whole UTF-8 characters (part of an emoji)."""
+    spelling = _control_spelling(tokenizer, token_id)
+    if spelling is not None:
+        return spelling
     raw = tokenizer.token_bytes(token_id)
     try:
         return raw.decode("utf-8")
@@ -371,20 +377,13 @@ def _piece(tokenizer, token_id: int) -> str | list[int]:
         return list(raw)
 
 
-def _tokenize(tokenizer, content: str, add_special: bool, parse_special: bool) -> list[int]:
-    ids = tokenizer.encode(content, add_bos=None if add_special else False, parse_special=parse_special)
-    if not add_special and tokenizer.add_eos and ids and ids[-1] == tokenizer.eos_id:
-        ids.pop()  # encode appends the file's EOS whenever the file asks; add_special false means none
-    return ids
-
-
 def _detokenize(tokenizer, ids: list[int]) -> str:
     """The text of `ids` as llama-server gives it: control tokens written out (generation's text drops them),
     everything else as generation decodes it."""
     decoder, parts = tokenizer.stream_decoder(), []
     for token_id in ids:
-        parts.append(tokenizer.tokens[token_id] if tokenizer.token_type(token_id) == TokenType.CONTROL
-                     else decoder.push(token_id))
+        spelling = _control_spelling(tokenizer, token_id)
+        parts.append(decoder.push(token_id) if spelling is None else spelling)
     return "".join(parts) + decoder.flush()
 
 
@@ -394,7 +393,9 @@ async def tokenize(request: Request) -> Response:
     asked = tokenize_request(await read_json(request))
     tokenizer = server.assembly.tokenizer
     # off the event loop: a 4 MiB body takes a while to tokenize, and streams are being served meanwhile
-    ids = await asyncio.to_thread(_tokenize, tokenizer, asked.content, asked.add_special, asked.parse_special)
+    special = None if asked.add_special else False  # BOS and EOS as the file asks, or none
+    ids = await asyncio.to_thread(tokenizer.encode, asked.content, add_bos=special, add_eos=special,
+                                  parse_special=asked.parse_special)
     if asked.with_pieces:
         return JSONResponse({"tokens": [{"id": i, "piece": _piece(tokenizer, i)} for i in ids]})
     return JSONResponse({"tokens": ids})
@@ -509,8 +510,7 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
     `config`'s max_tokens was set (a flag, the environment, a file) rather than left at its default.
     `stall_timeout` (None: default_stall_timeout; 0: off) fails a generation that makes no progress for that
     long; `request_timeout` ends one that runs longer, with its text so far (finish_reason "length",
-    stop_reason "timeout"). A request
-    body over `max_body_bytes` is answered 413 before it is read whole."""
+    stop_reason "timeout"). A request body over `max_body_bytes` is answered 413 before it is read whole."""
     model_id = served_model_id(config)
     # the setting's default (128) suits a command line; a server's client that names no limit expects the rest
     # of the context (OpenAI, vLLM), an operator who set one gets it (llama-server's -n)

@@ -106,9 +106,14 @@ def _number(body: dict, name: str, default, low: float, high: float, *, integer:
     return value
 
 
+def _is_one_of(value: Any, allowed: tuple) -> bool:
+    """`value` is one of `allowed`, type included (True is not 1, 1.0 is not 1)."""
+    return any(value is a or (type(value) is type(a) and value == a) for a in allowed)
+
+
 def _unsupported(body: dict, name: str, allowed: tuple) -> None:
     value = body.get(name)
-    if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
+    if not _is_one_of(value, allowed):
         raise _bad(name, f"'{name}' = {value!r} is not supported by this server; leave it out")
 
 
@@ -166,11 +171,7 @@ def _common(body: Any, defaults: ServerDefaults, prompt_ids: list[int], max_toke
         _unsupported(body, name, (None, 0, 0.0))
     _unsupported(body, "logit_bias", (None, {}))
     _flag(body, "cache_prompt", True)  # one sequence is served: its cache is always the prompt's
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise _bad("stream", f"'stream' must be true or false, got {stream!r}")
+    stream = _flag(body, "stream", False)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise _bad("stream_options", "'stream_options' must be an object like {\"include_usage\": true}")
@@ -189,7 +190,7 @@ def _object(body: Any, fields: set[str], llama_fields: dict[str, tuple] = LLAMA_
         raise _bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
     for name in sorted(set(body) & set(llama_fields)):
         off, value = llama_fields[name], body[name]
-        if off and not any(value is a or (type(value) is type(a) and value == a) for a in off + (None,)):
+        if off and not _is_one_of(value, off + (None,)):
             hint = f"leave it out or send {json.dumps(off[0])} (off)" if off[0] is not None else "leave it out"
             raise _bad(name, f"'{name}' = {json.dumps(value)[:80]} is a llama-server field Outrider does not "
                              f"implement; {hint}")

@@ -131,14 +131,27 @@ class AdaptiveDraftLength:
         base = self.verify_s[known[0]]
         return max(self.verify_s[anchor] + self.initial_slope * base * (n - anchor), 1e-9)
 
+    def _weight(self, observations: int) -> float:
+        # a position's first observations count as a mean from its assumed value (worth one), then as the
+        # running average: a handful of rounds decides, one round does not
+        return max(self.smoothing, 1.0 / (observations + 1))
+
+    @staticmethod
+    def _survival(rates: list[float], observed: list[int]) -> Iterator[float]:
+        """prod_{j<=i} rates_j for i = 1, 2, ...; a position never observed takes the deepest observed one's
+        rate (its own assumed value where none deeper is)."""
+        survive, deepest = 1.0, None
+        for rate, seen in zip(rates, observed):
+            if seen:
+                deepest = rate
+            survive *= rate if seen or deepest is None else deepest
+            yield survive
+
     def _expected_by_length(self, kind: DraftKind) -> Iterator[float]:
         """expected_tokens(k) for k = 1, 2, ..., cap, in one pass."""
         est = self.estimates(kind)
-        total, survive, deepest = 1.0, 1.0, None
-        for j in range(self.cap):
-            if est.reached[j]:
-                deepest = est.acceptance[j]
-            survive *= est.acceptance[j] if est.reached[j] or deepest is None else deepest
+        total = 1.0
+        for survive in self._survival(est.acceptance, est.reached):
             total += survive
             yield total
 
@@ -164,17 +177,6 @@ class AdaptiveDraftLength:
             return kind.cost * self.verify_cost(1)
         return self.draft_s_per_token or 0.0
 
-    def _drafted_beyond(self, kind: DraftKind) -> Iterator[float]:
-        """P(the drafter, asked for more, drafts at least j tokens) for j = 1, 2, ..., cap; a position no round
-        has asked for goes on as the deepest one that was."""
-        est = self.estimates(kind)
-        survive, deepest = 1.0, 1.0
-        for j in range(self.cap):
-            if est.asked[j]:
-                deepest = est.continued[j]
-            survive *= est.continued[j] if est.asked[j] else deepest
-            yield survive
-
     def best_length(self, kind: DraftKind = DEFAULT_KIND) -> int:
         """The k in 0..cap with the most expected tokens per second, exploring aside. Asked for k, a drafter
         that stops after d < k tokens costs d + 1 draft steps (the last one showed the stop) and a verify of
@@ -182,8 +184,9 @@ class AdaptiveDraftLength:
         draft_cost = self._draft_cost(kind)
         best_k, best_rate = 0, 1.0 / self.verify_cost(1)
         stopped_cost, beyond = 0.0, 1.0  # expected cost of the rounds that stop before position k; P(D >= k - 1)
-        for k, (expected, beyond_k) in enumerate(zip(self._expected_by_length(kind), self._drafted_beyond(kind)),
-                                                 start=1):
+        est = self.estimates(kind)
+        drafted_beyond = self._survival(est.continued, est.asked)  # P(drafts >= k tokens, asked for more)
+        for k, (expected, beyond_k) in enumerate(zip(self._expected_by_length(kind), drafted_beyond), start=1):
             stopped_cost += (beyond - beyond_k) * (self.verify_cost(k) + k * draft_cost)  # stopped at position k
             cost = stopped_cost + beyond_k * (self.verify_cost(k + 1) + k * draft_cost)
             rate = expected / cost
@@ -237,14 +240,10 @@ class AdaptiveDraftLength:
                 est.acceptance[j] = est.acceptance[j - 1]
             est.reached[j] += 1
             hit = 1.0 if j < accepted else 0.0
-            # the first observations of a position count as a mean from its assumed value (worth one), then
-            # as the running average: a handful of rounds decides, one round does not
-            weight = max(self.smoothing, 1.0 / (est.reached[j] + 1))
-            est.acceptance[j] += weight * (hit - est.acceptance[j])
+            est.acceptance[j] += self._weight(est.reached[j]) * (hit - est.acceptance[j])
 
     def _count_continuations(self, est: KindAcceptance, drafted: int, asked: int) -> None:
         for j in range(min(drafted + 1, asked, self.cap)):  # positions asked for with all before them drafted
             est.asked[j] += 1
             went_on = 1.0 if j < drafted else 0.0
-            weight = max(self.smoothing, 1.0 / (est.asked[j] + 1))
-            est.continued[j] += weight * (went_on - est.continued[j])
+            est.continued[j] += self._weight(est.asked[j]) * (went_on - est.continued[j])

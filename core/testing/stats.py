@@ -80,23 +80,31 @@ def tv_distance(counts: np.ndarray, probs: np.ndarray) -> float:
     return 0.5 * float(np.abs(counts / counts.sum() - np.asarray(probs, dtype=np.float64).ravel()).sum())
 
 
-def chi2_critical(df: float, p: float) -> float:
-    """The statistic x with P(chi-square(df) >= x) = p (bisection on chi2_sf)."""
-    lo, hi = 0.0, max(10.0, 10.0 * df)
-    while chi2_sf(hi, df) > p:
-        hi *= 2
-    for _ in range(200):
+def _boundary(holds, start: float, steps: int = 100) -> float:
+    """The smallest x >= 0 where `holds(x)`, for a `holds` false below some point and true above it: doubled
+    from `start` until it holds, then bisected."""
+    lo, hi = 0.0, start
+    while not holds(hi):
+        lo, hi = hi, hi * 2
+    for _ in range(steps):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if chi2_sf(mid, df) > p else (lo, mid)
+        lo, hi = (lo, mid) if holds(mid) else (mid, hi)
     return hi
 
 
-def chi2_power(df: int, noncentrality: float, p: float) -> float:
+def chi2_critical(df: float, p: float) -> float:
+    """The statistic x with P(chi-square(df) >= x) = p."""
+    return _boundary(lambda x: chi2_sf(x, df) <= p, max(10.0, 10.0 * df), steps=200)
+
+
+def chi2_power(df: int, noncentrality: float, p: float, critical: float | None = None) -> float:
     """P(the Pearson test at level p rejects) when the statistic is noncentral chi-square(df, noncentrality),
-    by Patnaik's two-moment approximation (a scaled central chi-square; within about 1% here)."""
+    by Patnaik's two-moment approximation (a scaled central chi-square; within about 1% here). `critical`: the
+    test's critical value, where the caller has it."""
     lam = noncentrality
     scale = (df + 2 * lam) / (df + lam)
-    return chi2_sf(chi2_critical(df, p) / scale, (df + lam) ** 2 / (df + 2 * lam))
+    critical = chi2_critical(df, p) if critical is None else critical
+    return chi2_sf(critical / scale, (df + lam) ** 2 / (df + 2 * lam))
 
 
 def detectable_tv(n: int, df: int, p: float, power: float = 0.95) -> float:
@@ -105,10 +113,6 @@ def detectable_tv(n: int, df: int, p: float, power: float = 0.95) -> float:
     chi-square distance sum (p_i - q_i)^2 / q_i, which is at least (sum |p_i - q_i|)^2 = 4 TV^2 (Cauchy-Schwarz,
     equal where |p_i - q_i| / q_i is the same in every cell), so TV >= sqrt(lambda / 4n) suffices, lambda the
     noncentrality at which the power is reached."""
-    lo, hi = 0.0, 1.0
-    while chi2_power(df, hi, p) < power:
-        hi *= 2
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if chi2_power(df, mid, p) < power else (lo, mid)
-    return math.sqrt(hi / (4 * n))
+    critical = chi2_critical(df, p)
+    lam = _boundary(lambda lam: chi2_power(df, lam, p, critical) >= power, 1.0)
+    return math.sqrt(lam / (4 * n))

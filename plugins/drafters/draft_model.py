@@ -106,9 +106,9 @@ class DraftModelDrafter(DrafterBase):
         self.head_ids = None  # token id of each row of a reduced head; None: the whole head
         if 0 < self.head_rows < self.vocab_size:
             self.head_ids = self._reduce_head(gguf)
-        self.kind = DraftKind("draft-model", cost=self.step_cost or self._bytes_share(gguf, target.gguf))
+        self.kind = DraftKind("draft-model", cost=self.step_cost or self._untimed_step_cost(gguf, target.gguf))
 
-    def _bytes_share(self, gguf: GGUFFile, target_gguf) -> float | None:
+    def _untimed_step_cost(self, gguf: GGUFFile, target_gguf) -> float | None:
         """What a draft step costs in target steps before any timing: the share of the bytes each reads (decode on
         a CPU is bound by them), less the rows a reduced head skips; None where the target has no file. On an
         accelerator small steps are bound by kernel launches, a fixed number per layer, so the share of layers
