@@ -416,6 +416,56 @@ def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafter
 
 
 @main.command()
+@click.argument("model")
+@click.argument("text_file", metavar="FILE", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--ctx-size", "-c", "n_ctx", type=int, default=512, show_default=True,
+              help="Tokens per chunk; the second half of each is scored (llama-perplexity's -c).")
+@click.option("--chunks", type=click.IntRange(min=1), default=None, help="Score at most this many chunks [all].")
+@click.option("--backend", "-b", help="Backend plugin [cpu].")
+@click.option("--threads", "-t", type=ThreadCount(), help="CPU threads (as llama.cpp's -t).")
+@click.option("-o", "--option", "options", type=(str, str), multiple=True, metavar="KEY VALUE",
+              help="Plugin option, e.g. `-o backend.activations float32`.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML settings file.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@friendly_errors
+def perplexity(model, text_file, n_ctx, chunks, backend, threads, options, config_file, as_json):
+    """Perplexity of MODEL (catalog name or .gguf path) over the text in FILE (`-` reads stdin), measured as
+    llama-perplexity measures it, so the two compare on one file and text."""
+    from outrider.assembly import assemble
+    from outrider.config import resolve_config
+    from outrider.errors import ConfigError
+    from outrider.perplexity import perplexity as measure
+
+    try:
+        if text_file == "-":
+            text = sys.stdin.read()
+        else:
+            with open(text_file, encoding="utf-8") as f:
+                text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {text_file}: {e}; give a UTF-8 text file") from None
+    flags = {"model": model, "backend": backend, "drafter": "none", "context": n_ctx}
+    config = resolve_config(flags, config_file, option_flags=with_threads(options, threads, backend))
+    assembly = assemble(config)
+    for warning in assembly.warnings:
+        click.echo(f"warning: {warning}", err=True)
+
+    def progress(done, total, estimate):
+        if not as_json:
+            click.echo(f"[{done}]{estimate:.4f},", nl=done == total)
+            sys.stdout.flush()
+
+    result = measure(assembly.runner.target.model, assembly.tokenizer, text, n_ctx=n_ctx, max_chunks=chunks,
+                     on_chunk=progress)
+    if as_json:
+        click.echo(json.dumps({"model": model, "file": text_file, **result.as_dict(),
+                               "options": assembly.options["backend"]}))
+        return
+    click.echo(f"Final estimate: PPL = {result.perplexity:.4f} +/- {result.uncertainty:.5f} "
+               f"({result.tokens_scored} tokens in {result.chunks} chunks of {n_ctx}, {result.seconds:.1f} s)")
+
+
+@main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @friendly_errors
 def plugins(as_json):
