@@ -46,9 +46,12 @@ def choose_acceptor(name: str, params: SamplingParams) -> str:
     return name
 
 
+SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "seed", "min_p", "repeat_penalty", "presence_penalty",
+                     "frequency_penalty", "repeat_last_n")
+
+
 def sampling_params(config: Config) -> SamplingParams:
-    return SamplingParams(temperature=config["temperature"], top_k=config["top_k"], top_p=config["top_p"],
-                          seed=config["seed"])
+    return SamplingParams(**{name: config[name] for name in SAMPLING_SETTINGS})
 
 
 def _plugin_options(config: Config, specs: dict[str, PluginSpec]) -> dict[str, dict[str, Any]]:

@@ -119,6 +119,16 @@ def _read_prompt(prompt: str) -> str:
               "`-o backend.threads N` [the backend's default].")
 @click.option("--top-k", type=int, help="Keep the k most likely tokens; 0 = off [0].")
 @click.option("--top-p", type=float, help="Nucleus sampling mass; 1 = off [1].")
+@click.option("--min-p", type=float, help="Keep tokens whose probability is at least this times the most probable "
+              "one's (measured before temperature, as llama.cpp does); 0 = off [0].")
+@click.option("--repeat-penalty", type=float, help="Penalise tokens among the last --repeat-last-n: a positive logit "
+              "is divided by this, a negative one multiplied; 1 = off [1].")
+@click.option("--presence-penalty", type=float, help="Subtract this from the logit of a token among the last "
+              "--repeat-last-n; 0 = off [0].")
+@click.option("--frequency-penalty", type=float, help="Subtract this times a token's count among the last "
+              "--repeat-last-n from its logit; 0 = off [0].")
+@click.option("--repeat-last-n", type=int, help="How many of the context's last tokens the penalties count; "
+              "-1 = the whole context, 0 = off [64].")
 @click.option("--seed", type=int, help="Random seed [random].")
 @click.option("--chat/--no-chat", default=None, help="Apply the model's chat template to the prompt.")
 @click.option("--drafter", "-d", help="Drafter plugin [lookup]; `none` for plain decoding; `lookup,mtp` combines "

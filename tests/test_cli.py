@@ -197,3 +197,18 @@ def test_t_on_another_backend_sets_the_process_threads(monkeypatch):
     assert with_threads([], 3, "cuda") == [] and set_to == [3]  # cuda has no threads option to pass it to
     assert with_threads([], 3, None) == [("backend.threads", "3")] and with_threads([], 3, "cpu")[0][1] == "3"
     assert with_threads([("backend.threads", "1")], 3, None) == [("backend.threads", "1")]
+
+
+def test_generate_takes_llama_cpp_sampling_flags_and_refuses_bad_values(files):
+    flags = ("--temp", "0", "--min-p", "0.05", "--repeat-penalty", "1.1", "--presence-penalty", "0.5",
+             "--frequency-penalty", "0.2", "--repeat-last-n", "-1")
+    result = invoke("generate", "--model", files["llama"], "--json", "-n", "4", *flags, "the the the")
+    assert result.exit_code == 0, result.output
+    settings = json.loads(result.output.strip().splitlines()[-1])["stats"]["config"]["settings"]
+    assert {k: settings[k]["value"] for k in ("min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
+                                              "repeat_last_n")} == \
+        {"min_p": 0.05, "repeat_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.2, "repeat_last_n": -1}
+    for flag, value, message in [("--min-p", "1.5", "min_p must be in [0, 1]"),
+                                 ("--repeat-penalty", "0", "repeat_penalty must be a finite number > 0"),
+                                 ("--repeat-last-n", "-2", "repeat_last_n must be an integer >= -1")]:
+        assert_one_line_error(invoke("generate", "--model", files["llama"], flag, value, "hi"), message)

@@ -123,3 +123,16 @@ def test_an_acceptor_lossless_at_temperature_0_only_warns_above_it_whatever_its_
         assert check_pair(lookup, acceptor, lookup.create(), SamplingParams(0.0)) == []
     sampled = registry.get("acceptor", "sampled")
     assert check_pair(lookup, sampled, lookup.create(), SamplingParams(0.7)) == []
+
+
+def test_llama_cpp_sampling_settings_reach_the_sampling_params(tmp_path):
+    from outrider.assembly import sampling_params
+
+    config_file = tmp_path / "s.toml"
+    config_file.write_text("min_p = 0.05\nrepeat_penalty = 1.1\nrepeat_last_n = -1\n")
+    config = resolve_config({"presence_penalty": 0.5}, config_file, {"OUTRIDER_FREQUENCY_PENALTY": "0.25"})
+    assert sampling_params(config) == SamplingParams(min_p=0.05, repeat_penalty=1.1, presence_penalty=0.5,
+                                                     frequency_penalty=0.25, repeat_last_n=-1)
+    with pytest.raises(ConfigError, match="unknown key 'min_pp'"):
+        config_file.write_text("min_pp = 0.05\n")
+        resolve_config({}, config_file, {})

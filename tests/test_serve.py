@@ -27,6 +27,7 @@ from outrider.assembly import assemble  # noqa: E402
 from outrider.cli import main  # noqa: E402
 from outrider.config import resolve_config  # noqa: E402
 from outrider.serve import create_app  # noqa: E402
+from outrider.serve.requests import NOT_IMPLEMENTED_BECAUSE  # noqa: E402
 from outrider.testing.tiny_models import write_tiny_llama  # noqa: E402
 
 QUEUE_SIZE = 2
@@ -423,7 +424,7 @@ def test_n_predict_is_max_tokens_and_cache_prompt_changes_nothing(server):
     assert answer["choices"][0]["text"] == plain[0] and answer["usage"]["completion_tokens"] == 5
 
 
-@pytest.mark.parametrize("field, value", [("min_p", 0.05), ("repeat_penalty", 1.1), ("samplers", "edkypmxt"),
+@pytest.mark.parametrize("field, value", [("samplers", "edkypmxt"),
                                           ("samplers", ["top_k", "temperature"]), ("dry_multiplier", 0.8),
                                           ("typical_p", 0.9), ("mirostat", 2), ("xtc_probability", 0.5),
                                           ("grammar", "root ::= \"a\""), ("ignore_eos", True)])
@@ -436,6 +437,37 @@ def test_a_llama_server_field_outrider_does_not_implement_is_refused_by_name(ser
         assert error["param"] == field and error["type"] == "invalid_request_error"
         assert f"'{field}'" in error["message"] and "llama-server field Outrider does not implement" \
             in error["message"]
+        assert f"({NOT_IMPLEMENTED_BECAUSE[field]})" in error["message"]  # and why
+
+
+def test_llama_server_web_ui_sampling_fields_are_served_as_plain_decoding_with_them_gives(server):
+    from oracles.penalties import plain_greedy_penalised
+    from outrider.spec.sampling import SamplingParams
+
+    fields = dict(min_p=0.05, repeat_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.0, repeat_last_n=64)
+    assembly = server.app.state.server.assembly
+    prompt = assembly.tokenizer.encode(TINY_ECHO)
+    want = plain_greedy_penalised(assembly.runner.target.model, prompt, 12, SamplingParams(**fields))
+    assert want != plain_greedy_penalised(assembly.runner.target.model, prompt, 12, SamplingParams())
+    status, _, answer = server.post("/v1/completions", json.dumps(
+        dict(prompt=TINY_ECHO, max_tokens=12, temperature=0, **fields)).encode())
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == assembly.tokenizer.decode(want)
+    assert answer["choices"][0]["text"] == server.cli_text("-n", 12, "--temp", 0, "--min-p", 0.05, "--repeat-penalty",
+                                                           1.1, "--presence-penalty", 0.5, TINY_ECHO)
+
+
+@pytest.mark.parametrize("field, value, fix", [("min_p", 1.5, "[0, 1]"), ("min_p", -0.1, "[0, 1]"),
+                                               ("repeat_penalty", 0, "> 0"), ("repeat_penalty", "1.1", "a number"),
+                                               ("presence_penalty", 2.5, "[-2, 2]"),
+                                               ("frequency_penalty", -3, "[-2, 2]"),
+                                               ("repeat_last_n", -2, ">= -1"), ("repeat_last_n", 1.5, "an integer")])
+def test_a_bad_sampling_value_is_a_400_naming_the_field_and_the_range(server, field, value, fix):
+    status, _, answer = server.post("/v1/completions", json.dumps(
+        {"prompt": "hi", "max_tokens": 2, field: value}).encode())
+    assert status == 400, answer
+    assert answer["error"]["param"] == field and f"'{field}'" in answer["error"]["message"]
+    assert fix in answer["error"]["message"] and "\n" not in answer["error"]["message"]
 
 
 def test_llama_server_fields_set_to_off_are_accepted(server):
@@ -487,8 +519,10 @@ def test_props_answers_as_llama_server_does(server):
     assert settings["n_ctx"] == TINY_CONTEXT and props["total_slots"] == 1
     assert settings["params"]["n_predict"] == 8  # this server was started with max_tokens 8
     defaults = server.app.state.server.defaults
-    assert {k: settings["params"][k] for k in ("temperature", "top_k", "top_p")} == \
-        {"temperature": defaults.temperature, "top_k": defaults.top_k, "top_p": defaults.top_p}
+    names = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
+             "repeat_last_n")
+    assert {k: settings["params"][k] for k in names} == {k: getattr(defaults, k) for k in names}
+    assert (defaults.min_p, defaults.repeat_penalty, defaults.repeat_last_n) == (0.0, 1.0, 64)  # the settings' own
     assert props["model_path"] == str(server.model_path)
     assert props["chat_template"] == ""  # the tiny model's file has none
     assert server.post("/props", b"{}")[0] == 405

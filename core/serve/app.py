@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from outrider import __version__
-from outrider.assembly import Assembly
+from outrider.assembly import SAMPLING_SETTINGS, Assembly
 from outrider.config import Config
 from outrider.errors import OutriderError
 from outrider.io.chat import chat_template_for
@@ -424,8 +424,9 @@ async def props(request: Request) -> Response:
     speculative = drafter is not None and drafter.name != "none"
     n_predict = -1 if defaults.max_tokens is None else defaults.max_tokens  # -1: llama-server's "the rest"
     params = {"n_predict": n_predict, "max_tokens": n_predict, "temperature": defaults.temperature,
-              "top_k": defaults.top_k, "top_p": defaults.top_p, "min_p": 0.0, "typical_p": 1.0,
-              "repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "mirostat": 0,
+              "top_k": defaults.top_k, "top_p": defaults.top_p, "min_p": defaults.min_p, "typical_p": 1.0,
+              "repeat_penalty": defaults.repeat_penalty, "presence_penalty": defaults.presence_penalty,
+              "frequency_penalty": defaults.frequency_penalty, "repeat_last_n": defaults.repeat_last_n, "mirostat": 0,
               # no `samplers`: a request that sends it is refused (llama.cpp's order is not Outrider's), so a client
               # that echoes these settings back must not find it here
               "seed": -1 if defaults.seed is None else defaults.seed, "stop": [], "stream": False}
@@ -516,8 +517,7 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
     # of the context (OpenAI, vLLM), an operator who set one gets it (llama-server's -n)
     max_tokens = None if config.sources.get("max_tokens", "default") == "default" else config["max_tokens"]
     defaults = ServerDefaults(model_id=model_id, context=assembly.runner.context, max_tokens=max_tokens,
-                              temperature=config["temperature"], top_k=config["top_k"], top_p=config["top_p"],
-                              seed=config["seed"])
+                              **{name: config[name] for name in SAMPLING_SETTINGS})
     metrics = ServerMetrics(model_id)
     if stall_timeout is None:
         stall_timeout = default_stall_timeout(assembly.runner.context)

@@ -2,10 +2,12 @@
 
 Settings a request leaves out take the server's (`outrider serve --temp 0.7 ...`), except `max_tokens`: left out
 it is the rest of the context, as OpenAI and vLLM answer, unless the server was started with an explicit
---max-tokens (llama-server's `-n`). Fields OpenAI or llama-server define but Outrider does not implement (n > 1,
-logprobs, logit_bias, penalties, tools, llama-server's other samplers) are refused rather than ignored unless
-set to the value that turns them off, and so is a field neither defines, so a client never gets something other
-than what it asked for without knowing. A temperature below `outrider.spec.sampling.GREEDY_BELOW` is greedy
+--max-tokens (llama-server's `-n`). llama-server's `min_p`, `repeat_penalty`, `repeat_last_n` and the
+presence and frequency penalties (OpenAI's too) are implemented (`outrider.spec.sampling`,
+`outrider.spec.penalties`). Fields OpenAI or llama-server define but Outrider does not implement (n > 1,
+logprobs, logit_bias, tools, llama-server's other samplers) are refused rather than ignored unless set to the
+value that turns them off, and so is a field neither defines, so a client never gets something other than what
+it asked for without knowing. A temperature below `outrider.spec.sampling.GREEDY_BELOW` is greedy
 (SamplingParams).
 """
 
@@ -26,7 +28,7 @@ CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # implemented; `user`, `metadata`, `store` and `service_tier` change nothing a server computes.
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stream",
                  "stream_options", "frequency_penalty", "presence_penalty", "logit_bias", "user", "metadata",
-                 "store", "service_tier", "n_predict", "cache_prompt"}
+                 "store", "service_tier", "n_predict", "cache_prompt", "min_p", "repeat_penalty", "repeat_last_n"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
                                "functions", "tool_choice", "function_call", "parallel_tool_calls",
@@ -36,8 +38,7 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", 
 # asked for. A field that only tunes another (`dry_base` under `dry_multiplier`) maps to (): accepted, because
 # whatever it says changes nothing while the field it tunes is off, and that one is refused when on.
 LLAMA_SERVER_FIELDS: dict[str, tuple] = {
-    "min_p": (0, 0.0), "typical_p": (1, 1.0), "top_n_sigma": (-1, -1.0), "min_keep": (0, 1),
-    "repeat_penalty": (1, 1.0), "repeat_last_n": (), "penalize_nl": (False,),
+    "typical_p": (1, 1.0), "top_n_sigma": (-1, -1.0), "min_keep": (0, 1), "penalize_nl": (False,),
     "dry_multiplier": (0, 0.0), "dry_base": (), "dry_allowed_length": (), "dry_penalty_last_n": (),
     "dry_sequence_breakers": (), "xtc_probability": (0, 0.0), "xtc_threshold": (),
     "dynatemp_range": (0, 0.0), "dynatemp_exponent": (), "mirostat": (0,), "mirostat_tau": (), "mirostat_eta": (),
@@ -48,6 +49,27 @@ LLAMA_SERVER_FIELDS: dict[str, tuple] = {
     "timings_per_token": (False,), "return_tokens": (False,), "return_progress": (False,),
     "response_fields": ([],), "reasoning_format": ("none",), "chat_template_kwargs": ({},),
     "backend_sampling": (False,),
+}
+# Why a llama-server field is refused, said in its 400: none of these samplers is one of Outrider's warpers
+# (temperature, top-k, top-p, min-p) or penalties (repeat, presence, frequency), and the rest ask for what a
+# server of one sequence with text answers does not do.
+NOT_IMPLEMENTED_BECAUSE = {
+    "typical_p": "locally typical sampling is not one of Outrider's samplers",
+    "top_n_sigma": "top-n-sigma is not one of Outrider's samplers",
+    "min_keep": "Outrider's filters keep at least the most probable token, no more",
+    "penalize_nl": "a newline is penalised like any other token, as llama.cpp now does",
+    "dry_multiplier": "the DRY repetition penalty is not one of Outrider's penalties",
+    "xtc_probability": "XTC sampling is not one of Outrider's samplers",
+    "dynatemp_range": "dynamic temperature is not one of Outrider's samplers",
+    "mirostat": "mirostat sampling is not one of Outrider's samplers",
+    "samplers": "llama.cpp's order applies temperature last; Outrider's is fixed: temperature, top-k, top-p, min-p",
+    "grammar": "constrained decoding is not implemented",
+    "json_schema": "constrained decoding is not implemented",
+    "ignore_eos": "a generation always ends at an end-of-generation token",
+    "n_probs": "token probabilities are not returned",
+    "post_sampling_probs": "token probabilities are not returned",
+    "n_keep": "context shifting is not implemented",
+    "lora": "LoRA adapters are not implemented",
 }
 
 
@@ -75,6 +97,11 @@ class ServerDefaults:
     top_k: int
     top_p: float
     seed: int | None
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_last_n: int = 64
 
 
 @dataclass
@@ -101,7 +128,8 @@ def _number(body: dict, name: str, default, low: float, high: float, *, integer:
     if isinstance(value, bool) or not is_kind or not math.isfinite(value):
         raise _bad(name, f"'{name}' must be {kind}, got {value!r}")
     if value < low or value > high or (low_open and value == low):
-        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
+        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) \
+            else f"{'>' if low_open else '>='} {low:g}"
         raise _bad(name, f"'{name}' must be in {bounds}, got {value!r}")
     return value
 
@@ -163,12 +191,17 @@ def _common(body: Any, defaults: ServerDefaults, prompt_ids: list[int], max_toke
             temperature=float(_number(body, "temperature", defaults.temperature, 0, 2)),
             top_p=float(_number(body, "top_p", defaults.top_p, 0, 1, low_open=True)),
             top_k=_number(body, "top_k", defaults.top_k, 0, math.inf, integer=True),
-            seed=_number(body, "seed", defaults.seed, 0, 2**63 - 1, integer=True))
+            seed=_number(body, "seed", defaults.seed, 0, 2**63 - 1, integer=True),
+            min_p=float(_number(body, "min_p", defaults.min_p, 0, 1)),
+            repeat_penalty=float(_number(body, "repeat_penalty", defaults.repeat_penalty, 0, math.inf,
+                                         low_open=True)),
+            # OpenAI's range; llama-server takes any number, but past 2 a penalty is a ban
+            presence_penalty=float(_number(body, "presence_penalty", defaults.presence_penalty, -2, 2)),
+            frequency_penalty=float(_number(body, "frequency_penalty", defaults.frequency_penalty, -2, 2)),
+            repeat_last_n=_number(body, "repeat_last_n", defaults.repeat_last_n, -1, math.inf, integer=True))
     except OutriderError as exc:  # the checks above should catch everything; this keeps a 400 a 400
         raise _bad("temperature", str(exc)) from None
     _number(body, "n", 1, 1, 1, integer=True)
-    for name in ("frequency_penalty", "presence_penalty"):
-        _unsupported(body, name, (None, 0, 0.0))
     _unsupported(body, "logit_bias", (None, {}))
     _flag(body, "cache_prompt", True)  # one sequence is served: its cache is always the prompt's
     stream = _flag(body, "stream", False)
@@ -192,8 +225,9 @@ def _object(body: Any, fields: set[str], llama_fields: dict[str, tuple] = LLAMA_
         off, value = llama_fields[name], body[name]
         if off and not _is_one_of(value, off + (None,)):
             hint = f"leave it out or send {json.dumps(off[0])} (off)" if off[0] is not None else "leave it out"
+            because = f" ({NOT_IMPLEMENTED_BECAUSE[name]})" if name in NOT_IMPLEMENTED_BECAUSE else ""
             raise _bad(name, f"'{name}' = {json.dumps(value)[:80]} is a llama-server field Outrider does not "
-                             f"implement; {hint}")
+                             f"implement{because}; {hint}")
     unknown = sorted(set(body) - fields - set(llama_fields))
     if unknown:
         raise _bad(unknown[0], f"unknown field '{unknown[0]}'; this endpoint takes {', '.join(sorted(fields))}")

@@ -42,7 +42,9 @@ class AcceptResult:
 class VerifyRound:
     """Everything an acceptor decides over, for one round of one sequence. Shapes are checked on creation."""
 
-    target_logits: torch.Tensor  # [k+1, V] raw logits p_1..p_{k+1} (float32, CPU from the runner)
+    # [k+1, V] logits p_1..p_{k+1} (float32, CPU from the runner), after the params' repeat/presence/frequency
+    # penalties, row i's counting x_1..x_i (outrider.spec.penalties); the model's own when the params set none
+    target_logits: torch.Tensor
     draft_tokens: list[int]  # x1..xk (may be empty: then one token from p_1; ids may be out of range)
     draft_probs: torch.Tensor | None  # [k, V] warped q_i, or None = deterministic drafter
     params: SamplingParams

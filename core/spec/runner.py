@@ -19,6 +19,7 @@ from outrider.errors import OutriderError
 from outrider.spec.acceptance import VerifyRound, as_acceptor
 from outrider.spec.drafter import Draft, DraftControls, Target, kind_asker, may_give_draft_probs, reads_the_target
 from outrider.spec.length_policy import AdaptiveDraftLength, FixedDraftLength
+from outrider.spec.penalties import ContextPenalties
 from outrider.spec.random_streams import PositionRandom
 from outrider.spec.sampling import SamplingParams
 
@@ -151,13 +152,19 @@ class Runner:
         out = model.forward(torch.tensor(prompt, device=self.device), 0, cache, last_only=True,
                             hidden=observe is not None)
         logits, hidden = out if observe is not None else (out, None)
-        first = acceptor.accept(VerifyRound(logits.float().cpu(), [], None, params, rng, len(prompt))).tokens[0]
+        logits = logits.float().cpu()
+        penalties = ContextPenalties(params, prompt) if params.penalizes else None
+        if penalties is not None:
+            logits = penalties.apply(logits, [])
+        first = acceptor.accept(VerifyRound(logits, [], None, params, rng, len(prompt))).tokens[0]
         self.drafter.begin(list(prompt), params, self.controls)  # a draft model's own prefill: part of this one
         if observe is not None:
             observe(hidden, 0, cache)
         stats.prefill_s = time.perf_counter() - t
 
         tokens = list(prompt) + [first]
+        if penalties is not None:
+            penalties.extend([first])
         stats.generated_tokens = 1
         if first in stop_ids:
             stats.stop_reason = "eog"
@@ -179,6 +186,8 @@ class Runner:
             out = model.forward(batch, n, cache, hidden=observe is not None)
             logits, hidden = out if observe is not None else (out, None)
             logits = logits.float().cpu()
+            if penalties is not None:  # row i's penalties count x_1..x_i: plain decoding's at that position
+                logits = penalties.apply(logits, draft.tokens)
             result = acceptor.accept(VerifyRound(logits, draft.tokens, draft.probs, params, rng, n + 1))
             t_verified = time.perf_counter()
             stats.draft_s += t_drafted - t
@@ -205,6 +214,8 @@ class Runner:
                     stats.stop_reason = "length"
                     break
             tokens.extend(certain)
+            if penalties is not None:
+                penalties.extend(certain)
             stats.decode_s = time.perf_counter() - decode_start
             yield Round(index=stats.rounds, tokens=certain, drafted=len(draft.tokens), accepted=result.accepted,
                         kind=kind.name if kind is not None else None, chosen=chosen,

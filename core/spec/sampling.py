@@ -2,8 +2,10 @@
 
 The rules are docs/acceptance.md's; what they fix for this module:
 
-* :func:`warp` turns raw logits into the distribution that is actually sampled from (temperature, then
-  top-k, then top-p). The same function is applied to the target (p) and to the drafter (q).
+* :func:`warp` turns logits into the distribution that is actually sampled from (temperature, then
+  top-k, then top-p, then min-p). The same function is applied to the target (p) and to the drafter (q).
+  The repeat, presence and frequency penalties are not part of it: they depend on the context, and are
+  applied to the target's logits before it (:mod:`outrider.spec.penalties`).
 * :class:`~outrider.spec.random_streams.PositionRandom` gives one uniform draw per absolute sequence
   position, so that plain decoding (``sample_at(warp(logits_n), rng.uniform(n))``) and speculative decoding
   with a deterministic drafter produce the same tokens for the same seed.
@@ -50,6 +52,12 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     seed: int | None = None  # None = pick one at random (PositionRandom reports it)
+    min_p: float = 0.0  # 0 = off; keeps tokens with p >= min_p * p_max, p measured before temperature (llama.cpp's)
+    # llama.cpp's penalties over the last `repeat_last_n` tokens of the context (-1: all of it, 0: none)
+    repeat_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0  # 0 = off
+    frequency_penalty: float = 0.0  # 0 = off
+    repeat_last_n: int = 64
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -61,6 +69,19 @@ class SamplingParams:
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
+        m = self.min_p
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0.0 <= m <= 1.0):
+            raise ConfigError(f"min_p must be in [0, 1] (0 = off), got {m!r}")
+        r = self.repeat_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
+            raise ConfigError(f"repeat_penalty must be a finite number > 0 (1 = off), got {r!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"{name} must be a finite number (0 = off), got {v!r}")
+        n = self.repeat_last_n
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < -1:
+            raise ConfigError(f"repeat_last_n must be an integer >= -1 (-1 = the whole context, 0 = off), got {n!r}")
         s = self.seed
         if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0):
             raise ConfigError(f"seed must be an integer >= 0 (or unset for a random one), got {s!r}")
@@ -69,6 +90,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def penalizes(self) -> bool:
+        """Whether the penalties change any logit: otherwise no penalty work is done at all."""
+        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                                            or self.frequency_penalty != 0.0)
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Warping
@@ -76,18 +103,26 @@ class SamplingParams:
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities [..., V] (float32, rows sum to 1) after temperature, top-k, then top-p.
+    """Probabilities [..., V] (float32, rows sum to 1) after temperature, top-k, top-p, then min-p.
 
     At temperature 0 the result is the one-hot of the argmax (first index on ties). Top-k keeps exactly
     ``top_k`` tokens; top-p keeps the smallest set of most probable tokens (among those top-k kept) whose
-    mass is >= ``top_p``, always at least one. Batched over the leading dimensions; each row comes out the
-    same whether it is warped alone or in a batch.
+    mass is >= ``top_p``, always at least one; min-p then keeps, of those, the tokens whose probability
+    before temperature is >= ``min_p`` times the largest (llama.cpp's chain puts min-p before temperature, so
+    the set a llama.cpp client asks for is the one kept). Batched over the leading dimensions; each row comes
+    out the same whether it is warped alone or in a batch.
     """
     x = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
-    if params.greedy:
+    if params.greedy:  # the argmax survives every filter
         idx = argmax(x).unsqueeze(-1)
         return torch.zeros_like(x).scatter_(-1, idx, 1.0)
-    x = x / float(params.temperature)
+    probs = _top_k_top_p(x / float(params.temperature), params)
+    if params.min_p > 0.0:
+        probs = _keep_min_p(x, probs, params.min_p)
+    return probs
+
+
+def _top_k_top_p(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     vocab = x.shape[-1]
     k = params.top_k if 0 < params.top_k < vocab else 0
     if k == 0 and params.top_p >= 1.0:
@@ -99,6 +134,15 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         probs = _keep_top_p(probs, params.top_p)
     return torch.zeros_like(x).scatter_(-1, idx, probs)
+
+
+def _keep_min_p(logits: torch.Tensor, probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """`probs` without the tokens whose untempered probability is below min_p times the largest,
+    renormalised: p_i >= min_p * p_max is logit_i >= max_logit + log(min_p), as llama.cpp tests it. The
+    argmax always passes, and top-k and top-p keep it too, so a row never empties."""
+    keep = logits >= logits.amax(dim=-1, keepdim=True) + math.log(min_p)
+    probs = torch.where(keep, probs, torch.zeros_like(probs))
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def _keep_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
