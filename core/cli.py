@@ -230,9 +230,12 @@ _NOT_SERVED = {"prompt", "chat", "as_json", "verbose"}
 @click.option("--max-connections", type=click.IntRange(min=1), default=None,
               help="Open connections at most, idle keep-alives and probes included; more are answered 503 at once. "
                    "[default: 64]")
+@click.option("--allow-special-in-messages", is_flag=True, default=False,
+              help="Encode a control token's text inside a chat message (`<|im_start|>`) as that token, as "
+                   "llama-server does; by default it is plain text, so a client cannot write another role's turn.")
 @friendly_errors
 def serve(host, port, queue_size, api_key, api_key_file, stall_timeout, request_timeout, max_body_bytes,
-          max_connections, options, config_file, **flags):
+          max_connections, allow_special_in_messages, options, config_file, **flags):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models), llama-server's /tokenize,
     /detokenize and /props, /health and /metrics.
 
@@ -252,7 +255,8 @@ def serve(host, port, queue_size, api_key, api_key_file, stall_timeout, request_
         click.echo(f"warning: serving on {host} without an API key: anyone who can reach the port can use it; "
                    "pass --api-key or --api-key-file", err=True)
     app = create_app(assembly, config, queue_size=queue_size, api_keys=keys, stall_timeout=stall_timeout,
-                     request_timeout=request_timeout, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+                     request_timeout=request_timeout, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+                     special_in_messages=allow_special_in_messages)
     click.echo(f"serving {app.state.server.model_id} ({', '.join(f'{k} {s.name}' for k, s in assembly.plugins.items())}) "
                f"on http://{host}:{port}/v1", err=True)
     run_server(app, host, port, max_connections=max_connections or DEFAULT_MAX_CONNECTIONS)

@@ -2,7 +2,7 @@
 
 Oracles: numbers worked out by hand (math.exp) for the filter and the formula; plain decoding with the
 penalties written as the obvious loop (tests/oracles/penalties.py: a fresh forward per token, the window
-counted afresh) for what speculation emits; the model's own untempered softmax for the min-p set.
+counted afresh) for what speculation emits; the model's own tempered softmax for the min-p set.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ LOGITS = torch.tensor([2.0, 1.0, 0.0, -1.0])
 
 
 def test_min_p_keeps_tokens_at_least_min_p_times_the_most_probable():
-    # untempered p_i / p_max = e^(l_i - 2): 1, e^-1 = 0.368, e^-2 = 0.135, e^-3 = 0.050
+    # at T = 1, p_i / p_max = e^(l_i - 2): 1, e^-1 = 0.368, e^-2 = 0.135, e^-3 = 0.050
     got = warp(LOGITS, SamplingParams(1.0, min_p=0.3))
     assert got.tolist() == pytest.approx([E(2) / (E(2) + E(1)), E(1) / (E(2) + E(1)), 0, 0], abs=1e-6)
     got = warp(LOGITS, SamplingParams(1.0, min_p=0.1))
@@ -67,11 +67,12 @@ def test_min_p_keeps_tokens_at_least_min_p_times_the_most_probable():
     assert torch.equal(warp(LOGITS, SamplingParams(1.0, min_p=0.0)), warp(LOGITS, SamplingParams(1.0)))
 
 
-def test_min_p_is_measured_before_temperature_as_llama_cpp_orders_it():
-    # at T = 2 the tempered ratios are e^-0.5 = 0.61 and e^-1 = 0.37, both >= 0.3; untempered only token 1 is
+def test_min_p_is_measured_after_temperature_as_transformers_and_vllm_order_it():
+    # at T = 2 the tempered ratios are e^-0.5 = 0.61 and e^-1 = 0.37, both >= 0.3, e^-1.5 = 0.22 is not;
+    # untempered only token 1 would pass (llama.cpp's order)
     got = warp(LOGITS, SamplingParams(2.0, min_p=0.3))
-    z = E(1) + E(0.5)
-    assert got.tolist() == pytest.approx([E(1) / z, E(0.5) / z, 0, 0], abs=1e-6)
+    z = E(1) + E(0.5) + E(0)
+    assert got.tolist() == pytest.approx([E(1) / z, E(0.5) / z, E(0) / z, 0], abs=1e-6)
 
 
 def test_min_p_after_top_k_and_top_p_keeps_their_intersection():
@@ -223,9 +224,9 @@ def test_seeded_sampling_with_penalties_and_min_p_under_speculation_is_plain_sam
 def test_sampled_with_min_p_never_emits_a_token_outside_the_min_p_set(tiny):
     """A drafter that samples from q (its own min-p law) with the Leviathan rule, at a temperature that gives
     the tokens min-p removes real mass: over many generations each emitted token is checked against the
-    model's own untempered softmax after its context."""
+    model's own softmax at that temperature after its context."""
     target = tiny["target"]
-    min_p, generations, n = 0.3, 30, 6
+    min_p, generations, n, temperature = 0.3, 30, 6, 2.0
 
     def outside(params):
         drafter = DraftModelDrafter(p_min=0.0, sample=True, model=str(tiny["draft_path"]))
@@ -236,10 +237,10 @@ def test_sampled_with_min_p_never_emits_a_token_outside_the_min_p_set(tiny):
             out = list(runner.generate(PROMPT, n, params.__class__(**{**params.__dict__, "seed": s})))
             drafted += runner.stats.drafted
             for i, token in enumerate(out):
-                p = torch.softmax(model_next_logits(target.model, PROMPT + out[:i]).double(), dim=-1)
+                p = torch.softmax(model_next_logits(target.model, PROMPT + out[:i]).double() / temperature, dim=-1)
                 found += int(p[token] < min_p * p.max())
         assert drafted > 0
         return found
 
-    assert outside(SamplingParams(2.0, min_p=min_p)) == 0
-    assert outside(SamplingParams(2.0)) > 0  # without min-p such tokens are drawn: the check can see them
+    assert outside(SamplingParams(temperature, min_p=min_p)) == 0
+    assert outside(SamplingParams(temperature)) > 0  # without min-p such tokens are drawn: the check can see them

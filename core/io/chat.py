@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import uuid
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from outrider.errors import ModelFileError, OutriderError
+from outrider.io.tokenizer import TokenType
 
 if TYPE_CHECKING:
     from outrider.io.gguf import GGUFFile
@@ -83,17 +86,79 @@ def apply_chat_template(gguf_file_or_metadata: GGUFFile | dict[str, Any], tokeni
 
 
 def prompt_ids(gguf_file_or_metadata: GGUFFile | dict[str, Any], tokenizer: Tokenizer,
-               prompt: str | list[dict], chat: bool = True) -> list[int]:
+               prompt: str | list[dict], chat: bool = True, special_in_messages: bool = True) -> list[int]:
     """The token ids the model reads for `prompt`: with `chat`, the messages (a string is one user message)
     rendered by the chat template, then encoded as they are (the template writes any BOS itself); without,
     the text encoded with the tokenizer's own BOS. The one place the CLI, the server, bench and distill
-    turn a prompt into ids. A model without a chat template raises ModelFileError."""
+    turn a prompt into ids. A model without a chat template raises ModelFileError.
+
+    special_in_messages: a control token's spelling written inside a message (`<|im_start|>`) is that token,
+    as when the whole rendered text is encoded; when False it is plain text, and only what the template
+    itself writes becomes control tokens (the server's default: a client must not forge another role)."""
     if not chat:
         if not isinstance(prompt, str):
             raise OutriderError("a list of messages needs the chat template; run with --chat")
         return tokenizer.encode(prompt)
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return tokenizer.encode(apply_chat_template(gguf_file_or_metadata, tokenizer, messages), add_bos=False)
+    spellings = [] if special_in_messages else _special_spellings_in(tokenizer, messages)
+    if not spellings:  # the whole text at once, as llama-server encodes it
+        return tokenizer.encode(apply_chat_template(gguf_file_or_metadata, tokenizer, messages), add_bos=False)
+    ids = []
+    for text, from_message in _rendered_parts(gguf_file_or_metadata, tokenizer, messages, spellings):
+        ids += tokenizer.encode(text, add_bos=False, add_eos=False, parse_special=not from_message)
+    return ids + ([tokenizer.eos_id] if tokenizer.add_eos and tokenizer.eos_id is not None else [])
+
+
+def _special_spellings_in(tokenizer: Tokenizer, messages: list[dict]) -> list[str]:
+    """The special tokens' spellings (`<|im_start|>`) that some message's text contains, longest first (a longer
+    one wins where one spelling starts another). Found by the tokenizer's own matching, one pass per message."""
+    found = set()
+    for message in messages:
+        if isinstance(message.get("content"), str):
+            ids = tokenizer.encode(message["content"], add_bos=False, add_eos=False, parse_special=True)
+            found.update(tokenizer.tokens[i] for i in ids
+                         if tokenizer.token_type(i) in (TokenType.CONTROL, TokenType.UNKNOWN))
+    return sorted(found, key=len, reverse=True)
+
+
+def _rendered_parts(gguf_file_or_metadata: GGUFFile | dict[str, Any], tokenizer: Tokenizer,
+                    messages: list[dict], spellings: list[str]) -> list[tuple[str, bool]]:
+    """The rendered prompt as (text, came from a message) parts. Each message's text is rendered as a marker and
+    put back afterwards, so it is encoded whole; a template that changes a message's text (trims it, splits a
+    reasoning part off) cannot be rendered that way, and then only `spellings` (special tokens' text, longest
+    first) inside messages are marked, so they alone are plain text."""
+    rendered = apply_chat_template(gguf_file_or_metadata, tokenizer, messages)
+    # no message can contain the nonce by chance or by design; letters, digits and ':' come through tojson,
+    # trim and HTML escaping unchanged
+    nonce = uuid.uuid4().hex
+    marker = lambda i: f"{nonce}:{i}:{nonce}"
+    marker_pattern = re.compile(f"{nonce}:(\\d+):{nonce}")
+    contents = [m.get("content") for m in messages]
+    marked = [dict(m, content=marker(i)) if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)]
+    parts = _split(apply_chat_template(gguf_file_or_metadata, tokenizer, marked), marker_pattern,
+                   lambda i: contents[i])
+    if "".join(text for text, _ in parts) == rendered:
+        return parts
+    escaped_spellings = re.compile("|".join(map(re.escape, spellings)))
+    escaped = [dict(m, content=escaped_spellings.sub(lambda match: marker(spellings.index(match.group())),
+                                                     m["content"]))
+               if isinstance(m.get("content"), str) else m for m in messages]
+    parts = _split(apply_chat_template(gguf_file_or_metadata, tokenizer, escaped), marker_pattern,
+                   lambda i: spellings[i])
+    if "".join(text for text, _ in parts) != rendered:
+        raise OutriderError(f"the chat template rewrites message text, so {spellings[0]!r} in a message cannot be "
+                            "kept as text; leave it out, or start the server with --allow-special-in-messages")
+    return parts
+
+
+def _split(text: str, marker_pattern: re.Pattern, original: Callable[[int], str]) -> list[tuple[str, bool]]:
+    """`text` cut at its markers: (template text, False) and (the marked text put back, True), empty parts left out."""
+    parts, at = [], 0
+    for match in marker_pattern.finditer(text):
+        parts += [(text[at:match.start()], False), (original(int(match.group(1))), True)]
+        at = match.end()
+    parts.append((text[at:], False))
+    return [(part, from_message) for part, from_message in parts if part]
 
 
 def template_or_raw_ids(gguf_file_or_metadata: GGUFFile | dict[str, Any], tokenizer: Tokenizer,

@@ -446,8 +446,9 @@ async def props(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     engine = _server(request).engine
-    if engine.stalled:  # a supervisor restarts the process on this
-        return JSONResponse({"status": "stalled", "reason": engine.stalled, "waiting": engine.waiting},
+    reason = engine.stalled  # read once: the worker may come back meanwhile
+    if reason:  # a supervisor restarts the process on this
+        return JSONResponse({"status": "stalled", "reason": reason, "waiting": engine.waiting},
                             status_code=503)
     return JSONResponse({"status": "ok", "waiting": engine.waiting})
 
@@ -504,19 +505,22 @@ EXCEPTION_HANDLERS = {APIError: api_error, HTTPException: http_error, ClientDisc
 
 def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUEUE_SIZE,
                api_keys: list[str] | None = None, stall_timeout: float | None = None,
-               request_timeout: float | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+               request_timeout: float | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               special_in_messages: bool = False) -> Starlette:
     """An ASGI app over an assembled runner; `config` gives the defaults for what requests leave out. With
     `api_keys`, every /v1 route and /tokenize, /detokenize, /props require one of them as a bearer token;
     /health and /metrics stay open. A request that leaves `max_tokens` out gets the rest of the context unless
     `config`'s max_tokens was set (a flag, the environment, a file) rather than left at its default.
     `stall_timeout` (None: default_stall_timeout; 0: off) fails a generation that makes no progress for that
     long; `request_timeout` ends one that runs longer, with its text so far (finish_reason "length",
-    stop_reason "timeout"). A request body over `max_body_bytes` is answered 413 before it is read whole."""
+    stop_reason "timeout"). A request body over `max_body_bytes` is answered 413 before it is read whole.
+    A control token's text inside a chat message is plain text unless `special_in_messages`."""
     model_id = served_model_id(config)
     # the setting's default (128) suits a command line; a server's client that names no limit expects the rest
     # of the context (OpenAI, vLLM), an operator who set one gets it (llama-server's -n)
     max_tokens = None if config.sources.get("max_tokens", "default") == "default" else config["max_tokens"]
     defaults = ServerDefaults(model_id=model_id, context=assembly.runner.context, max_tokens=max_tokens,
+                              special_in_messages=special_in_messages,
                               **{name: config[name] for name in SAMPLING_SETTINGS})
     metrics = ServerMetrics(model_id)
     if stall_timeout is None:

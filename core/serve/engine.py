@@ -137,27 +137,36 @@ class GenerationEngine:
             job, thread = self._current, self._thread
             if job is None or self.stalled or time.monotonic() - self._progress_at < self.stall_timeout:
                 continue
-            where = holder(thread.ident if thread else None)
-            self.stalled = (f"a generation made no progress for {self.stall_timeout:g} s; the worker is held in "
-                            f"{where}")
-            log.error("stalled: %s", self.stalled)
-            job.cancelled.set()  # if it ever comes back, it stops after that round
-            job.send("error", Stalled(self.stalled))
-            while True:  # nobody waits behind it for ever
+            self._declare_stall(job, holder(thread.ident if thread else None))
+
+    def _declare_stall(self, job: Job, where: str) -> None:
+        """Fail `job` and everything queued behind it. Under the lock that `submit` holds from its check to its
+        put, so a request is either drained here or refused there; never queued behind a held worker."""
+        with self._lock:
+            if self._current is not job or self.stalled:  # it returned meanwhile: nothing is held
+                return
+            self.stalled = reason = (f"a generation made no progress for {self.stall_timeout:g} s; the worker is "
+                                     f"held in {where}")
+            drained = []
+            while True:
                 try:
                     waiting = self._jobs.get_nowait()
                 except queue.Empty:
                     break
-                if waiting is None:
+                if waiting is None:  # stop()'s: the worker must still find it
                     self._jobs.put(None)
                     break
-                with self._lock:
-                    self.waiting -= 1
-                waiting.send("error", Stalled(self.stalled))
+                drained.append(waiting)
+            self.waiting -= len(drained)
+        log.error("stalled: %s", reason)
+        job.cancelled.set()  # if it ever comes back, it stops after that round
+        for each in (job, *drained):
+            each.send("error", Stalled(reason))
 
     def stop(self) -> None:
         """Stop the generation in progress after its round, refuse what waits, end the thread."""
-        self._stopping = True
+        with self._lock:  # a submit either refuses, or puts its job before the worker's end-of-work mark
+            self._stopping = True
         current = self._current
         if current is not None:
             current.cancelled.set()
@@ -167,16 +176,17 @@ class GenerationEngine:
             self._thread = None
 
     def submit(self, job: Job) -> None:
-        if self._stopping:  # no worker will take it
-            raise ShuttingDown("the server is shutting down; retry on another server")
-        if self.stalled:
-            raise Stalled(self.stalled)
+        # checked and queued under one lock: a stall declared or a stop begun in between would strand the job
         with self._lock:
+            if self._stopping:  # no worker will take it
+                raise ShuttingDown("the server is shutting down; retry on another server")
+            if self.stalled:
+                raise Stalled(self.stalled)
             if self.waiting + self.busy > self.queue_size:
                 self.metrics.requests_rejected.labels(self.metrics.model_name).inc()
                 raise QueueFull
             self.waiting += 1
-        self._jobs.put(job)
+            self._jobs.put(job)
 
     def retry_after_s(self) -> int:
         """A guess at when a place frees up: the mean time of a generation so far, at least a second."""
@@ -188,11 +198,12 @@ class GenerationEngine:
                 self.waiting -= 1
                 self.busy = 1
             event = self._take(job)
-            with self._lock:
+            with self._lock:  # with `_current`, so a stall is never declared on a generation that has returned
                 self.busy = 0
-            if self.stalled:
+                self._current = None
+                recovered, self.stalled = self.stalled, None
+            if recovered:
                 log.warning("recovered: the stalled generation came back")
-                self.stalled = None
             if event is not None:  # after the place is free, so a client that goes on at once finds it free
                 job.send(*event)
 
@@ -213,7 +224,6 @@ class GenerationEngine:
             self.metrics.request_success.labels(self.metrics.model_name, "error").inc()
             return "error", exc
         finally:
-            self._current = None
             self._running.set(0)
             self._mean_service_s += 0.2 * (time.perf_counter() - started - self._mean_service_s)
 

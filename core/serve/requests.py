@@ -102,6 +102,7 @@ class ServerDefaults:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repeat_last_n: int = 64
+    special_in_messages: bool = False  # --allow-special-in-messages: a control token's text in a message is that token
 
 
 @dataclass
@@ -294,7 +295,7 @@ def chat_request(body: Any, defaults: ServerDefaults, tokenizer, gguf) -> Genera
         role = "system" if message["role"] == "developer" else message["role"]
         rendered.append({"role": role, "content": _message_text(message.get("content"), i)})
     try:
-        ids = chat_prompt_ids(gguf, tokenizer, rendered)
+        ids = chat_prompt_ids(gguf, tokenizer, rendered, special_in_messages=defaults.special_in_messages)
     except OutriderError as exc:
         raise _bad("messages", str(exc)) from None
     return _common(body, defaults, ids, ("max_completion_tokens", "max_tokens"))

@@ -52,7 +52,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
     seed: int | None = None  # None = pick one at random (PositionRandom reports it)
-    min_p: float = 0.0  # 0 = off; keeps tokens with p >= min_p * p_max, p measured before temperature (llama.cpp's)
+    min_p: float = 0.0  # 0 = off; keeps tokens with p >= min_p * p_max, p after temperature (transformers', vLLM's)
     # llama.cpp's penalties over the last `repeat_last_n` tokens of the context (-1: all of it, 0: none)
     repeat_penalty: float = 1.0  # 1 = off
     presence_penalty: float = 0.0  # 0 = off
@@ -107,16 +107,17 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
     At temperature 0 the result is the one-hot of the argmax (first index on ties). Top-k keeps exactly
     ``top_k`` tokens; top-p keeps the smallest set of most probable tokens (among those top-k kept) whose
-    mass is >= ``top_p``, always at least one; min-p then keeps, of those, the tokens whose probability
-    before temperature is >= ``min_p`` times the largest (llama.cpp's chain puts min-p before temperature, so
-    the set a llama.cpp client asks for is the one kept). Batched over the leading dimensions; each row comes
+    mass is >= ``top_p``, always at least one; min-p then keeps, of those, the tokens whose probability is
+    >= ``min_p`` times the largest. Every filter sees the tempered distribution, as in transformers and vLLM
+    (llama.cpp's default chain filters before temperature: at T != 1 its sets differ). Batched over the leading dimensions; each row comes
     out the same whether it is warped alone or in a batch.
     """
     x = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
     if params.greedy:  # the argmax survives every filter
         idx = argmax(x).unsqueeze(-1)
         return torch.zeros_like(x).scatter_(-1, idx, 1.0)
-    probs = _top_k_top_p(x / float(params.temperature), params)
+    x = x / float(params.temperature)
+    probs = _top_k_top_p(x, params)
     if params.min_p > 0.0:
         probs = _keep_min_p(x, probs, params.min_p)
     return probs
@@ -137,8 +138,8 @@ def _top_k_top_p(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def _keep_min_p(logits: torch.Tensor, probs: torch.Tensor, min_p: float) -> torch.Tensor:
-    """`probs` without the tokens whose untempered probability is below min_p times the largest,
-    renormalised: p_i >= min_p * p_max is logit_i >= max_logit + log(min_p), as llama.cpp tests it. The
+    """`probs` without the tokens whose probability is below min_p times the largest, renormalised:
+    p_i >= min_p * p_max is logit_i >= max_logit + log(min_p) for the tempered `logits`. The
     argmax always passes, and top-k and top-p keep it too, so a row never empties."""
     keep = logits >= logits.amax(dim=-1, keepdim=True) + math.log(min_p)
     probs = torch.where(keep, probs, torch.zeros_like(probs))

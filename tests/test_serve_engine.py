@@ -1,0 +1,191 @@
+"""The server's generation engine driven directly, without HTTP: a stub runner whose first round blocks on an
+Event, the watchdog on a clock the test moves, and the engine's lock hooked so that a submit can be held at
+the point where it has begun but not yet queued, while the watchdog declares a stall. Every interleaving is
+set by the test, none by timing; each request must be answered (refused, or sent an error) within a timeout."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+from outrider.serve import engine as engine_module  # noqa: E402
+from outrider.serve.engine import GenerationEngine, Job, ShuttingDown, Stalled  # noqa: E402
+from outrider.serve.metrics import ServerMetrics  # noqa: E402
+from outrider.serve.requests import GenerationRequest  # noqa: E402
+from outrider.spec.runner import GenerationStats  # noqa: E402
+from outrider.spec.sampling import SamplingParams  # noqa: E402
+
+ANSWER_TIMEOUT_S = 10.0  # far above any answer's time; a stranded request waits for ever
+
+
+class BlockingRunner:
+    """A runner whose generation holds the worker until `release` is set; no tokens, no stats."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.acceptor, self.stats = None, GenerationStats()
+
+    def rounds(self, prompt_ids, max_tokens, params, eog):
+        self.entered.set()
+        self.release.wait()
+        return
+        yield
+
+
+class ManualClock:
+    """`time` for the engine module: monotonic is the test's to move; every watchdog tick is counted."""
+
+    perf_counter = staticmethod(time.perf_counter)
+
+    def __init__(self):
+        self.now, self.ticks = 0.0, 0
+        self.ticked = threading.Condition()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        with self.ticked:
+            self.ticks += 1
+            self.ticked.notify_all()
+        time.sleep(seconds)
+
+    def wait_for_ticks(self, count: int) -> None:
+        with self.ticked:
+            assert self.ticked.wait_for(lambda: self.ticks >= count, ANSWER_TIMEOUT_S), "the watchdog did not run"
+
+
+class HookedLock:
+    """The engine's lock, with a hook run once, in the thread that arms it, before its next acquire."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.before_acquire, self.armed_in = None, None
+
+    def __enter__(self):
+        if self.armed_in is threading.current_thread():
+            self.armed_in = None
+            self.before_acquire()
+        self._lock.acquire()
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+
+class RecordingJob(Job):
+    """A job whose events go to a thread-safe queue instead of an event loop."""
+
+    def send(self, kind, value):
+        self.received.put((kind, value))
+
+
+def new_job() -> RecordingJob:
+    request = GenerationRequest(prompt_ids=[1, 2, 3], max_tokens=4, params=SamplingParams(temperature=0.0))
+    job = RecordingJob(request, loop=None)
+    job.received = queue.Queue()
+    return job
+
+
+def answer(engine: GenerationEngine, job: RecordingJob) -> tuple[str, object]:
+    """What the client of `job` is told: its submit refused, or the first event the worker or watchdog sent."""
+    try:
+        engine.submit(job)
+    except (Stalled, ShuttingDown) as refused:
+        return "refused", refused
+    return awaited(job)
+
+
+def awaited(job: RecordingJob) -> tuple[str, object]:
+    try:
+        return job.received.get(timeout=ANSWER_TIMEOUT_S)
+    except queue.Empty:
+        pytest.fail(f"a request was left waiting for over {ANSWER_TIMEOUT_S:g} s")
+
+
+@pytest.fixture
+def stuck_engine(monkeypatch):
+    """A started engine with a watchdog (stall_timeout 0.2 s on the test's clock) and its hooked lock."""
+    clock = ManualClock()
+    monkeypatch.setattr(engine_module, "time", clock)
+    runner = BlockingRunner()
+    decoder = SimpleNamespace(push=lambda token: "", flush=lambda: "")
+    tokenizer = SimpleNamespace(stream_decoder=lambda: decoder, eog_ids=frozenset())
+    engine = GenerationEngine(SimpleNamespace(runner=runner, tokenizer=tokenizer), {True: None, False: None},
+                              ServerMetrics("stub"), queue_size=8, stall_timeout=0.2)
+    engine._lock = lock = HookedLock()
+    engine.start()
+    yield engine, runner, clock, lock
+    runner.release.set()
+    engine.stop()
+
+
+def is_stalled_error(event) -> bool:
+    kind, value = event
+    return kind in ("error", "refused") and isinstance(value, Stalled)
+
+
+def test_every_request_queued_before_during_or_after_a_stall_is_answered_stalled(stuck_engine):
+    engine, runner, clock, lock = stuck_engine
+    stuck = new_job()
+    engine.submit(stuck)
+    assert runner.entered.wait(ANSWER_TIMEOUT_S)
+    queued_before = new_job()
+    engine.submit(queued_before)
+
+    def declare_stall():
+        # the racing submit has begun; the watchdog sees a generation with no progress past stall_timeout,
+        # and the test waits for a whole tick after the clock moved (two counted sleeps)
+        ticks = clock.ticks
+        clock.now += 1.0
+        clock.wait_for_ticks(ticks + 2)
+        assert engine.stalled
+
+    lock.before_acquire, lock.armed_in = declare_stall, threading.current_thread()
+    racing = answer(engine, new_job())
+    assert engine.stalled and "held in" in engine.stalled, engine.stalled
+    after = answer(engine, new_job())
+    answers = {"stuck": awaited(stuck), "queued before": awaited(queued_before), "racing": racing, "after": after}
+    for name, event in answers.items():
+        assert is_stalled_error(event), (name, event)
+    assert engine.waiting == 0
+
+    runner.release.set()  # the generation comes back: the server takes requests again
+    assert awaited(stuck)[0] == "done"  # sent once the worker is free
+    kind, outcome = answer(engine, new_job())
+    assert kind == "done" and engine.stalled is None and engine.waiting == 0, (kind, outcome)
+
+
+def test_a_stall_is_not_declared_on_a_generation_that_has_returned(stuck_engine):
+    engine, runner, clock, lock = stuck_engine
+    stuck = new_job()
+    engine.submit(stuck)
+    assert runner.entered.wait(ANSWER_TIMEOUT_S)
+    runner.release.set()
+    assert awaited(stuck)[0] == "done"
+    engine._declare_stall(stuck, "nowhere")  # what a watchdog that read the job just before it returned does
+    assert engine.stalled is None
+    assert answer(engine, new_job())[0] == "done"
+
+
+def test_a_request_submitted_while_the_server_stops_is_answered(stuck_engine):
+    engine, runner, clock, lock = stuck_engine
+    runner.release.set()
+    stopper = threading.Thread(target=engine.stop)
+
+    def stop_begins():
+        stopper.start()
+        # stop() has marked the end of work, or waits for this submit's lock to do so
+        deadline = time.monotonic() + ANSWER_TIMEOUT_S
+        while not engine._stopping and stopper.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    lock.before_acquire, lock.armed_in = stop_begins, threading.current_thread()
+    kind, value = answer(engine, new_job())
+    stopper.join(ANSWER_TIMEOUT_S)
+    assert kind in ("error", "refused") and isinstance(value, ShuttingDown), (kind, value)
