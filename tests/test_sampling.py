@@ -5,6 +5,7 @@ Expected values come from hand formulas (math.exp) or numpy directly, never from
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -340,3 +341,102 @@ def test_a_temperature_below_the_floor_is_greedy_everywhere():
         assert params.greedy
         assert warp(logits, params).tolist() == [0.0, 1.0, 0.0, 0.0]
     assert not SamplingParams(GREEDY_BELOW).greedy
+
+
+# ------------------------------------------------------------------------------------------------------
+# sample_logits: one row's token without warping it (the CPU kernels' sampler), against a float64 law the
+# test computes itself: temperature, then top-k, top-p (the smallest rank prefix holding top_p) and min-p on
+# the tempered distribution, then the inverse CDF in vocabulary order.
+
+def oracle_law(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, float]:
+    """The sampled law in float64, and the least margin by which a token's mass before it clears top_p
+    (a token within rounding of that edge may go either way)."""
+    z = logits.astype(np.float64) / params.temperature
+    order = np.lexsort((np.arange(z.size), -z))  # z descending, then index: a stable descending sort
+    if 0 < params.top_k < z.size:
+        order = order[:params.top_k]
+    e = np.exp(z - z.max())
+    ranked = e[order]
+    mass = ranked.sum()
+    keep = np.zeros(z.size, dtype=bool)
+    margin = math.inf
+    if params.top_p < 1.0:
+        before = np.cumsum(ranked) - ranked
+        margin = float(np.abs(before - params.top_p * mass).min() / mass)
+        kept = before < params.top_p * mass
+        kept[0] = True
+        keep[order[kept]] = True
+    else:
+        keep[order] = True
+    if params.min_p > 0:
+        keep &= z >= z.max() + math.log(params.min_p)
+    law = np.where(keep, e, 0.0)
+    return law / law.sum(), margin
+
+
+def language_model_row(vocab: int, seed: int) -> torch.Tensor:
+    """Logits shaped like a model's: a broad low floor and a few hundred tokens well above it."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(vocab, generator=g) * 2.0
+    top = torch.randint(vocab, (300,), generator=g)
+    x[top] += 6.0 + torch.rand(300, generator=g) * 6.0
+    return x
+
+
+KERNEL_PARAMS = [SamplingParams(0.8), SamplingParams(1.0, top_p=0.95), SamplingParams(0.7, min_p=0.05),
+                 SamplingParams(0.7, top_k=40, top_p=0.95, min_p=0.05), SamplingParams(1.3, top_k=5),
+                 SamplingParams(0.5, top_p=0.6), SamplingParams(1.0, top_k=2000, top_p=0.9)]
+
+
+@pytest.mark.parametrize("params", KERNEL_PARAMS, ids=str)
+def test_sample_logits_draws_the_token_whose_interval_holds_u(params):
+    """u at the middle of each kept token's interval of the float64 law picks that token: the kept set, its
+    vocabulary order and the interval widths are all the law's (a wrong filter, order or normalisation fails)."""
+    from outrider.native import NativeUnavailable, load
+    from outrider.spec.sampling import sample_logits
+
+    try:
+        load()
+    except NativeUnavailable as e:
+        pytest.skip(str(e))
+    rows = ((x, *oracle_law(x.numpy(), params)) for x in (language_model_row(262_144, seed) for seed in range(20)))
+    # rows with no token within rounding of top-p's edge (a float32 sum of the row moves it by ~1e-5)
+    rows = list(itertools.islice(((x, law) for x, law, margin in rows if margin > 1e-5), 3))
+    assert len(rows) == 3
+    for logits, law in rows:
+        kept = np.flatnonzero(law)
+        cum = np.cumsum(law[kept])
+        starts = np.concatenate([[0.0], cum[:-1]])
+        wide = law[kept] > 1e-5  # an interval far wider than float32's rounding of the sums
+        for token, start, end in list(zip(kept[wide], starts[wide], cum[wide]))[:200]:
+            assert sample_logits(logits, params, (start + end) / 2) == token
+        assert sample_logits(logits, params, 0.0) == kept[0]
+        assert sample_logits(logits, params, 1.0 - 1e-12) == kept[-1]
+
+
+def test_sample_logits_follows_the_law_and_falls_back_to_the_reference():
+    from outrider.native import NativeUnavailable, load
+    from outrider.spec.sampling import sample_logits
+    from outrider.testing.stats import chi2_test
+
+    try:
+        load()
+    except NativeUnavailable as e:
+        pytest.skip(str(e))
+    params = SamplingParams(1.0, top_p=0.9, min_p=0.001)
+    logits = language_model_row(262_144, 7)
+    law, _ = oracle_law(logits.numpy(), params)
+    us = np.random.default_rng(0).random(4000)
+    counts = np.bincount([sample_logits(logits, params, float(u)) for u in us], minlength=law.size)
+    _, _, p_value, forbidden = chi2_test(counts, law)
+    assert forbidden == 0 and p_value > 1e-3
+    # what the kernel cannot decide goes to the reference: the same error, the argmax at temperature 0,
+    # a small vocabulary drawn as sample_at(warp) draws it
+    nan_row = logits.clone()
+    nan_row[3] = float("nan")
+    with pytest.raises(ValueError):
+        sample_logits(nan_row, params, 0.5)
+    assert sample_logits(logits, SamplingParams(0.0), 0.5) == int(logits.argmax())
+    small = language_model_row(1000, 1)
+    for u in (0.1, 0.5, 0.9):
+        assert sample_logits(small, params, u) == sample_at(warp(small, params), u)

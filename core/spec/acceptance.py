@@ -25,7 +25,7 @@ import torch
 
 from outrider.errors import ConfigError
 from outrider.spec.random_streams import PositionRandom
-from outrider.spec.sampling import SamplingParams, argmax_token, sample_at, warp
+from outrider.spec.sampling import SamplingParams, argmax_token, sample_at, sample_logits, warp
 
 __all__ = ["VerifyRound", "AcceptResult", "Acceptor", "greedy_round", "sampled_round", "as_acceptor"]
 
@@ -85,6 +85,11 @@ class VerifyRound:
             row = self._warped[i] = warp(self.target_logits[i], self.params)
         return row
 
+    def sample_target(self, i: int, u: float) -> int:
+        """``sample_at(target_probs(i), u)``: row i's token for the draw u, found without warping the row
+        (`sample_logits`); every round and plain decoding draw through it, so they agree token for token."""
+        return sample_logits(self.target_logits[i], self.params, u)
+
     def recovered(self, i: int, token: int) -> AcceptResult:
         """Draft x_{i+1} was rejected: keep x_1..x_i, then the recovered token in its place."""
         return AcceptResult(tokens=[*self.draft_tokens[:i], int(token)], accepted=i)
@@ -130,10 +135,10 @@ def sampled_round(verify: VerifyRound, force: Callable[[int], bool] | None = Non
         # distributed as p_i without x_i, renormalised: the one-hot residual. Same seed => same output as
         # plain sampling.
         for i, x in enumerate(verify.draft_tokens):
-            t = sample_at(p(i), rng.uniform(pos + i))
+            t = verify.sample_target(i, rng.uniform(pos + i))
             if t != x and not (force is not None and force(i)):
                 return verify.recovered(i, t)
-        return verify.bonus(sample_at(p(verify.k), rng.uniform(pos + verify.k)))
+        return verify.bonus(verify.sample_target(verify.k, rng.uniform(pos + verify.k)))
 
     # Drafter with q: keep x_i with probability min(1, p_i(x_i) / q_i(x_i)) (reject if q_i(x_i) == 0); at
     # the first rejection sample from norm(max(0, p_i - q_i)); all kept: the bonus from p_{k+1}.
@@ -149,7 +154,7 @@ def sampled_round(verify: VerifyRound, force: Callable[[int], bool] | None = Non
         if not float(residual.sum()) > 0.0:
             residual = p(i)
         return verify.recovered(i, sample_at(residual, rng.uniform(pos + i)))
-    return verify.bonus(sample_at(p(verify.k), rng.uniform(pos + verify.k)))
+    return verify.bonus(verify.sample_target(verify.k, rng.uniform(pos + verify.k)))
 
 
 def takes_positional_arguments(acceptor: Any) -> bool:

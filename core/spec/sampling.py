@@ -11,6 +11,9 @@ The rules are docs/acceptance.md's; what they fix for this module:
   with a deterministic drafter produce the same tokens for the same seed.
 * :func:`sample_at` picks token i iff cum[i-1] <= u * total < cum[i] over the row in vocabulary order,
   so the same draw gives the same token wherever it is made.
+* :func:`sample_logits` is ``sample_at(warp(logits, params), u)`` for one row of logits, without warping the
+  whole vocabulary (the CPU kernels' sampler): plain decoding and every deterministic drafter's round draw
+  through it, so they agree token for token.
 
 The acceptor protocol (one verify round, the result) is in :mod:`outrider.spec.acceptance`.
 """
@@ -30,6 +33,7 @@ __all__ = [
     "SamplingParams",
     "warp",
     "sample_at",
+    "sample_logits",
     "sample_rows",
     "argmax",
     "argmax_token",
@@ -274,3 +278,44 @@ def _sample_row(row: np.ndarray, u: float) -> int:
 def sample_at(probs: torch.Tensor, u: float) -> int:
     """Inverse-CDF sample of ``probs`` [V] with the uniform ``u`` in [0, 1) (see :func:`sample_rows`)."""
     return sample_rows(probs.reshape(1, -1), [u])[0]
+
+
+_KERNEL_FROM_VOCAB = 4096  # below, warping the row in torch costs less than the call's own overhead
+
+
+def sample_logits(logits: torch.Tensor, params: SamplingParams, u: float) -> int:
+    """The token ``sample_at(warp(logits, params), u)`` gives, for one row of logits [V].
+
+    On the CPU the kernels' sampler finds it without warping the row: the filters look only at tokens near
+    the largest logit and the draw sums exps by blocks (a 262k-token vocabulary warped in torch costs a
+    third of a small model's decode step). Its sums run in float64 over float32 exps in another order than
+    the reference's, so it can pick a neighbouring token only where u * total falls within rounding of the
+    boundary between two tokens; the law is the same. Rows it cannot decide (NaN, infinities) go to the
+    reference, which says what is wrong.
+    """
+    if params.greedy:
+        return argmax_token(logits)
+    kernels = _sampler_kernels() if logits.shape[-1] >= _KERNEL_FROM_VOCAB else None
+    if kernels is not None and logits.device.type == "cpu" and logits.dim() == 1:
+        row = logits.detach()
+        row = row if row.dtype == torch.float32 and row.is_contiguous() else row.to(torch.float32).contiguous()
+        token = kernels.sample_logits(row, float(params.temperature), int(params.top_k), float(params.top_p),
+                                      float(params.min_p), float(u))
+        if token >= 0:
+            return token
+    return sample_at(warp(logits, params), u)
+
+
+_SAMPLER_KERNELS: list = []
+
+
+def _sampler_kernels():
+    """The CPU kernels module, or None where it cannot be built (the reference then decides every draw)."""
+    if not _SAMPLER_KERNELS:
+        from outrider.native import NativeUnavailable, load
+
+        try:
+            _SAMPLER_KERNELS.append(load())
+        except NativeUnavailable:
+            _SAMPLER_KERNELS.append(None)
+    return _SAMPLER_KERNELS[0]
