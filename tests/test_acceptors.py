@@ -441,33 +441,3 @@ def test_registered_with_capabilities_and_options():
     assert registry.get("acceptor", "p-min").capabilities["lossless"] is False
     assert set(registry.get("acceptor", "p-min").options) == {"p_min"}
     assert registry.get("acceptor", "p-min").options["p_min"].default == 0.1
-
-
-# ------------------------------------------------------------------------------------------------ a wrong signature
-
-
-class PositionalGreedy:
-    """An acceptor whose accept takes (target_logits, draft_tokens, draft_probs, params, rng, position)."""
-
-    lossless, needs_draft_probs = True, False
-
-    def accept(self, target_logits, draft_tokens, draft_probs, params, rng, position):
-        return AcceptResult([int(target_logits[0].argmax())], 0)
-
-
-def test_an_acceptor_with_a_positional_signature_is_refused_in_one_line(outrider_contract_fixtures):
-    from outrider.errors import ConfigError
-    from outrider.plugins.drafters.lookup import LookupDrafter
-    from outrider.spec.runner import Runner
-
-    with pytest.raises(ConfigError, match=r"write accept\(self, verify\)"):
-        Runner(outrider_contract_fixtures.target("llama"), LookupDrafter(), PositionalGreedy(), draft_max=4, context=256)
-
-
-def test_acceptors_taking_one_round_are_used_as_they_are():
-    from outrider.spec.acceptance import as_acceptor
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for acceptor in (GreedyAcceptor(), SampledAcceptor(), PMinAcceptor()):
-            assert as_acceptor(acceptor) is acceptor

@@ -16,18 +16,16 @@ Modelled on vLLM's SpecDecodeMetadata: one object instead of six positional argu
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from outrider.errors import ConfigError
 from outrider.spec.random_streams import PositionRandom
 from outrider.spec.sampling import SamplingParams, argmax_token, sample_at, warp
 
-__all__ = ["VerifyRound", "AcceptResult", "Acceptor", "greedy_round", "sampled_round", "as_acceptor"]
+__all__ = ["VerifyRound", "AcceptResult", "Acceptor", "greedy_round", "sampled_round"]
 
 
 @dataclass
@@ -150,22 +148,3 @@ def sampled_round(verify: VerifyRound, force: Callable[[int], bool] | None = Non
             residual = p(i)
         return verify.recovered(i, sample_at(residual, rng.uniform(pos + i)))
     return verify.bonus(sample_at(p(verify.k), rng.uniform(pos + verify.k)))
-
-
-def takes_positional_arguments(acceptor: Any) -> bool:
-    """Whether ``acceptor.accept`` is the old six-argument form (it needs more than one argument)."""
-    try:
-        parameters = inspect.signature(acceptor.accept).parameters.values()
-    except (TypeError, ValueError):  # a callable whose signature cannot be read: assume the current form
-        return False
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(1 for p in parameters if p.kind in positional and p.default is p.empty) > 1
-
-
-def as_acceptor(acceptor: Any) -> Any:
-    """The acceptor itself; one whose ``accept`` takes several arguments (a signature Outrider never
-    shipped a release with) is refused in one line that names the fix."""
-    if takes_positional_arguments(acceptor):
-        raise ConfigError(f"{type(acceptor).__name__}.accept takes several arguments; an acceptor takes one "
-                          "outrider.spec.acceptance.VerifyRound: write accept(self, verify) (see docs/plugins.md)")
-    return acceptor
