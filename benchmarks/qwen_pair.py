@@ -127,6 +127,7 @@ def outrider_runs(target_path: Path, draft_path: Path, prompts: dict[str, str], 
     from outrider.plugins.drafters.none import NoDrafter
     from outrider.spec.chain import DrafterChain
     from outrider.spec.drafter import Target
+    from outrider.spec.drafter_traits import DrafterTraits
     from outrider.spec.runner import Runner
     from outrider.spec.sampling import SamplingParams
 
@@ -143,8 +144,9 @@ def outrider_runs(target_path: Path, draft_path: Path, prompts: dict[str, str], 
         drafters[SAMPLED_CONFIG] = DraftModelDrafter(model=str(draft_path), sample=True)
         drafters[SAMPLED_CONFIG].setup(target)
     acceptor = SampledAcceptor if temperature > 0 else GreedyAcceptor
-    runners = {name: Runner(target, drafter, acceptor(), draft_max=0 if name == "none" else draft_max,
-                            context=4096) for name, drafter in drafters.items()}
+    runners = {name: Runner(target, drafter, acceptor(),
+                            DrafterTraits.of(drafter, draft_max=0 if name == "none" else draft_max), context=4096)
+               for name, drafter in drafters.items()}
     results = {}
     for label, text in prompts.items():
         ids = target.tokenizer.encode(text)

@@ -31,8 +31,8 @@ from outrider.spec.drafter import (
     DraftKind,
     Target,
     draft_loop,
-    may_give_draft_probs,
 )
+from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.random_streams import PositionRandom
 from outrider.spec.sampling import GREEDY_BELOW, SamplingParams, argmax_token, sample_at, sample_rows, warp
 
@@ -50,7 +50,7 @@ __all__ = [
     "Backend", "load_model",
     # drafters
     "Drafter", "DrafterBase", "Draft", "DraftKind", "DEFAULT_KIND", "DraftControls", "Target", "draft_loop",
-    "may_give_draft_probs",
+    "DrafterTraits",
     "NEEDS_DRAFT_MODEL", "NEEDS_TARGET_HIDDEN", "NEEDS_TARGET_KV", "NEEDS_MTP_HEAD",
     # acceptors and the acceptance rules
     "Acceptor", "VerifyRound", "AcceptResult", "greedy_round", "sampled_round",

@@ -1,6 +1,6 @@
-"""Assembling a runner from a resolved config: plugins looked up by name, options validated,
-capabilities checked. This is the only place pluggy-registered plugins are resolved; the runner
-works with the plain objects it gets from here."""
+"""Assembling a runner from a resolved config: plugins looked up by name, options validated, the
+drafter's traits settled once (`DrafterTraits`) and checked against the acceptor. This is the only place
+pluggy-registered plugins are resolved; the runner works with the plain objects it gets from here."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from outrider.spec.drafter import (
     NEEDS_TARGET_KV,
     DraftControls,
     Target,
-    reads_the_target,
 )
+from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.runner import Runner
 from outrider.spec.sampling import SamplingParams
 
@@ -80,17 +80,16 @@ def drafter_spec(registry: Registry, name: str) -> PluginSpec:
     return chain_spec([registry.get("drafter", n) for n in names])
 
 
-def check_pair(drafter: PluginSpec, acceptor: PluginSpec, drafter_obj: Any, params: SamplingParams) -> list[str]:
-    """Refuse a drafter/acceptor pair that cannot work; return warnings for ones that work but lose something."""
-    needs = set(drafter.capabilities.get("needs", ()))
-    missing = needs - SUPPORTED_NEEDS
+def check_pair(drafter: PluginSpec, acceptor: PluginSpec, traits: DrafterTraits, params: SamplingParams) -> list[str]:
+    """Refuse a drafter/acceptor pair that cannot work; return warnings for ones that work but lose something.
+    `traits` are the drafter instance's (`DrafterTraits.of`)."""
+    missing = traits.needs - SUPPORTED_NEEDS
     if missing:
         raise ConfigError(f"{drafter.label} needs {', '.join(sorted(missing))}, which this version of Outrider cannot give")
-    if reads_the_target(drafter_obj) and not callable(getattr(drafter_obj, "observe", None)):
+    if traits.reads_the_target and not traits.observes:
         raise ConfigError(f"{drafter.label} needs the target's hidden states or KV cache but has no "
                           "observe(hidden, start, cache) method to receive them; add one (see docs/plugins.md)")
-    gives_q = bool(getattr(drafter_obj, "gives_draft_probs", drafter.capabilities.get("gives_draft_probs")))
-    if acceptor.capabilities.get("needs_draft_probs") and not gives_q:
+    if acceptor.capabilities.get("needs_draft_probs") and not traits.gives_draft_probs:
         raise ConfigError(f"{acceptor.label} needs draft probabilities, but {drafter.label} drafts deterministically "
                           "and gives none; choose the sampled or greedy acceptor, or a drafter that samples")
     warnings = []
@@ -115,7 +114,8 @@ def assemble(config: Config, registry: Registry | None = None) -> Assembly:
     backend = specs["backend"].factory(**resolved["backend"])
     drafter = specs["drafter"].factory(**resolved["drafter"])
     acceptor = specs["acceptor"].factory(**resolved["acceptor"])
-    warnings = check_pair(specs["drafter"], specs["acceptor"], drafter, params)
+    traits = DrafterTraits.of(drafter, specs["drafter"].capabilities, config["draft_max"])
+    warnings = check_pair(specs["drafter"], specs["acceptor"], traits, params)
 
     gguf = GGUFFile(resolve_model(config["model"]))
     model = backend.load_model(gguf)  # first: an unknown architecture is the more useful error
@@ -123,6 +123,5 @@ def assemble(config: Config, registry: Registry | None = None) -> Assembly:
     target = Target(model=model, tokenizer=tokenizer, gguf=gguf, backend=backend)
     drafter.setup(target)
     controls = DraftControls(draft_min=config["draft_min"], draft_p_min=config["draft_p_min"])
-    runner = Runner(target, drafter, acceptor, draft_max=config["draft_max"], controls=controls,
-                    context=config["context"])
+    runner = Runner(target, drafter, acceptor, traits, controls=controls, context=config["context"])
     return Assembly(runner, tokenizer, gguf, params, specs, resolved, warnings)

@@ -190,9 +190,10 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
     stats["load_s"] = round(load_s, 3)
     stats["config"] = config.report(assembly.options)
     stats["plugins"] = {kind: spec.name for kind, spec in assembly.plugins.items()}
-    instances = {"backend": assembly.runner.target.backend, "drafter": runner.drafter, "acceptor": runner.acceptor}
-    stats["capabilities"] = {kind: _plain(instance_capabilities(spec, instances[kind]))
-                             for kind, spec in assembly.plugins.items()}
+    specs = assembly.plugins
+    stats["capabilities"] = {"backend": _plain(instance_capabilities(specs["backend"], runner.target.backend)),
+                             "drafter": _plain(runner.traits.capabilities),
+                             "acceptor": _plain(instance_capabilities(specs["acceptor"], runner.acceptor))}
     if as_json:
         click.echo(json.dumps({"text": "".join(pieces), "tokens": generated, "prompt_tokens": prompt_ids,
                                "stats": stats}, ensure_ascii=False))
@@ -520,15 +521,17 @@ def _plain(capabilities: dict) -> dict:
 
 
 def instance_capabilities(spec, instance=None) -> dict:
-    """Capabilities as an instance has them (an option may switch one; the runner asks the instance): `instance`,
-    or one made with the default options; the registered ones where no instance can be made (a missing GPU, a
-    required option), or for what the instance does not say."""
+    """Capabilities as an instance has them (an option may switch one): `instance`, or one made with the default
+    options; the registered ones where no instance can be made (a missing GPU, a required option), or for what
+    the instance does not say."""
+    from outrider.registry import as_the_instance_has_them
+
     if instance is None:
         try:
             instance = spec.create()
         except Exception:
             instance = None
-    return {key: getattr(instance, key, value) for key, value in spec.capabilities.items()}
+    return as_the_instance_has_them(spec.capabilities, instance)
 
 
 @main.command()

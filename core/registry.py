@@ -14,7 +14,6 @@ import functools
 import inspect
 import os
 import sys
-import warnings
 from dataclasses import dataclass, field
 from importlib import import_module
 from importlib.metadata import entry_points
@@ -46,6 +45,12 @@ CAPABILITY_DEFAULTS = {
     # greedy_only: lossless at temperature 0 only (it ignores the temperature)
     "acceptor": {"lossless": True, "needs_draft_probs": False, "greedy_only": False},
 }
+
+
+def as_the_instance_has_them(declared: dict[str, Any], instance: Any) -> dict[str, Any]:
+    """The `declared` capabilities, each replaced by `instance`'s attribute of the same name where it has one
+    (an option may switch a capability, so the instance wins)."""
+    return {key: getattr(instance, key, value) for key, value in declared.items()}
 
 
 @dataclass(frozen=True)
@@ -112,27 +117,16 @@ def signature_default(factory: Callable[..., Any], name: str) -> Any:
 
 def _as_option(name: str, value: Any, factory: Callable[..., Any]) -> Option:
     """An option is declared `(type, help)`; its default is the factory's own (declared once, in the
-    signature, so a direct call and the registry agree). 0.1's other shapes, `(type, default, help)`,
-    `(type, default)` with a default that is not a string and an `Option`, still work in this release, with a
-    DeprecationWarning, and must agree with the signature where it has a default. (A 0.1 `(str, "auto")` reads
-    as `(type, help)`: its default then comes from the signature, which 0.1 required to agree anyway.)"""
+    signature, so a direct call and the registry agree)."""
     own = signature_default(factory, name)
     label = getattr(factory, "__qualname__", repr(factory))
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str):
-        if own is _NO_DEFAULT:
-            raise TypeError(f"option {name!r}: {label} takes no keyword {name!r} with a default; give the parameter "
-                            "a default in the signature (options take their default from there)")
-        return Option(name, value[0], own, value[1])
-    if isinstance(value, Option) or (isinstance(value, tuple) and len(value) in (2, 3)):  # 0.1's shapes
-        warnings.warn(f"option {name!r} of {label}: declare options as (type, help), the default coming from the "
-                      "signature; (type, default, help) and Option go in the next release",
-                      DeprecationWarning, stacklevel=4)
-        option = value if isinstance(value, Option) else Option(name, *value)
-        if own is not _NO_DEFAULT and option.default != own:
-            raise TypeError(f"option {name!r}: default {option.default!r} in options= but {own!r} in the signature "
-                            f"of {label}; declare it once: (type, help)")
-        return option
-    raise TypeError(f"option {name!r}: give a (type, help) tuple (the default is the factory's), not {value!r}")
+    if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type) and isinstance(value[1], str)):
+        raise TypeError(f"option {name!r} of {label}: give a (type, help) tuple (the default is the factory's), "
+                        f"not {value!r}")
+    if own is _NO_DEFAULT:
+        raise TypeError(f"option {name!r}: {label} takes no keyword {name!r} with a default; give the parameter "
+                        "a default in the signature (options take their default from there)")
+    return Option(name, value[0], own, value[1])
 
 
 class Registry:
@@ -174,9 +168,7 @@ class Registry:
                   capabilities: dict[str, Any] | None = None) -> None:
         caps = {key: getattr(factory, key, default) for key, default in CAPABILITY_DEFAULTS[kind].items()}
         caps.update(capabilities or {})
-        declared = {}
-        for key, value in (options or {}).items():  # a loop, not a comprehension: the warnings' stacklevel
-            declared[key] = _as_option(key, value, factory)
+        declared = {key: _as_option(key, value, factory) for key, value in (options or {}).items()}
         spec = PluginSpec(kind, name, factory, tuple(aliases), declared, caps, package)
         for claimed in (name, *spec.aliases):
             owner = self._owner(kind, claimed)

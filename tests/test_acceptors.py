@@ -443,9 +443,6 @@ def test_registered_with_capabilities_and_options():
     assert registry.get("acceptor", "p-min").options["p_min"].default == 0.1
 
 
-# ------------------------------------------------------------------------------------------------ a wrong signature
-
-
 class PositionalGreedy:
     """An acceptor whose accept takes (target_logits, draft_tokens, draft_probs, params, rng, position)."""
 
@@ -455,19 +452,15 @@ class PositionalGreedy:
         return AcceptResult([int(target_logits[0].argmax())], 0)
 
 
-def test_an_acceptor_with_a_positional_signature_is_refused_in_one_line(outrider_contract_fixtures):
-    from outrider.errors import ConfigError
+def test_an_acceptor_taking_several_arguments_is_refused_in_one_line(outrider_contract_fixtures):
     from outrider.plugins.drafters.lookup import LookupDrafter
+    from outrider.spec.drafter_traits import DrafterTraits
     from outrider.spec.runner import Runner
 
+    drafter = LookupDrafter()
     with pytest.raises(ConfigError, match=r"write accept\(self, verify\)"):
-        Runner(outrider_contract_fixtures.target("llama"), LookupDrafter(), PositionalGreedy(), draft_max=4, context=256)
-
-
-def test_acceptors_taking_one_round_are_used_as_they_are():
-    from outrider.spec.acceptance import as_acceptor
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for acceptor in (GreedyAcceptor(), SampledAcceptor(), PMinAcceptor()):
-            assert as_acceptor(acceptor) is acceptor
+        Runner(outrider_contract_fixtures.target("llama"), drafter, PositionalGreedy(),
+               DrafterTraits.of(drafter, draft_max=4), context=256)
+    for acceptor in (GreedyAcceptor(), SampledAcceptor(), PMinAcceptor()):
+        Runner(outrider_contract_fixtures.target("llama"), drafter, acceptor, DrafterTraits.of(drafter, draft_max=4),
+               context=256)

@@ -11,6 +11,7 @@ from outrider.config import resolve_config
 from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
 from outrider.registry import BUILTIN_PACKAGE, Registry, build_registry
+from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.sampling import SamplingParams
 
 
@@ -104,25 +105,27 @@ def test_impossible_pair_is_refused_and_lossy_acceptor_warns(registry):
         needs_draft_probs = True
 
     lookup = registry.get("drafter", "lookup")
+    traits = DrafterTraits.of(lookup.create(), lookup.capabilities)
     fake = registry.get("acceptor", "sampled").__class__(
         "acceptor", "needs-q", NeedsQ, capabilities={"lossless": True, "needs_draft_probs": True})
     with pytest.raises(ConfigError, match="needs draft probabilities, but drafter 'lookup' drafts deterministically"):
-        check_pair(lookup, fake, lookup.create(), SamplingParams())
-    warnings = check_pair(lookup, registry.get("acceptor", "p-min"), lookup.create(), SamplingParams())
+        check_pair(lookup, fake, traits, SamplingParams())
+    warnings = check_pair(lookup, registry.get("acceptor", "p-min"), traits, SamplingParams())
     assert any("lossy" in w for w in warnings)
-    assert check_pair(lookup, registry.get("acceptor", "sampled"), lookup.create(), SamplingParams(0.7)) == []
+    assert check_pair(lookup, registry.get("acceptor", "sampled"), traits, SamplingParams(0.7)) == []
 
 
 def test_an_acceptor_lossless_at_temperature_0_only_warns_above_it_whatever_its_name(registry):
     lookup = registry.get("drafter", "lookup")
+    traits = DrafterTraits.of(lookup.create(), lookup.capabilities)
     spec = registry.get("acceptor", "greedy")
     argmax_only = type(spec)("acceptor", "argmax-only", spec.factory, capabilities={"greedy_only": True})
     for acceptor in (spec, argmax_only):
-        warned = check_pair(lookup, acceptor, lookup.create(), SamplingParams(0.7))
+        warned = check_pair(lookup, acceptor, traits, SamplingParams(0.7))
         assert any("ignores temperature 0.7" in w for w in warned), (acceptor.name, warned)
-        assert check_pair(lookup, acceptor, lookup.create(), SamplingParams(0.0)) == []
+        assert check_pair(lookup, acceptor, traits, SamplingParams(0.0)) == []
     sampled = registry.get("acceptor", "sampled")
-    assert check_pair(lookup, sampled, lookup.create(), SamplingParams(0.7)) == []
+    assert check_pair(lookup, sampled, traits, SamplingParams(0.7)) == []
 
 
 def test_llama_cpp_sampling_settings_reach_the_sampling_params(tmp_path):

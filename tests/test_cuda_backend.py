@@ -19,6 +19,7 @@ from outrider.io.gguf import GGUFFile
 from outrider.models.static_step import STATIC_ARCHITECTURES
 from outrider.spec.acceptance import VerifyRound
 from outrider.spec.drafter import Draft, DrafterBase, Target
+from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.random_streams import PositionRandom
 from outrider.spec.runner import Runner
 from outrider.spec.sampling import SamplingParams, warp
@@ -131,7 +132,7 @@ def test_greedy_speculation_is_argmax_stable(cuda_models, outrider_contract_fixt
     for draft_max in (4, 8, 15):
         drafter = _NoisyOracleDrafter(plain, len(PROMPT), vocab)
         drafter.setup(target)
-        runner = Runner(target, drafter, GreedyAcceptor(), draft_max=draft_max, context=128)
+        runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=draft_max), context=128)
         got = list(runner.generate(list(PROMPT), n, SamplingParams(temperature=0.0)))
         verdict = assert_argmax_stable(plain, got, gaps, margin, f"{label} {arch} draft_max {draft_max}")
         print(f"{label} {arch} draft_max={draft_max}: drift {drift:.3g}, margin {margin:.3g}, near-tie rate "

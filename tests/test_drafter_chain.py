@@ -12,6 +12,7 @@ from outrider.plugins.drafters.lookup import LookupDrafter
 from outrider.plugins.drafters.mtp.drafter import MTPDrafter
 from outrider.registry import default_registry
 from outrider.spec.chain import DrafterChain
+from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.runner import Runner
 from outrider.spec.sampling import SamplingParams
 from outrider.testing.contracts import DrafterContract
@@ -26,7 +27,7 @@ def test_lookup_then_mtp_equals_plain_greedy_and_both_draft(outrider_contract_fi
     target = fx.target("llama")
     chain = DrafterChain([LookupDrafter(), MTPDrafter(model=str(fx.tiny_mtp_sidecar_path))], ["lookup", "mtp"])
     chain.setup(target)
-    runner = Runner(target, chain, GreedyAcceptor(), draft_max="auto", context=256)
+    runner = Runner(target, chain, GreedyAcceptor(), DrafterTraits.of(chain, draft_max="auto"), context=256)
     out = list(runner.generate(list(PROMPT), 40, SamplingParams()))
     assert out == plain_greedy(target.model, PROMPT, 40)
     learned = {kind.name.split(":")[0] for kind in runner.draft_length.kinds}

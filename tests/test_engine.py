@@ -271,12 +271,13 @@ def test_greedy_continuation_matches_transformers(real):
     from outrider.plugins.acceptors.greedy import GreedyAcceptor
     from outrider.plugins.drafters.none import NoDrafter
     from outrider.spec.drafter import Target
+    from outrider.spec.drafter_traits import DrafterTraits
     from outrider.spec.runner import Runner
     from outrider.spec.sampling import SamplingParams
 
     _, model, hf_model, hf_tokenizer, path = real
     with native_activations("float32"):
-        runners = [Runner(Target(m, None, None, None), NoDrafter(), GreedyAcceptor(), draft_max=0, context=512)
+        runners = [Runner(Target(m, None, None, None), NoDrafter(), GreedyAcceptor(), DrafterTraits(draft_max=0), context=512)
                    for m in (model, load_model(GGUFFile(path), weights="compact"))]
         for prompt in PROMPTS[:3]:
             ids = hf_tokenizer.encode(prompt)

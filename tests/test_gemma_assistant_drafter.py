@@ -29,6 +29,7 @@ from outrider.plugins.acceptors.sampled import SampledAcceptor  # noqa: E402
 from outrider.plugins.backends.cpu import CPUBackend  # noqa: E402
 from outrider.plugins.drafters.gemma_assistant.drafter import GemmaAssistantDrafter, target_kv_layers  # noqa: E402
 from outrider.spec.drafter import DraftControls, Target  # noqa: E402
+from outrider.spec.drafter_traits import DrafterTraits  # noqa: E402
 from outrider.spec.runner import Runner  # noqa: E402
 from outrider.spec.sampling import SamplingParams, warp  # noqa: E402
 from outrider.testing.fixtures import plain_greedy  # noqa: E402
@@ -85,7 +86,7 @@ class Recording:
 def test_each_rounds_drafts_equal_transformers_from_the_targets_own_state(targets, head):
     t = target(targets, "dense")
     drafter = Recording(_drafter(t, head))
-    runner = Runner(t, drafter, GreedyAcceptor(), draft_max=3, context=256)
+    runner = Runner(t, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=3), context=256)
     list(runner.generate(PROMPT, 16, SamplingParams()))
     hf_dir, _ = cached_assistant(t.gguf.path, head)
     oracle = TransformersAssistant(load_transformers_assistant(hf_dir))
@@ -112,7 +113,8 @@ def test_greedy_speculation_is_plain_greedy_decoding(targets, variant):
     t = target(targets, variant)
     want = plain_greedy(t.model, PROMPT, 24)
     for draft_max in (1, 4):
-        runner = Runner(t, _drafter(t, "dense"), GreedyAcceptor(), draft_max=draft_max, context=256)
+        drafter = _drafter(t, "dense")
+        runner = Runner(t, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=draft_max), context=256)
         got = list(runner.generate(PROMPT, 24, SamplingParams()))
         assert got == want, f"draft_max {draft_max}: {got} != plain {want}"
         assert runner.stats.drafted > 0
@@ -143,7 +145,7 @@ def test_sampled_acceptor_with_the_assistants_q_is_lossless(targets):
     params = SamplingParams(temperature=1.5, top_k=4)
     laws = _exact_laws(t.model, PROMPT[:6], params)
     drafter = _drafter(t, "dense")
-    runner = Runner(t, drafter, SampledAcceptor(), draft_max=2, context=64)
+    runner = Runner(t, drafter, SampledAcceptor(), DrafterTraits.of(drafter, draft_max=2), context=64)
     n, vocab = 1500, t.model.config.vocab_size
     counts = [np.zeros(vocab) for _ in laws]
     accepted = drafted = 0
@@ -162,7 +164,7 @@ def test_sampled_acceptor_with_the_assistants_q_is_lossless(targets):
 def test_p_min_stops_a_round_at_an_unlikely_draft(targets):
     t = target(targets, "dense")
     drafter = Recording(_drafter(t, "dense"))
-    runner = Runner(t, drafter, GreedyAcceptor(), draft_max=4, context=256, controls=DraftControls(draft_p_min=0.999))
+    runner = Runner(t, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=4), context=256, controls=DraftControls(draft_p_min=0.999))
     list(runner.generate(PROMPT, 12, SamplingParams()))
     assert all(not drafted for _, _, drafted in drafter.rounds)  # random weights: never that sure
 

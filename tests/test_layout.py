@@ -117,25 +117,6 @@ def test_the_example_plugin_imports_only_the_plugin_api():
     assert not offenders
 
 
-def test_the_old_module_names_still_work_for_this_release():
-    """Plugins written against 0.1 imported these from their old modules (docs/plugins.md, Compatibility)."""
-    with pytest.warns(DeprecationWarning, match="outrider.api"):
-        drafting = importlib.reload(importlib.import_module("outrider.drafting"))
-    with pytest.warns(DeprecationWarning, match="outrider.api"):
-        sampling = importlib.reload(importlib.import_module("outrider.sampling"))
-    with pytest.warns(DeprecationWarning, match="outrider.api"):
-        verify = importlib.reload(importlib.import_module("outrider.verify"))
-    with pytest.warns(DeprecationWarning, match="outrider.api"):
-        backend = importlib.reload(importlib.import_module("outrider.backend"))
-    api = importlib.import_module("outrider.api")
-    assert (drafting.Draft, drafting.DrafterBase, drafting.DraftControls, sampling.SamplingParams) == \
-        (api.Draft, api.DrafterBase, api.DraftControls, api.SamplingParams)
-    assert (sampling.GREEDY_BELOW, sampling.PositionRandom, sampling.sample_rows, sampling.AcceptResult) == \
-        (api.GREEDY_BELOW, api.PositionRandom, api.sample_rows, api.AcceptResult)
-    assert (verify.VerifyRound, verify.sampled_round, backend.Backend) == (api.VerifyRound, api.sampled_round,
-                                                                          api.Backend)
-
-
 def test_the_plugin_api_names_what_the_guide_tells_authors_to_use():
     """Every `outrider.api.NAME` docs/plugins.md mentions resolves, and its Python blocks import only it."""
     import re

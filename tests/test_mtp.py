@@ -21,6 +21,7 @@ from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.plugins.acceptors.sampled import SampledAcceptor
 from outrider.plugins.drafters.mtp.drafter import MTPDrafter
 from outrider.spec.drafter import DraftControls
+from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.runner import Runner
 from outrider.spec.sampling import SamplingParams, warp
 from outrider.testing.fixtures import ContractFixtures, plain_greedy
@@ -224,7 +225,7 @@ def test_greedy_speculation_equals_plain_decoding(fx, sidecars, arch, draft_max)
     target = fx.target(arch)
     drafter = MTPDrafter(model=str(sidecars[arch]))
     drafter.setup(target)
-    runner = Runner(target, drafter, GreedyAcceptor(), draft_max=draft_max, context=256)
+    runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=draft_max), context=256)
     out = list(runner.generate(list(PROMPT), 24, SamplingParams()))
     assert out == plain_greedy(target.model, PROMPT, 24)
     assert runner.stats.drafted > 0
@@ -266,7 +267,7 @@ def test_sampling_with_q_keeps_the_target_distribution(fx, tmp_path):
     write_sidecar(tmp_path / "head.gguf", "llama", fx.model_path("llama"), seed=5, reduced=True, ids=ids)
     drafter = MTPDrafter(model=str(tmp_path / "head.gguf"), sample=True)
     drafter.setup(target)
-    runner = Runner(target, drafter, SampledAcceptor(), draft_max=2, context=64)
+    runner = Runner(target, drafter, SampledAcceptor(), DrafterTraits.of(drafter, draft_max=2), context=64)
     counts = np.zeros(len(cells))
     accepted = drafted = 0
     for seed in range(500):  # on one thread: the suite's autouse fixture

@@ -70,20 +70,10 @@ def test_an_option_given_as_type_and_help_takes_the_signatures_default():
     assert spec.options["strict"].default is False
 
 
-@pytest.mark.parametrize("option", [(int, 5, "how deep"), Option("depth", int, 5)])
-def test_an_option_default_that_disagrees_with_the_signature_is_refused(option):
-    with pytest.warns(DeprecationWarning, match=r"declare options as \(type, help\)"), \
-            pytest.raises(TypeError, match=r"option 'depth': default 5 in options= but 4 in the signature of Counting"):
+@pytest.mark.parametrize("option", [(int, 4, "how deep"), (int, 4), Option("depth", int, 4, "how deep"), "how deep"])
+def test_an_option_in_any_other_shape_is_refused(option):
+    with pytest.raises(TypeError, match=r"option 'depth' of Counting: give a \(type, help\) tuple"):
         _register({"depth": option})
-
-
-def test_the_old_option_shapes_still_work_with_a_warning():
-    with pytest.warns(DeprecationWarning, match="go in the next release"):
-        spec = _register({"depth": (int, 4, "how deep"), "strict": Option("strict", bool, False, "be strict")})
-    assert (spec.options["depth"].default, spec.options["strict"].default) == (4, False)
-    with pytest.warns(DeprecationWarning, match="go in the next release"):
-        spec = _register({"depth": (int, 4)})
-    assert spec.options["depth"].default == 4
 
 
 def test_an_option_without_a_default_in_the_signature_is_refused():
@@ -92,13 +82,9 @@ def test_an_option_without_a_default_in_the_signature_is_refused():
 
 
 def test_every_built_in_plugin_declares_its_options_in_the_one_shape():
-    import warnings
-
     from outrider.registry import build_registry
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        registry = build_registry(third_party=False)
+    registry = build_registry(third_party=False)  # another shape raises TypeError
     assert registry.get("backend", "cpu").options["weights"].default == "compact"
 
 

@@ -260,6 +260,7 @@ def test_real_pair_speculation_equals_plain_greedy(qwen15_path, qwen05_path):
     from outrider.plugins.drafters.lookup import LookupDrafter
     from outrider.plugins.drafters.none import NoDrafter
     from outrider.spec.chain import DrafterChain
+    from outrider.spec.drafter_traits import DrafterTraits
     from outrider.spec.runner import Runner
     from outrider.spec.sampling import SamplingParams
     from outrider.testing.fixtures import cpu_target
@@ -269,7 +270,7 @@ def test_real_pair_speculation_equals_plain_greedy(qwen15_path, qwen05_path):
 
     def generate(drafter, draft_max):
         drafter.setup(target)
-        runner = Runner(target, drafter, GreedyAcceptor(), draft_max=draft_max, context=512)
+        runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=draft_max), context=512)
         return list(runner.generate(prompt, 40, SamplingParams())), runner.stats
 
     expected, _ = generate(NoDrafter(), 0)
@@ -293,7 +294,7 @@ def test_real_pair_speculation_equals_plain_greedy(qwen15_path, qwen05_path):
 
     def sample(drafter, draft_max):
         drafter.setup(target)
-        runner = Runner(target, drafter, SampledAcceptor(), draft_max=draft_max, context=512)
+        runner = Runner(target, drafter, SampledAcceptor(), DrafterTraits.of(drafter, draft_max=draft_max), context=512)
         return list(runner.generate(prompt, 40, params)), runner.stats
 
     expected, _ = sample(NoDrafter(), 0)

@@ -14,6 +14,7 @@ from outrider.cli import main
 from outrider.plugins.acceptors.sampled import SampledAcceptor
 from outrider.plugins.drafters.draft_model import DraftModelDrafter
 from outrider.plugins.drafters.lookup import LookupDrafter
+from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.runner import Runner
 from outrider.spec.sampling import SamplingParams
 
@@ -43,7 +44,7 @@ def _run(fixtures, drafter, verify, monkeypatch, params=PARAMS, n=40):
     target = fixtures.target("llama")
     monkeypatch.setattr(target.model, "forward", clock.timed(type(target.model).forward.__get__(target.model)))
     drafter.setup(target)
-    runner = Runner(target, drafter, SampledAcceptor(), draft_max="auto", context=128)
+    runner = Runner(target, drafter, SampledAcceptor(), DrafterTraits.of(drafter, draft_max="auto"), context=128)
     tokens = list(runner.generate(list(PROMPT), n, params))
     monkeypatch.undo()
     return tokens, runner.stats.chosen_lengths

@@ -20,6 +20,7 @@ from outrider.plugins.drafters.draft_model import DraftModelDrafter
 from outrider.plugins.drafters.lookup import LookupDrafter
 from outrider.plugins.drafters.none import NoDrafter
 from outrider.spec.drafter import Draft, DrafterBase
+from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.penalties import ContextPenalties
 from outrider.spec.runner import Runner
 from outrider.spec.sampling import SamplingParams, warp
@@ -166,7 +167,7 @@ class KnownContinuationDrafter(DrafterBase):
 
 def _run(target, drafter, acceptor, params, n=N, draft_max=4):
     drafter.setup(target)
-    runner = Runner(target, drafter, acceptor, draft_max=draft_max, context=256)
+    runner = Runner(target, drafter, acceptor, DrafterTraits.of(drafter, draft_max=draft_max), context=256)
     return list(runner.generate(PROMPT, n, params)), runner.stats
 
 
@@ -231,7 +232,7 @@ def test_sampled_with_min_p_never_emits_a_token_outside_the_min_p_set(tiny):
     def outside(params):
         drafter = DraftModelDrafter(p_min=0.0, sample=True, model=str(tiny["draft_path"]))
         drafter.setup(target)
-        runner = Runner(target, drafter, SampledAcceptor(), draft_max=3, context=64)
+        runner = Runner(target, drafter, SampledAcceptor(), DrafterTraits.of(drafter, draft_max=3), context=64)
         found = drafted = 0
         for s in range(generations):
             out = list(runner.generate(PROMPT, n, params.__class__(**{**params.__dict__, "seed": s})))

@@ -705,6 +705,14 @@ def test_api_keys_come_from_flags_the_environment_and_a_file(tmp_path, monkeypat
 # -- a stuck plugin -------------------------------------------------------------------------------------
 
 
+def use_drafter(server, drafter) -> None:
+    """Put `drafter` in the assembled runner, with its traits, as assembly would have."""
+    from outrider.spec.drafter_traits import DrafterTraits
+
+    runner = server.app.state.server.engine.runner
+    runner.drafter, runner.traits = drafter, DrafterTraits.of(drafter, draft_max=runner.traits.draft_max)
+
+
 class HangingDrafter:
     """A drafter plugin whose propose never returns until the test lets it."""
 
@@ -733,7 +741,7 @@ def test_a_stuck_drafter_fails_its_request_and_the_queue_and_health_says_so_unti
     s = Server(write_tiny_llama(tmp_path / "tiny.gguf", context=TINY_CONTEXT), TINY_CONTEXT, DENSE, draft_max=4,
                stall_timeout=1.0)
     drafter = HangingDrafter()
-    s.app.state.server.engine.runner.drafter = drafter
+    use_drafter(s, drafter)
     body = b'{"prompt": "the cat", "max_tokens": 8, "temperature": 0}'
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -781,7 +789,7 @@ class SlowDrafter(HangingDrafter):
 def test_a_request_timeout_ends_with_the_text_so_far_and_says_so(tmp_path):
     s = Server(write_tiny_llama(tmp_path / "tiny.gguf", context=TINY_CONTEXT), TINY_CONTEXT, DENSE, draft_max=4,
                request_timeout=0.5)
-    s.app.state.server.engine.runner.drafter = SlowDrafter()
+    use_drafter(s, SlowDrafter())
     try:
         started = time.monotonic()
         status, _, answer = s.post("/v1/completions", b'{"prompt": "the cat", "max_tokens": 2000, "temperature": 0}')
@@ -875,7 +883,7 @@ class FailingDrafter(HangingDrafter):
 
 def test_a_failure_inside_is_a_500_that_tells_the_client_nothing_but_an_incident_id(tmp_path, caplog):
     s = Server(write_tiny_llama(tmp_path / "tiny.gguf", context=TINY_CONTEXT), TINY_CONTEXT, DENSE, draft_max=4)
-    s.app.state.server.engine.runner.drafter = FailingDrafter()
+    use_drafter(s, FailingDrafter())
     try:
         with caplog.at_level("ERROR", logger="outrider.serve"):
             status, _, answer = s.post("/v1/completions", b'{"prompt": "the cat", "max_tokens": 4}')

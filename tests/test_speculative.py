@@ -17,6 +17,7 @@ from outrider.plugins.drafters.draft_model import DraftModelDrafter
 from outrider.plugins.drafters.lookup import LookupDrafter
 from outrider.plugins.drafters.none import NoDrafter
 from outrider.spec.drafter import Draft, DraftControls, DrafterBase
+from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.runner import Runner
 from outrider.spec.sampling import SamplingParams
 from outrider.testing.fixtures import cpu_target, plain_greedy, plain_sampled
@@ -25,7 +26,7 @@ from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_gemma4, w
 
 def run(target, drafter, acceptor, prompt, n, params=SamplingParams(), draft_max=4, controls=None):
     drafter.setup(target)
-    runner = Runner(target, drafter, acceptor, draft_max=draft_max, controls=controls, context=256)
+    runner = Runner(target, drafter, acceptor, DrafterTraits.of(drafter, draft_max=draft_max), controls=controls, context=256)
     out = list(runner.generate(prompt, n, params))
     return out, runner.stats
 
@@ -196,7 +197,7 @@ def test_real_draft_model_greedy_equals_plain(real_target, request):
     for draft_max in (1, 4, 8):
         drafter = DraftModelDrafter(p_min=0.0, model=str(path), dtype="bfloat16")
         drafter.setup(target)
-        runner = Runner(target, drafter, GreedyAcceptor(), draft_max=draft_max, context=256)
+        runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=draft_max), context=256)
         assert list(runner.generate(prompt, 32, SamplingParams())) == plain
         assert runner.stats.accepted > 0
 
@@ -230,7 +231,7 @@ def test_rounds_are_what_generate_streams_one_record_per_forward(tiny):
     target, prompt, n = tiny["llama"], TINY_PROMPT, 40
     drafter = LookupDrafter()
     drafter.setup(target)
-    runner = Runner(target, drafter, GreedyAcceptor(), draft_max=4, context=256)
+    runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=4), context=256)
     rounds = list(runner.rounds(prompt, n, SamplingParams()))
     stats = runner.stats
     assert [r.index for r in rounds] == list(range(len(rounds)))
@@ -275,7 +276,7 @@ def test_draft_model_keeps_its_own_activations_and_threads_and_the_target_its_ow
                 seen[_name].add((kernels.int8_activations(), torch.get_num_threads()))
                 return _forward(*args, **kwargs)
             model.forward = spy
-        runner = Runner(target, drafter, GreedyAcceptor(), draft_max=4, context=256)
+        runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=4), context=256)
         out = list(runner.generate(TINY_PROMPT, 24, SamplingParams()))
         assert runner.stats.drafted > 0
         assert seen == {"draft": {(True, 1)}, "target": {(False, 2)}}
@@ -300,7 +301,7 @@ def test_draft_model_with_a_reduced_head_drafts_only_its_rows_and_stays_lossless
         drafted.extend(draft.tokens)
         return draft
     drafter.propose = spy
-    runner = Runner(target, drafter, GreedyAcceptor(), draft_max=4, context=256)
+    runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=4), context=256)
     out = list(runner.generate(TINY_PROMPT, 40, SamplingParams()))
     assert out == plain_greedy(target.model, TINY_PROMPT, 40)
     assert drafted and max(drafted) < rows

@@ -15,6 +15,7 @@ from outrider.errors import ConfigError
 from outrider.plugins.acceptors.greedy import GreedyAcceptor
 from outrider.registry import PluginSpec
 from outrider.spec.drafter import NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV, Draft, DrafterBase
+from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.runner import Runner
 from outrider.spec.sampling import SamplingParams
 from outrider.testing.fixtures import ContractFixtures, plain_greedy
@@ -60,7 +61,7 @@ def test_observe_gets_every_certain_row_once_with_the_cache_holding_exactly_them
     plain = plain_greedy(target.model, PROMPT, 24)
     drafter = RecordingDrafter(PROMPT + plain)
     drafter.setup(target)
-    runner = Runner(target, drafter, GreedyAcceptor(), draft_max=3, context=256)
+    runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=3), context=256)
     out = list(runner.generate(PROMPT, 24, SamplingParams()))
     assert out == plain  # reading the target changes nothing it emits
     assert runner.stats.accepted > 0 and runner.stats.accepted < runner.stats.drafted  # both paths exercised
@@ -88,4 +89,4 @@ def test_a_drafter_needing_the_target_without_observe_is_refused_at_assembly():
     drafter = PluginSpec("drafter", "starving", Starving, capabilities={"needs": Starving.needs})
     acceptor = PluginSpec("acceptor", "greedy", GreedyAcceptor)
     with pytest.raises(ConfigError, match="observe"):
-        check_pair(drafter, acceptor, Starving(), SamplingParams())
+        check_pair(drafter, acceptor, DrafterTraits.of(Starving(), drafter.capabilities), SamplingParams())

@@ -96,7 +96,7 @@ def acceptors_by_greediness(assembly: Assembly, acceptor_setting: str,
     other_name = "sampled" if chosen_name == "greedy" else "greedy"
     spec = (registry or default_registry()).get("acceptor", other_name)
     other = spec.factory(**spec.resolve_options({}))
-    check_pair(assembly.plugins["drafter"], spec, assembly.runner.drafter,
+    check_pair(assembly.plugins["drafter"], spec, assembly.runner.traits,
                SamplingParams(temperature=0.0 if other_name == "greedy" else 1.0))
     return {chosen_name == "greedy": chosen, other_name == "greedy": other}
 

@@ -27,7 +27,7 @@ from outrider.errors import ConfigError
 from outrider.spec.random_streams import PositionRandom
 from outrider.spec.sampling import SamplingParams, argmax_token, sample_at, sample_logits, warp
 
-__all__ = ["VerifyRound", "AcceptResult", "Acceptor", "greedy_round", "sampled_round", "as_acceptor"]
+__all__ = ["VerifyRound", "AcceptResult", "Acceptor", "greedy_round", "sampled_round"]
 
 
 @dataclass
@@ -157,8 +157,8 @@ def sampled_round(verify: VerifyRound, force: Callable[[int], bool] | None = Non
     return verify.bonus(verify.sample_target(verify.k, rng.uniform(pos + verify.k)))
 
 
-def takes_positional_arguments(acceptor: Any) -> bool:
-    """Whether ``acceptor.accept`` is the old six-argument form (it needs more than one argument)."""
+def takes_several_arguments(acceptor: Any) -> bool:
+    """Whether ``acceptor.accept`` needs more than the one VerifyRound."""
     try:
         parameters = inspect.signature(acceptor.accept).parameters.values()
     except (TypeError, ValueError):  # a callable whose signature cannot be read: assume the current form
@@ -168,9 +168,9 @@ def takes_positional_arguments(acceptor: Any) -> bool:
 
 
 def as_acceptor(acceptor: Any) -> Any:
-    """The acceptor itself; one whose ``accept`` takes several arguments (a signature Outrider never
-    shipped a release with) is refused in one line that names the fix."""
-    if takes_positional_arguments(acceptor):
+    """The acceptor itself; one whose ``accept`` takes several arguments is refused in one line that names
+    the fix, before any round (it would fail there with a TypeError)."""
+    if takes_several_arguments(acceptor):
         raise ConfigError(f"{type(acceptor).__name__}.accept takes several arguments; an acceptor takes one "
                           "outrider.spec.acceptance.VerifyRound: write accept(self, verify) (see docs/plugins.md)")
     return acceptor

@@ -9,15 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from outrider.registry import PluginSpec
-from outrider.spec.drafter import (
-    Draft,
-    DraftControls,
-    DraftKind,
-    Target,
-    kind_asker,
-    may_give_draft_probs,
-    reads_the_target,
-)
+from outrider.spec.drafter import Draft, DraftControls, DraftKind, Target, default_draft_kind
+from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.sampling import SamplingParams
 
 SEPARATORS = ",+"
@@ -34,17 +27,21 @@ def chain_names(name: str) -> list[str]:
 
 
 class DrafterChain:
-    def __init__(self, drafters: list[Any], names: list[str]):
+    def __init__(self, drafters: list[Any], names: list[str], traits: list[DrafterTraits] | None = None):
+        """`traits`: each member's (`DrafterTraits.of` it and its registration's capabilities); None: read
+        from the members alone."""
         self.drafters, self.names = drafters, names
-        self.needs = frozenset().union(*(getattr(d, "needs", frozenset()) for d in drafters))
+        self._traits = traits or [DrafterTraits.of(d) for d in drafters]
+        self.needs = frozenset().union(*(t.needs for t in self._traits))
         # what its rounds give: q in every round (what an acceptor that needs q asks), or in some rounds
         # (what makes a seeded run's tokens depend on the draft lengths, so `auto` must not time them)
-        self.gives_draft_probs = all(getattr(d, "gives_draft_probs", False) for d in drafters)
-        self.may_give_draft_probs = any(may_give_draft_probs(d) for d in drafters)
+        self.gives_draft_probs = all(t.gives_draft_probs for t in self._traits)
+        self.may_give_draft_probs = any(t.may_give_draft_probs for t in self._traits)
         self._kinds: dict[tuple[int, DraftKind], DraftKind] = {}
-        self._member_kinds = [kind_asker(d) for d in drafters]
+        self._member_kinds = [d.draft_kind if t.says_draft_kind else default_draft_kind
+                              for d, t in zip(drafters, self._traits)]
         self._picked: tuple[list[int], int, int] | None = None  # (tokens, their length, member) draft_kind chose
-        if reads_the_target(self):
+        if any(t.reads_the_target for t in self._traits):
             self.observe = self._observe
 
     def setup(self, target: Target) -> None:
@@ -60,8 +57,8 @@ class DrafterChain:
             d.rollback(length)
 
     def _observe(self, hidden, start: int, cache) -> None:
-        for d in self.drafters:
-            if reads_the_target(d):
+        for d, t in zip(self.drafters, self._traits):
+            if t.reads_the_target:
                 d.observe(hidden, start, cache)
 
     def draft_kind(self, tokens: list[int]) -> DraftKind | None:
@@ -104,7 +101,7 @@ def chain_spec(specs: list[PluginSpec]) -> PluginSpec:
 
     def factory(**settings: Any) -> DrafterChain:
         members = [spec.factory(**{k: v for k, v in settings.items() if k in spec.options}) for spec in specs]
-        return DrafterChain(members, names)
+        return DrafterChain(members, names, [DrafterTraits.of(m, spec.capabilities) for m, spec in zip(members, specs)])
 
     capabilities = {
         "needs": frozenset().union(*(spec.capabilities.get("needs", frozenset()) for spec in specs)),

@@ -64,6 +64,11 @@ class DraftKind:
 DEFAULT_KIND = DraftKind("draft")  # for drafters that do not say
 
 
+def default_draft_kind(tokens: list[int]) -> DraftKind:
+    """What is asked in place of `draft_kind` of a drafter that has none: every round is one kind."""
+    return DEFAULT_KIND
+
+
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
@@ -115,22 +120,6 @@ class DrafterBase:
         """`draft_loop` with what `begin` gave: this generation's sampling settings, controls and draft
         stream, the first draft standing after `tokens`."""
         return draft_loop(k, next_logits, self.params, self.controls, sample, self.draws, len(tokens))
-
-
-def kind_asker(drafter: Any) -> Callable[[list[int]], DraftKind | None]:
-    """`drafter.draft_kind`, or, for a drafter that does not say, one that always answers DEFAULT_KIND."""
-    return getattr(drafter, "draft_kind", None) or (lambda tokens: DEFAULT_KIND)
-
-
-def may_give_draft_probs(drafter: Any) -> bool:
-    """Whether some of `drafter`'s rounds may carry q rows: `may_give_draft_probs` where it says (a chain
-    whose members differ), else `gives_draft_probs`."""
-    return bool(getattr(drafter, "may_give_draft_probs", getattr(drafter, "gives_draft_probs", False)))
-
-
-def reads_the_target(drafter: Any) -> bool:
-    """Whether the runner must show `drafter` the target's hidden states and KV cache (`observe`)."""
-    return bool(set(getattr(drafter, "needs", ())) & {NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV})
 
 
 def draft_loop(k: int, next_logits: Callable[[list[int]], torch.Tensor], params: SamplingParams, controls: DraftControls,

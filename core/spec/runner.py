@@ -17,7 +17,8 @@ import torch
 
 from outrider.errors import OutriderError
 from outrider.spec.acceptance import VerifyRound, as_acceptor
-from outrider.spec.drafter import Draft, DraftControls, Target, kind_asker, may_give_draft_probs, reads_the_target
+from outrider.spec.drafter import Draft, DraftControls, Target, default_draft_kind
+from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.length_policy import AdaptiveDraftLength, FixedDraftLength
 from outrider.spec.penalties import ContextPenalties
 from outrider.spec.random_streams import PositionRandom
@@ -107,13 +108,14 @@ def _histogram(values: list[int]) -> dict[str, int]:
 
 
 class Runner:
-    """A target model, a drafter and an acceptor, assembled once and reused across generations."""
+    """A target model, a drafter and an acceptor, assembled once and reused across generations. `traits` are
+    the drafter's (`DrafterTraits.of(drafter, ...)`): the runner reads them, never the drafter's attributes."""
 
-    def __init__(self, target: Target, drafter: Any, acceptor: Any, draft_max: int | str = "auto",
+    def __init__(self, target: Target, drafter: Any, acceptor: Any, traits: DrafterTraits,
                  controls: DraftControls | None = None, context: int | None = None):
-        self.target, self.drafter, self.acceptor = target, drafter, as_acceptor(acceptor)
-        self.draft_max = draft_max
-        self.draft_length = AdaptiveDraftLength() if draft_max == "auto" else FixedDraftLength(int(draft_max))
+        self.target, self.drafter, self.acceptor, self.traits = target, drafter, as_acceptor(acceptor), traits
+        self.draft_length = AdaptiveDraftLength() if traits.draft_max == "auto" \
+            else FixedDraftLength(int(traits.draft_max))
         self.controls = controls or DraftControls()
         self.vocab_size = target.model.config.vocab_size
         self.context = min(context or target.model.config.context_length, target.model.config.context_length)
@@ -143,8 +145,8 @@ class Runner:
                                         timed=not self.lengths_change_the_output(params))
         rng = PositionRandom(params.seed)
         model, cache, acceptor = self.target.model, self.cache, self.acceptor
-        draft_kind = kind_asker(self.drafter)
-        observe = self.drafter.observe if reads_the_target(self.drafter) else None
+        draft_kind = self.drafter.draft_kind if self.traits.says_draft_kind else default_draft_kind
+        observe = self.drafter.observe if self.traits.reads_the_target else None
         max_tokens = min(max_tokens, self.context - len(prompt))
 
         t = time.perf_counter()
@@ -229,7 +231,7 @@ class Runner:
         Leviathan rule, an undrafted one by plain sampling; a lossy acceptor keeps what was drafted."""
         if params.seed is None and not params.greedy:
             return False  # not reproducible anyway
-        gives_q = may_give_draft_probs(self.drafter) and not params.greedy
+        gives_q = self.traits.may_give_draft_probs and not params.greedy
         return gives_q or not getattr(self.acceptor, "lossless", True)
 
     def _clean(self, draft: Draft, k: int) -> Draft:

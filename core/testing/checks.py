@@ -22,8 +22,10 @@ from outrider.errors import OutriderError
 from outrider.hookspecs import PLUGIN_KINDS
 from outrider.io.gguf import GGUFFile
 from outrider.models.layers import PREFILL_CHUNK
-from outrider.spec.acceptance import AcceptResult, VerifyRound, as_acceptor
-from outrider.spec.drafter import NEEDS_DRAFT_MODEL, Draft, DraftControls, reads_the_target
+from outrider.spec.acceptance import AcceptResult, VerifyRound
+from outrider.registry import as_the_instance_has_them
+from outrider.spec.drafter import NEEDS_DRAFT_MODEL, Draft, DraftControls
+from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.random_streams import PositionRandom
 from outrider.spec.runner import Runner
 from outrider.spec.sampling import SamplingParams, warp
@@ -66,10 +68,12 @@ class Subject:
         return self.make()
 
     def capability(self, key: str, instance: Any = None, default: Any = None) -> Any:
-        """The instance's attribute wins (the runner asks the instance), then the registered capability."""
-        if instance is not None and hasattr(instance, key):
-            return getattr(instance, key)
-        return self.capabilities.get(key, default)
+        """The instance's attribute wins (an option may switch a capability), then the registered capability."""
+        return as_the_instance_has_them({key: self.capabilities.get(key, default)}, instance)[key]
+
+    def drafter_traits(self, drafter: Any, draft_max: int | str = "auto") -> DrafterTraits:
+        """`drafter`'s traits as assembly settles them: its attributes over the registered capabilities."""
+        return DrafterTraits.of(drafter, self.capabilities, draft_max)
 
 
 @dataclass(frozen=True)
@@ -107,7 +111,7 @@ class _TargetFeed:
     def __init__(self, subject: Subject, drafter: Any):
         self.drafter, self.model = drafter, subject.fixtures.target(_arch(subject)).model
         self.cache = self.model.new_cache(256)
-        self.on = reads_the_target(drafter)
+        self.on = subject.drafter_traits(drafter).reads_the_target
 
     def certain(self, rows: list[int], start: int) -> None:
         """`rows` (at positions start..) are now certain: the runner's forward, truncation and observe."""
@@ -202,19 +206,14 @@ def ids_inside_the_vocabulary(subject: Subject) -> None:
             assert not bad, f"{r.where()} proposed ids outside the vocabulary [0, {vocab}): {bad}"
 
 
-def _may_give_q(subject: Subject, drafter: Any) -> bool:
-    """Whether some of the drafter's rounds may carry q (a chain with one sampling member: only its rounds)."""
-    may = subject.capability("may_give_draft_probs", drafter, None)
-    return bool(subject.capability("gives_draft_probs", drafter, False) if may is None else may)
-
-
 @_check("drafter")
 def probability_rows_sum_to_one(subject: Subject) -> None:
     """When it gives draft probabilities: one row per token, non-negative, summing to 1, q(x) > 0."""
     probe = subject.new()
-    if not _may_give_q(subject, probe):
+    traits = subject.drafter_traits(probe)
+    if not traits.may_give_draft_probs:
         raise CheckSkipped("gives_draft_probs is False: the drafter gives no probabilities")
-    always = subject.capability("gives_draft_probs", probe, False)
+    always = traits.gives_draft_probs
     vocab = _vocab(subject)
     for r in _session(subject, SAMPLED):
         n, q = len(r.draft.tokens), r.draft.probs
@@ -242,8 +241,7 @@ def same_proposal_for_the_same_state(subject: Subject) -> None:
             assert list(ra.draft.tokens) == list(rb.draft.tokens), \
                 f"two fresh instances given the same calls (temperature {params.temperature}, seed {params.seed}) " \
                 f"differ at {ra.where()}: {list(ra.draft.tokens)} vs {list(rb.draft.tokens)}"
-    probe = subject.new()
-    if _may_give_q(subject, probe):
+    if subject.drafter_traits(subject.new()).may_give_draft_probs:
         return  # a sampling drafter's repeat draws from the next part of its random stream
     drafter, feed = _fed_drafter(subject)
     tokens = PROMPT + [7]
@@ -282,7 +280,7 @@ def consistent_after_rollback(subject: Subject) -> None:
 
     A drafter that gives q is run seeded; its tokens may come from a stream the rolled-back drafts advanced,
     so what must match is q: the first row, and every row while the two proposals agree."""
-    gives_q = _may_give_q(subject, subject.new())
+    gives_q = subject.drafter_traits(subject.new()).may_give_draft_probs
     params = SAMPLED if gives_q else GREEDY  # seeded: a sampling drafter's draws are reproducible
     vocab = _vocab(subject)
     for keep in (0, 1, 3):
@@ -353,10 +351,10 @@ class _Greedy:
         return AcceptResult(list(verify.draft_tokens[:n]) + [top[n]], n)
 
 
-def _run(target, drafter, acceptor, params: SamplingParams, n: int = E2E_TOKENS, draft_max: int | str = 4,
+def _run(target, drafter, acceptor, params: SamplingParams, traits: DrafterTraits, n: int = E2E_TOKENS,
          prompt: list[int] = PROMPT) -> tuple[list[int], Any]:
     drafter.setup(target)
-    runner = Runner(target, drafter, acceptor, draft_max=draft_max, context=256)
+    runner = Runner(target, drafter, acceptor, traits, context=256)
     return list(runner.generate(list(prompt), n, params)), runner.stats
 
 
@@ -366,7 +364,9 @@ def greedy_output_equals_plain_decoding(subject: Subject) -> None:
     fx = subject.fixtures
     want = fx.plain_greedy(_arch(subject), PROMPT, E2E_TOKENS)
     for draft_max in (4, 8):
-        got, stats = _run(fx.target(_arch(subject)), subject.new(), _Greedy(), GREEDY, draft_max=draft_max)
+        drafter = subject.new()
+        traits = subject.drafter_traits(drafter, draft_max)
+        got, stats = _run(fx.target(_arch(subject)), drafter, _Greedy(), GREEDY, traits)
         assert got == want, f"draft_max {draft_max}: speculative output {got} differs from plain greedy {want} " \
                             f"(first difference at token {_first_difference(got, want)})"
 
@@ -378,10 +378,11 @@ def seeded_sampling_equals_plain_sampling(subject: Subject) -> None:
 
     fx = subject.fixtures
     drafter = subject.new()
-    got, _ = _run(fx.target(_arch(subject)), drafter, SampledAcceptor(), SAMPLED)
+    traits = subject.drafter_traits(drafter, draft_max=4)
+    got, _ = _run(fx.target(_arch(subject)), drafter, SampledAcceptor(), SAMPLED, traits)
     vocab = _vocab(subject)
     assert len(got) == E2E_TOKENS and all(0 <= t < vocab for t in got), f"bad output {got}"
-    if _may_give_q(subject, drafter):
+    if traits.may_give_draft_probs:
         raise CheckSkipped("gives_draft_probs is True: a sampling drafter preserves the distribution, not the tokens")
     want = fx.plain_sampled(_arch(subject), PROMPT, E2E_TOKENS, SAMPLED)
     assert got == want, f"seed {SAMPLED.seed}: speculative output {got} differs from plain sampling {want} " \
@@ -439,10 +440,11 @@ def _q_law(subject: Subject, controls: DraftControls, generations: int) -> None:
     from outrider.spec.drafter import Target
 
     drafter = subject.new()
-    if not _may_give_q(subject, drafter):
+    traits = subject.drafter_traits(drafter)
+    if not traits.may_give_draft_probs:
         raise CheckSkipped("gives_draft_probs is False: without q the output is plain sampling's token for token, "
                            "which seeded_sampling_equals_plain_sampling checks")
-    if reads_the_target(drafter) or NEEDS_DRAFT_MODEL in subject.capability("needs", drafter, frozenset()):
+    if traits.reads_the_target or NEEDS_DRAFT_MODEL in traits.needs:
         # it drafts from the target's hidden states, or with a draft model made for the tiny target: the tiny
         # model it drafts for, whose law costs a forward per prefix (13 with top-k 3)
         target, law = subject.fixtures.target(_arch(subject)), None
@@ -452,16 +454,16 @@ def _q_law(subject: Subject, controls: DraftControls, generations: int) -> None:
         target = Target(model=toy, tokenizer=base.tokenizer, gguf=base.gguf, backend=base.backend)
         law = toy.law(PROMPT, Q_LAW_TOKENS, Q_LAW_PARAMS)
     drafter.setup(target)
-    sampled_law_holds(target, drafter, law, controls, generations)
+    sampled_law_holds(target, drafter, law, controls, generations, capabilities=subject.capabilities)
 
 
 def sampled_law_holds(target: Any, drafter: Any, law: dict[tuple[int, ...], float] | None = None,
                       controls: DraftControls = DraftControls(), generations: int = Q_LAW_GENERATIONS,
-                      prompt: list[int] = PROMPT) -> tuple[int, int]:
-    """Assert that speculation with `drafter` (set up on `target`) and the sampled acceptor emits its first
-    Q_LAW_TOKENS tokens after `prompt` with the law `law` (exact_law under Q_LAW_PARAMS; None: computed from
-    the target model's own forwards, one per prefix), by chi-square over `generations` seeded generations;
-    returns (drafted, accepted) over them.
+                      prompt: list[int] = PROMPT, capabilities: dict[str, Any] | None = None) -> tuple[int, int]:
+    """Assert that speculation with `drafter` (set up on `target`; `capabilities`: its registered ones, if any)
+    and the sampled acceptor emits its first Q_LAW_TOKENS tokens after `prompt` with the law `law` (exact_law
+    under Q_LAW_PARAMS; None: computed from the target model's own forwards, one per prefix), by chi-square
+    over `generations` seeded generations; returns (drafted, accepted) over them.
 
     Its power: a bias of total variation distance `detectable_tv(generations, Q_LAW_DF, P_THRESHOLD)` in the
     first two tokens' law is detected with probability 0.95 whatever its shape (0.167 at 400 generations, 0.075
@@ -471,7 +473,8 @@ def sampled_law_holds(target: Any, drafter: Any, law: dict[tuple[int, ...], floa
     if law is None:
         law = exact_law(lambda context: model_next_logits(target.model, context), prompt, Q_LAW_TOKENS, Q_LAW_PARAMS)
     SampledAcceptor = builtin_plugin("acceptor", "sampled")
-    runner = Runner(target, drafter, SampledAcceptor(), draft_max=3, controls=controls, context=64)
+    runner = Runner(target, drafter, SampledAcceptor(), DrafterTraits.of(drafter, capabilities, draft_max=3),
+                    controls=controls, context=64)
     counts: dict[tuple[int, ...], int] = {}
     drafted = accepted = 0
     for s in range(generations):
@@ -582,7 +585,7 @@ def _random_rounds(seed: int, n: int, vocab: int, params: SamplingParams, with_q
 @_check("acceptor")
 def greedy_is_the_argmax_chain(subject: Subject) -> None:
     """At temperature 0: drafts kept while they equal the target's argmax, then the argmax (bonus if all kept)."""
-    acceptor = as_acceptor(subject.new())
+    acceptor = subject.new()
     lossless, needs_q, _ = _acceptor_caps(subject, acceptor)
     g = np.random.default_rng(1)
     tg = torch.Generator().manual_seed(1)
@@ -608,7 +611,7 @@ def greedy_is_the_argmax_chain(subject: Subject) -> None:
 @_check("acceptor")
 def emitted_is_accepted_plus_one(subject: Subject) -> None:
     """1 <= emitted = accepted + 1 <= k + 1, kept tokens are the drafts, ids in range; lossless: p(token) > 0."""
-    acceptor = as_acceptor(subject.new())
+    acceptor = subject.new()
     lossless, needs_q, _ = _acceptor_caps(subject, acceptor)
     vocab = 7
     for params in (GREEDY, SamplingParams(0.8), SamplingParams(0.7, top_k=3, top_p=0.8)):
@@ -628,7 +631,7 @@ def emitted_is_accepted_plus_one(subject: Subject) -> None:
 @_check("acceptor")
 def lossless_in_distribution(subject: Subject) -> None:
     """Statistical: the emitted tokens are distributed as plain sampling from the target (chi-square, toy tables)."""
-    acceptor = as_acceptor(subject.new())
+    acceptor = subject.new()
     lossless, needs_q, greedy_only = _acceptor_caps(subject, acceptor)
     if not lossless:
         raise CheckSkipped("lossless is False: the acceptor does not claim to preserve the target's distribution")
@@ -654,14 +657,14 @@ def lossless_in_distribution(subject: Subject) -> None:
 @_check("acceptor")
 def seeded_determinism(subject: Subject) -> None:
     """The same seed gives the same result, on a fresh instance as on a reused one."""
-    reused = as_acceptor(subject.new())
+    reused = subject.new()
     _, needs_q, _ = _acceptor_caps(subject, reused)
     vocab = 7
     params = SamplingParams(0.9, top_k=5)
     for with_q in ((True,) if needs_q else (False, True)):
         rounds = list(_random_rounds(8, 60, vocab, params, with_q))
         runs = []
-        for acceptor in (reused, reused, as_acceptor(subject.new())):
+        for acceptor in (reused, reused, subject.new()):
             rng = PositionRandom(123)
             runs.append([(list(r.tokens), r.accepted) for r in (acceptor.accept(VerifyRound(*rd[:3], params, rng, rd[3]))
                                                                 for rd in rounds)])
@@ -674,12 +677,13 @@ def seeded_determinism(subject: Subject) -> None:
 def adversarial_drafter_cannot_change_the_output(subject: Subject) -> None:
     """A drafter proposing random, out-of-range and too many ids neither crashes the runner nor changes the output."""
     fx = subject.fixtures
-    acceptor = as_acceptor(subject.new())
+    acceptor = subject.new()
     lossless, needs_q, greedy_only = _acceptor_caps(subject, acceptor)
     target = fx.target("llama")
     vocab = target.model.config.vocab_size
     for params in (GREEDY, SAMPLED):
-        got, _ = _run(target, AdversarialDrafter(vocab, seed=3, probs=needs_q), subject.new(), params)
+        adversary = AdversarialDrafter(vocab, seed=3, probs=needs_q)
+        got, _ = _run(target, adversary, subject.new(), params, DrafterTraits.of(adversary, draft_max=4))
         where = f"temperature {params.temperature}, seed {params.seed}"
         assert len(got) == E2E_TOKENS and all(type(t) is int and 0 <= t < vocab for t in got), \
             f"{where}: the output {got} is not {E2E_TOKENS} ids in [0, {vocab})"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from outrider.spec.acceptance import VerifyRound, as_acceptor
+from outrider.spec.acceptance import VerifyRound
 from outrider.spec.random_streams import PositionRandom
 from outrider.spec.sampling import SamplingParams, warp
 
@@ -43,7 +43,6 @@ class ToyModel:
         """
         if drafter not in DRAFTER_MODES:
             raise ValueError(f"drafter must be one of {DRAFTER_MODES}, got {drafter!r}")
-        acceptor = as_acceptor(acceptor)
         q_tab = warp(self.draft, params)
         cum = torch.cumsum(q_tab.double(), dim=-1).numpy()
         top = q_tab.argmax(dim=-1).numpy()

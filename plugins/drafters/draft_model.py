@@ -55,7 +55,7 @@ def check_vocab_compatible(target: Tokenizer, draft: Tokenizer, draft_name: str)
 
 class DraftModelDrafter(DrafterBase):
     needs = frozenset({NEEDS_DRAFT_MODEL})
-    gives_draft_probs = False  # True on an instance made with sample = true; the runner asks the instance
+    gives_draft_probs = False  # True on an instance made with sample = true; assembly reads the instance
 
     def __init__(self, model: str = "", sample: bool = False, context: int = 4096, dtype: str = "",
                  activations: str = "", threads: int = 0, head_rows: int = 0, p_min: float = DEFAULT_P_MIN,

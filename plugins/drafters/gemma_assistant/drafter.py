@@ -48,7 +48,7 @@ def target_kv_layers(model) -> dict[str, int]:
 
 class GemmaAssistantDrafter(DrafterBase):
     needs = frozenset({NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV})
-    gives_draft_probs = True  # when it samples (temperature > 0 and sample = true); the runner asks the instance
+    gives_draft_probs = True  # when it samples (temperature > 0 and sample = true); assembly reads the instance
 
     def __init__(self, model: str = "", head: str = "auto", centroid_top_k: int = DEFAULT_CENTROID_TOP_K,
                  sample: bool = True):

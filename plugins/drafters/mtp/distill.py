@@ -373,13 +373,14 @@ def heldout_acceptance(model, g, tokenizer, sidecar: Path, n: int, draft_max: in
     from outrider.plugins.backends.cpu import CPUBackend
     from outrider.plugins.drafters.mtp.drafter import MTPDrafter
     from outrider.spec.drafter import Target
+    from outrider.spec.drafter_traits import DrafterTraits
     from outrider.spec.runner import Runner
     from outrider.spec.sampling import SamplingParams
 
     target = Target(model=model, tokenizer=tokenizer, gguf=g, backend=CPUBackend())
     drafter = MTPDrafter(model=str(sidecar))
     drafter.setup(target)
-    runner = Runner(target, drafter, GreedyAcceptor(), draft_max=draft_max, context=1024)
+    runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=draft_max), context=1024)
     drafted, accepted = [0] * draft_max, [0] * draft_max
     for text in HELD_OUT_PROMPTS:
         list(runner.generate(template_or_raw_ids(g, tokenizer, text)[0], n, SamplingParams()))

@@ -1,0 +1,52 @@
+"""What a drafter gives and needs, and how long its drafts may be: settled once, when its runner is assembled.
+
+Three things say what a drafter does: the capabilities its registration declares (`register(...,
+capabilities=...)`, by default the factory's class attributes), the instance's attributes of the same
+names, which win (an option may switch one: draft-model's `sample` gives q), and the optional methods it
+has (`draft_kind`, `observe`). `DrafterTraits.of` reads them from the created instance once; the runner, the
+server and the reports read its fields, and nothing asks the drafter again in the middle of a generation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from outrider.registry import as_the_instance_has_them
+from outrider.spec.drafter import NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV
+
+
+@dataclass(frozen=True)
+class DrafterTraits:
+    # every round that drafts at a temperature above 0 carries q: what an acceptor that needs q asks
+    gives_draft_probs: bool = False
+    # some rounds may carry q (a chain with one sampling member); then a seeded run's tokens depend on the
+    # draft lengths, so `--draft-max auto` must not choose them from timings
+    may_give_draft_probs: bool = False
+    needs: frozenset[str] = frozenset()
+    says_draft_kind: bool = False  # it has draft_kind(tokens); a drafter that has not drafts one kind
+    observes: bool = False  # it has observe(hidden, start, cache)
+    draft_max: int | str = "auto"  # tokens a round may ask of it, or "auto": chosen each round
+    # every declared capability as this instance has it (target_architecture too): what the reports show
+    capabilities: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), compare=False)
+
+    @property
+    def reads_the_target(self) -> bool:
+        """Whether the runner shows the drafter the target's hidden states and KV cache (`observe`)."""
+        return bool(self.needs & {NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV})
+
+    @classmethod
+    def of(cls, drafter: Any, declared: Mapping[str, Any] | None = None,
+           draft_max: int | str = "auto") -> DrafterTraits:
+        """`drafter`'s traits, its attributes winning over the `declared` capabilities (its registration's;
+        None where it was not registered, as for a drafter made directly)."""
+        declared = dict(declared or {})
+        values = as_the_instance_has_them({"gives_draft_probs": False, "needs": frozenset(), **declared}, drafter)
+        gives = bool(values["gives_draft_probs"])
+        may = bool(getattr(drafter, "may_give_draft_probs", declared.get("may_give_draft_probs", gives)))
+        return cls(gives_draft_probs=gives, may_give_draft_probs=may or gives, needs=frozenset(values["needs"]),
+                   says_draft_kind=callable(getattr(drafter, "draft_kind", None)),
+                   observes=callable(getattr(drafter, "observe", None)), draft_max=draft_max,
+                   capabilities=MappingProxyType(as_the_instance_has_them(declared, drafter)))
