@@ -876,6 +876,46 @@ def test_the_connection_limit_reaches_uvicorn():
     assert uvicorn_config(None, max_connections=3).limit_concurrency == 3
 
 
+def test_serve_max_connections_answers_503_past_the_limit(tmp_path):
+    """`outrider serve --max-connections 2`, as a process: two idle connections held open, a third client
+    is answered 503 at once; once they close, it is served."""
+    import subprocess
+    import sys
+
+    model = write_tiny_llama(tmp_path / "tiny.gguf", context=TINY_CONTEXT)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "outrider", "serve", "--model", str(model), "--port", str(port),
+                                "--max-connections", "2", "-o", "backend.weights", "dense"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    health = f"http://127.0.0.1:{port}/health"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(health, timeout=5):
+                    break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.2)
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        time.sleep(0.5)  # uvicorn counts a connection once its event loop has accepted it
+        try:
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(health, timeout=10)
+            assert refused.value.code == 503
+        finally:
+            for sock in idle:
+                sock.close()
+        time.sleep(0.5)
+        with urllib.request.urlopen(health, timeout=10) as response:
+            assert response.status == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 class FailingDrafter(HangingDrafter):
     def propose(self, tokens, k):
         raise RuntimeError("secret detail from /home/alice/plugin.py")
@@ -905,3 +945,28 @@ def test_a_request_while_the_server_shuts_down_is_answered_503(tmp_path):
     finally:
         s.app.state.server.engine._stopping = False
         s.stop()
+
+
+def test_a_prompt_is_encoded_off_the_event_loop(server, monkeypatch):
+    """While one request's prompt is being encoded, the server answers others (a long prompt must not stall
+    every stream): the encoding is held until /health has been answered."""
+    import outrider.serve.app as app_module
+
+    entered, release = threading.Event(), threading.Event()
+    encode = app_module.completion_request
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert release.wait(30)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(app_module, "completion_request", held)
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(server.post, "/v1/completions", b'{"prompt": "the cat", "max_tokens": 2}')
+        try:
+            assert entered.wait(30)
+            with urllib.request.urlopen(server.base + "/health", timeout=10) as response:
+                assert response.status == 200
+        finally:
+            release.set()
+        assert pending.result(timeout=60)[0] == 200

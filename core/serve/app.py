@@ -325,10 +325,12 @@ async def generate(request: Request, chat: bool) -> Response:
     server.authorized(request)
     body = await read_json(request)
     assembly = server.assembly
+    # off the event loop, as /tokenize: a long prompt takes a while to render and encode, and streams are
+    # being served meanwhile
     if chat:
-        generation = chat_request(body, server.defaults, assembly.tokenizer, assembly.gguf)
+        generation = await asyncio.to_thread(chat_request, body, server.defaults, assembly.tokenizer, assembly.gguf)
     else:
-        generation = completion_request(body, server.defaults, assembly.tokenizer)
+        generation = await asyncio.to_thread(completion_request, body, server.defaults, assembly.tokenizer)
     job = enqueue(server, generation)
     fmt = _Formatter(chat, server.model_id)
     if generation.stream:
