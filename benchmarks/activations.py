@@ -12,7 +12,7 @@ For each model and mode it prints the median time per k in ms, and int8's time o
 same k (below 1: int8 is faster); with --amx, int8 with AMX tiles from --amx-min-rows rows against int8
 without them (CPUs with amx_int8); with --floor, int8 alone beside the least time its products can take:
 rows x the weights a row meets / the rate one core gives a row in the build's lane tiles on registers
-alone (no loads, no unpacking, no x to lay out; `int8_product_rate`) x threads: the integer products alone,
+alone (no loads, no unpacking, no x to lay out; `outrider.native.product_rate_probe`) x threads: the integer products alone,
 then with each group's float step, all in single steps too (over int8's one-row time), the unit of the
 verify-cost targets. This is what `-o backend.activations auto` is chosen from
 (README, Numerics); name the CPU's vector extensions beside any figure you quote.
@@ -137,11 +137,11 @@ def main() -> None:
         for mode in modes:
             print(f"{mode:9s}" + "".join(f"{median[mode, k]:10.2f}" for k in args.rows))
         if args.floor:
-            kernels, counts = native.load(), products_per_row(model)
+            probe, counts = native.product_rate_probe(), products_per_row(model)
             step = median["int8", 1]
             print(f"{'steps':9s}" + "".join(f"{median['int8', k] / step:10.2f}" for k in args.rows))
             for name, float_steps in (("products", False), ("+ float", True)):
-                rates = [kernels.int8_product_rate(0.5, signed, float_steps) * args.threads for signed in (False, True)]
+                rates = [probe(0.5, signed, float_steps) * args.threads for signed in (False, True)]
                 floor = {k: k * sum(n / rate for n, rate in zip(counts, rates)) * 1e3 for k in args.rows}
                 print(f"{name:9s}" + "".join(f"{floor[k]:10.2f}" for k in args.rows) + "   floor, ms")
                 print(f"{'  steps':9s}" + "".join(f"{floor[k] / step:10.2f}" for k in args.rows))

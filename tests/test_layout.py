@@ -1,6 +1,7 @@
 """The layout's promises, checked by walking every import (module level and inside functions alike):
 the core imports no plugin, no two modules import each other round a circle, and the plugin API
-(`outrider.api`) names what the example third-party plugin imports."""
+(`outrider.api`) names what the example third-party plugin imports; and the package ships every source the
+CPU kernels are compiled from."""
 
 from __future__ import annotations
 
@@ -127,3 +128,16 @@ def test_the_plugin_api_names_what_the_guide_tells_authors_to_use():
     assert named and not [name for name in named if not hasattr(api, name)]
     imported = re.findall(r"^from (outrider[\w.]*) import", guide, re.M)
     assert imported and set(imported) == {"outrider.api"}
+
+
+def test_the_package_ships_every_kernel_source():
+    """The kernels are compiled on the user's machine from the files the package carries: every source and
+    header under core/native must match a pattern of pyproject's package-data."""
+    import fnmatch
+    import tomllib
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["outrider.native"]
+    native = ROOT / "core" / "native"
+    files = [path.relative_to(native).as_posix() for path in native.rglob("*") if path.suffix in (".cpp", ".h")]
+    assert "kernels/bindings.cpp" in files and "probes/int8_product_rate.cpp" in files
+    assert [name for name in files if not any(fnmatch.fnmatch(name, pattern) for pattern in patterns)] == []

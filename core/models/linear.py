@@ -120,7 +120,7 @@ class PackedLinear:
         self.kernels = native.load()
         self.kind, self.group, self.n_out, self.k = kind, group, n_out, k
         self.codes = codes.contiguous()
-        self.scales = scales.to(torch.float32).contiguous()  # see RowReader in kernels.cpp for why not float16
+        self.scales = scales.to(torch.float32).contiguous()  # why not float16: RowReader, weight_formats.h
         self.zeros = (torch.empty(0) if zeros is None else zeros.to(torch.float32)).contiguous()
         # AVX2 and AVX512-VNNI builds hold the lane form, what the int8 kernels read; with int8 activations
         # it is the only form held (see hold_rows). OUTRIDER_LANE_TILES=0 leaves it out (to measure against).
@@ -184,7 +184,7 @@ when_float32(_hold_rows_everywhere)
 
 def lane_form(kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, n_out: int,
               k: int) -> list[torch.Tensor]:
-    """The weight as the lane tiles of `kernels.cpp` read it (see there): blocks of 16 rows, each group's codes
+    """The weight as the native lane tiles read it (`kernels/int8.h`): blocks of 16 rows, each group's codes
     with int32 lane j holding four adjacent codes of row j (int8 codes + 128, as unsigned bytes); scales and
     zeros [block, scales per row, 16]. [] where there is no lane tile: float32 weights, or a row count that
     is not a multiple of 16."""

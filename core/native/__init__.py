@@ -1,10 +1,13 @@
-"""Outrider's compiled CPU kernels (`kernels.cpp`), built on first use for the CPU they run on.
+"""Outrider's compiled CPU kernels (the sources in `kernels/`), built on first use for the CPU they run on.
 
-The source is compiled once per machine with `-march=native` by torch's extension builder (g++ and
-ninja) and cached under `$OUTRIDER_HOME/native/`, keyed by the source, torch's version and the CPU's
-feature flags, so a second process loads it in milliseconds. The source is copied into that folder and
-compiled from there: torch's builder rebuilds whenever the source's path changes, which checkouts in
+The sources are compiled once per machine with `-march=native` by torch's extension builder (g++ and
+ninja) and cached under `$OUTRIDER_HOME/native/`, keyed by every source and header, torch's version and the
+CPU's feature flags, so a second process loads them in milliseconds. The sources are copied into that folder
+and compiled from there: torch's builder rebuilds whenever a source's path changes, which checkouts in
 different folders sharing one cache would otherwise do by turns.
+
+Every `.cpp` in `kernels/` is compiled into the module; its Python calls are declared in `kernels/api.h` and
+bound in `kernels/bindings.cpp`.
 
 A build holds an advisory lock on `build.lock` in that folder (`fcntl.flock`, released by the kernel when its
 holder exits, however it exits): a second process waits for it, saying so, and a process that gets it knows
@@ -33,7 +36,7 @@ from pathlib import Path
 
 from outrider.errors import ConfigError
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+KERNELS = Path(__file__).with_name("kernels")
 RETRY_VARIABLE = "OUTRIDER_NATIVE_RETRY"
 
 
@@ -88,10 +91,25 @@ def vector_extensions() -> list[str]:
     return [name for name in VECTOR_EXTENSIONS if name in flags]
 
 
+def sources() -> list[Path]:
+    """The module's translation units: bindings.cpp first, the longest to compile (torch's Python headers), so
+    that ninja starts it first; then by name."""
+    return sorted(KERNELS.glob("*.cpp"), key=lambda path: (path.name != "bindings.cpp", path.name))
+
+
+def _kernel_files() -> list[Path]:
+    """Every file a build reads from `kernels/`: the sources and the headers they include."""
+    return sorted(path for path in KERNELS.iterdir() if path.suffix in (".cpp", ".h"))
+
+
 def build_key() -> str:
     import torch
 
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for path in _kernel_files():  # by name and length too: text moved between files changes the key
+        text = path.read_bytes()
+        digest.update(f"{path.name}\0{len(text)}\0".encode())
+        digest.update(text)
     for part in (torch.__version__, " ".join(cflags()), _cpu_flags(), platform.python_version()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
@@ -111,14 +129,18 @@ def failure_marker(folder: Path) -> Path:
     return folder / f"build-failed-{compiler_key()}.txt"
 
 
-def _place_source(folder: Path) -> Path:
-    """The source inside the build folder (the key holds its hash, so an existing copy is the same text)."""
-    target = folder / SOURCE.name
-    if not target.is_file():
-        with tempfile.NamedTemporaryFile("wb", dir=folder, delete=False) as tmp:
-            tmp.write(SOURCE.read_bytes())
-        os.replace(tmp.name, target)  # atomic: a process building beside this one never reads half a file
-    return target
+def _place_sources(folder: Path) -> list[Path]:
+    """The sources and headers inside the build folder (the key holds their hash, so an existing copy is the
+    same text); returns the sources there."""
+    placed = folder / KERNELS.name
+    placed.mkdir(exist_ok=True)
+    for path in _kernel_files():
+        target = placed / path.name
+        if not target.is_file():
+            with tempfile.NamedTemporaryFile("wb", dir=placed, delete=False) as tmp:
+                tmp.write(path.read_bytes())
+            os.replace(tmp.name, target)  # atomic: a process building beside this one never reads half a file
+    return [placed / path.name for path in sources()]
 
 
 @contextlib.contextmanager
@@ -162,13 +184,13 @@ def load():
         raise NativeUnavailable(f"{marker.read_text().strip()} (remembered; delete {marker} or set "
                                 f"{RETRY_VARIABLE}=1 to try again)")
     folder.mkdir(parents=True, exist_ok=True)
-    source = _place_source(folder)
+    placed = _place_sources(folder)
     if not any(folder.glob("*.so")):
         print("outrider: building the CPU kernels for this machine (once, about a minute)", file=sys.stderr)
     log = io.StringIO()
     try:
         with _build_lock(folder), redirect_stdout(log), redirect_stderr(log):
-            module = cpp_extension.load(name=f"outrider_kernels_{key}", sources=[str(source)],
+            module = cpp_extension.load(name=f"outrider_kernels_{key}", sources=[str(path) for path in placed],
                                         extra_cflags=cflags(), extra_ldflags=["-fopenmp"], build_directory=str(folder),
                                         verbose=False)
     except Exception as e:  # a missing compiler or ninja, or a compile error: say which, in one line
@@ -180,6 +202,41 @@ def load():
                                 "try again)") from e
     marker.unlink(missing_ok=True)
     return module
+
+
+PROBE = Path(__file__).with_name("probes") / "int8_product_rate.cpp"
+
+
+@functools.cache
+def product_rate_probe():
+    """`int8_product_rate(seconds, signed_codes, float_steps)`: the products a second one core gives a row in
+    this build's lane tiles on registers alone (0.0 without the int8 kernels), for benchmarks/activations.py
+    --floor. Not part of the kernels' module: compiled on first use with the kernels' flags as a plain shared
+    library (no torch headers: seconds), cached beside the module's builds, loaded with ctypes."""
+    import ctypes
+    import shlex
+    import subprocess
+
+    from outrider.paths import outrider_home
+
+    digest = hashlib.sha256(PROBE.read_bytes() + (KERNELS / "isa.h").read_bytes())
+    for part in (" ".join(cflags()), _cpu_flags(), compiler_key()):
+        digest.update(part.encode())
+    folder = outrider_home() / "native" / f"probe-{digest.hexdigest()[:16]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    library = folder / "int8_product_rate.so"
+    with _build_lock(folder):
+        if not library.is_file():
+            partial = folder / f"int8_product_rate.{os.getpid()}.so"
+            command = [*shlex.split(_compiler()), *shlex.split(" ".join(cflags())), "-shared", "-fPIC", str(PROBE),
+                       "-o", str(partial)]
+            built = subprocess.run(command, capture_output=True, text=True)
+            if built.returncode != 0:
+                raise NativeUnavailable(f"could not build the product-rate probe: {built.stderr.strip()[-300:]}")
+            os.replace(partial, library)
+    probe = ctypes.CDLL(str(library)).int8_product_rate
+    probe.argtypes, probe.restype = [ctypes.c_double, ctypes.c_bool, ctypes.c_bool], ctypes.c_double
+    return probe
 
 
 ACTIVATION_MODES = ("auto", "int8", "float32")

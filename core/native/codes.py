@@ -1,4 +1,4 @@
-"""The codes shared by Python and the CPU kernels (`kernels.cpp`), written once on the Python side.
+"""The codes shared by Python and the CPU kernels (`kernels/common.h`), written once on the Python side.
 
 The compiled module exports the same tables (`WEIGHT_KINDS`, `ACTIVATIONS`, `KV_MODES`, `KEY_BLOCK`);
 Python keeps this copy because the torch path (`OUTRIDER_NATIVE=0`, or no compiler) lays out caches and

@@ -1,0 +1,188 @@
+// linear(): the norms and activation before a matmul, the matmul this process's activation mode and the
+// weight's form choose, and the norm, residual and softcap after it; row lookups of a held weight.
+
+#include <torch/types.h>
+
+#include "api.h"
+#include "common.h"
+#include "matmul.h"
+#include "row_ops.h"
+#include "weight_formats.h"
+
+static const float* held(const torch::Tensor& t) {
+  TORCH_CHECK(!t.numel() || (t.scalar_type() == torch::kFloat32 && t.is_contiguous()),
+              "scales and zeros must be contiguous float32");
+  return t.numel() ? t.data_ptr<float>() : nullptr;
+}
+
+// The row form's codes, checked for the type their kind holds (see with_format)
+static const void* row_codes(int64_t kind, const torch::Tensor& codes) {
+  if (kind == KIND_Q4 || kind == KIND_Q5) return codes.data_ptr<uint8_t>();
+  if (kind == KIND_Q8) return codes.data_ptr<int8_t>();
+  if (kind == KIND_F32) return codes.data_ptr<float>();
+  return codes.data_ptr();
+}
+
+// Whether quantized weights meet int8 activations or float32 ones: one setting per process, chosen by the
+// CPU backend (`-o backend.activations`, default PREFERS_INT8), read by every linear call.
+static std::atomic<bool> int8_activations_on{PREFERS_INT8};
+
+void set_int8_activations(bool on) {
+  TORCH_CHECK(!on || HAS_INT8_KERNELS, "int8 activations need a CPU with AVX2 (this build has no int8 kernels)");
+  int8_activations_on.store(on, std::memory_order_relaxed);
+}
+
+bool int8_activations() { return int8_activations_on.load(); }
+
+static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Tensor& scales,
+                       const torch::Tensor& zeros, int64_t group, const float* x, int64_t rows, int64_t k, float* y,
+                       int64_t n_out, bool prompt, const std::vector<torch::Tensor>& lanes) {
+  // int8 activations take every row, prompt rows too: a prefill then gives each row the bits a single
+  // step would, so replaying a sequence from scratch agrees with decoding it (as float32 nearly does)
+  const bool int8 = int8_activations_on.load(std::memory_order_relaxed);
+  if (int8 && !lanes.empty()) {
+    TORCH_CHECK(HAS_LANE_TILES, "linear: this build has no lane tiles");
+    TORCH_CHECK(lanes.size() == 3 && n_out % 16 == 0, "linear: a lane form is 3 tensors over a multiple of 16 rows");
+    const LaneWeights w{lanes[0].data_ptr<uint8_t>(), lanes[1].data_ptr<float>(), held(lanes[2])};
+    return lane_matmul(kind, group, w, x, rows, k, y, n_out);
+  }
+  TORCH_CHECK(codes.numel() || kind == KIND_F32, "linear: this weight is held in its lane form only (for int8 "
+              "activations); PackedLinear.hold_rows() gives it its row form back");
+  if (int8 && kind != KIND_F32 &&
+      int8_matmul(kind, group, row_codes(kind, codes), held(scales), held(zeros), x, rows, k, y, n_out))
+    return;
+  float_matmul(kind, row_codes(kind, codes), held(scales), held(zeros), group, x, rows, k, y, n_out, prompt);
+}
+
+// Post steps (see linear): columns per block of a row split across threads, and the output size below
+// which they stay on the calling thread.
+constexpr int64_t POST_BLOCK = 16384, POST_PARALLEL_MIN = 32768;
+
+// y = post(W @ pre(x)). pre: rms_norm with in_norm, then act(gate) * up over the two halves of x.
+// post: rms_norm with out_norm, then + residual, then softcap. kind: see with_format. zeros may be
+// empty (int8 only). prompt: the rows need not match one-row calls bit for bit (see panel_matmul,
+// float_matmul.cpp).
+torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
+                     int64_t group, int64_t n_out, int64_t k, c10::optional<torch::Tensor> in_norm, double eps,
+                     int64_t act, c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> out_norm,
+                     double softcap, bool prompt, const std::vector<torch::Tensor>& lanes) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "linear: x must be contiguous float32");
+  TORCH_CHECK(k % 32 == 0, "linear: K must be a multiple of 32");
+  int64_t rows = x.numel() / x.size(-1);
+  const float* xin = x.data_ptr<float>();
+  int64_t width = act != ACT_NONE ? 2 * k : k;
+  TORCH_CHECK(x.size(-1) == width, "linear: x has ", x.size(-1), " columns, the weight needs ", width);
+  std::vector<float> normed, prepared;
+  if (in_norm.has_value()) {
+    TORCH_CHECK(in_norm->numel() == width && in_norm->is_contiguous(), "linear: in_norm must have ", width, " values");
+    normed.resize(rows * width);
+    for (int64_t r = 0; r < rows; ++r)
+      rms_norm_row(xin + r * width, in_norm->data_ptr<float>(), static_cast<float>(eps), width, normed.data() + r * width);
+    xin = normed.data();
+  }
+  if (act != ACT_NONE) {
+    prepared.resize(rows * k);
+    for (int64_t r = 0; r < rows; ++r) glu_row(xin + r * 2 * k, k, static_cast<int>(act), prepared.data() + r * k);
+    xin = prepared.data();
+  }
+  if (residual.has_value())
+    TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == torch::kFloat32 &&
+                residual->numel() == rows * n_out, "linear: residual must be contiguous float32 [rows, n_out]");
+  auto shape = x.sizes().vec();
+  shape.back() = n_out;
+  torch::Tensor y = torch::empty(shape, x.options());
+  float* out = y.data_ptr<float>();
+  run_matmul(kind, codes, scales, zeros, group, xin, rows, k, out, n_out, prompt, lanes);
+  if (out_norm.has_value() || residual.has_value() || softcap > 0) {
+    const float* res = residual.has_value() ? residual->data_ptr<float>() : nullptr;
+    // Without a norm the steps are elementwise, so a row may be split into blocks of columns (a multiple
+    // of 16 wide: each element takes the vector or scalar path it takes in a whole-row pass), and Gemma's
+    // 262k-wide softcapped head row runs on every thread. A small output stays on this thread: waking
+    // the others costs more than the steps.
+    const int64_t block = out_norm.has_value() ? n_out : POST_BLOCK;
+    const int64_t per_row = (n_out + block - 1) / block;
+    auto post = [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        int64_t r = b / per_row, c0 = (b % per_row) * block, c1 = std::min(n_out, c0 + block);
+        float* yr = out + r * n_out;
+        if (out_norm.has_value()) rms_norm_row(yr, out_norm->data_ptr<float>(), static_cast<float>(eps), n_out, yr);
+        if (res) for (int64_t i = c0; i < c1; ++i) yr[i] = res[r * n_out + i] + yr[i];
+        if (softcap > 0) softcap_row(yr + c0, c1 - c0, static_cast<float>(softcap));
+      }
+    };
+    if (rows * n_out < POST_PARALLEL_MIN) post(0, rows * per_row);
+    else at::parallel_for(0, rows * per_row, 1, post);
+  }
+  return y;
+}
+
+// Rows `rows` of a weight, dequantized to float32 [len(rows), K] (the token embedding of a tied head).
+torch::Tensor dequantize_rows(torch::Tensor rows, int64_t kind, torch::Tensor codes, torch::Tensor scales,
+                              torch::Tensor zeros, int64_t group, int64_t k) {
+  auto idx = rows.to(torch::kInt64).contiguous();
+  int64_t n = idx.numel();
+  torch::Tensor out = torch::empty({n, k}, torch::dtype(torch::kFloat32));
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < codes.size(0), "dequantize_rows: row ", ip[i], " out of range");
+  float* op = out.data_ptr<float>();
+  auto rows_of = [&](const auto& w) {
+    RowReader<std::decay_t<decltype(w)>> row{w, k / 32};
+    for (int64_t i = 0; i < n; ++i) {
+      row.start(ip[i]);
+      for (int64_t g = 0; g < k / 32; ++g) {
+        v16f a, b;
+        row.group(ip[i], g, a, b);
+        store16(op + i * k + g * 32, a);
+        store16(op + i * k + g * 32 + 16, b);
+      }
+    }
+  };
+  with_format(kind, row_codes(kind, codes), held(scales), held(zeros), group, k, rows_of);
+  return out;
+}
+
+// Rows `rows` of a weight held in its lane form (see "Lane tiles"), back in the row form: codes, scales
+// and zeros as PackedLinear holds them, for the row lookups of an embedding and for float32 activations.
+std::vector<torch::Tensor> lane_rows(torch::Tensor rows, int64_t kind, std::vector<torch::Tensor> lanes, int64_t group,
+                                     int64_t k) {
+  TORCH_CHECK(lanes.size() == 3 && (kind == KIND_Q4 || kind == KIND_Q5 || kind == KIND_Q8),
+              "lane_rows: a lane form is 3 tensors of a 4-, 5- or 8-bit weight");
+  auto idx = rows.to(torch::kInt64).contiguous();
+  const int64_t n = idx.numel(), groups = k / 32, count = groups * (kind == KIND_Q8 ? 32 / group : 1);
+  const int64_t lane_bytes = lane_group_bytes(kind);
+  const int64_t row_bytes = kind == KIND_Q4 ? 16 : kind == KIND_Q5 ? 20 : 32;
+  const int64_t blocks = lanes[1].numel() / (count * 16);
+  torch::Tensor codes = torch::empty({n, groups * row_bytes}, torch::dtype(kind == KIND_Q8 ? torch::kInt8 : torch::kUInt8));
+  torch::Tensor scales = torch::empty({n, count}, torch::dtype(torch::kFloat32));
+  torch::Tensor zeros = lanes[2].numel() ? torch::empty({n, count}, torch::dtype(torch::kFloat32)) : torch::empty({0});
+  const uint8_t* lc = lanes[0].data_ptr<uint8_t>();
+  const float *ls = lanes[1].data_ptr<float>(), *lz = lanes[2].numel() ? lanes[2].data_ptr<float>() : nullptr;
+  uint8_t* out = static_cast<uint8_t*>(codes.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = idx.data_ptr<int64_t>()[i], b = row / 16, j = row % 16;
+    TORCH_CHECK(row >= 0 && b < blocks, "lane_rows: row ", row, " out of range");
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = lc + (b * groups + g) * lane_bytes;
+      uint8_t* o = out + (i * groups + g) * row_bytes;
+      if (kind == KIND_Q8) {
+        for (int c = 0; c < 32; ++c) o[c] = p[64 * (c / 4) + 4 * j + c % 4] ^ 0x80;
+        continue;
+      }
+      for (int c = 0; c < 16; ++c) o[c] = p[64 * (c / 4) + 4 * j + c % 4];
+      if (kind == KIND_Q5) {
+        uint32_t word = 0;  // bit c: code c's bit 4
+        for (int c = 0; c < 32; ++c) {
+          uint64_t mask;
+          std::memcpy(&mask, p + 256 + 32 * (c / 16) + 8 * ((c % 16) / 4), 8);
+          word |= static_cast<uint32_t>((mask >> (4 * j + c % 4)) & 1) << c;
+        }
+        std::memcpy(o + 16, &word, 4);
+      }
+    }
+    for (int64_t c = 0; c < count; ++c) {
+      scales.data_ptr<float>()[i * count + c] = ls[(b * count + c) * 16 + j];
+      if (lz) zeros.data_ptr<float>()[i * count + c] = lz[(b * count + c) * 16 + j];
+    }
+  }
+  return {codes, scales, zeros};
+}
