@@ -3,7 +3,7 @@ model of the fixture's architecture, in float64 and in bfloat16, on the inputs t
 
 The fixtures are GGUF files written by `outrider.testing.tiny_models`; transformers' GGUF loader does not
 read all of them as llama.cpp does (it refuses Gemma 4's per-layer feed-forward lengths and Qwen 3's head
-dim, and loads llama and gemma3 with other hyperparameters), so the model is built here from the file: the
+dim, and its gemma3 is logits apart from llama.cpp's reading), so the model is built here from the file: the
 configuration from its metadata, the weights dequantized by `gguf` itself and renamed as llama.cpp's converter
 names them, with the converter's two value transforms undone (llama's Q/K row permutation, Gemma 3's
 norms stored as `1 + w`). Test-only: needs transformers and gguf.
