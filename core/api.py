@@ -34,7 +34,8 @@ from outrider.spec.drafter import (
 )
 from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.random_streams import PositionRandom
-from outrider.spec.sampling import GREEDY_BELOW, SamplingParams, argmax_token, sample_at, sample_rows, warp
+from outrider.spec.sampling import (GREEDY_BELOW, SamplingParams, argmax_token, sample_at, sample_logits,
+                                    sample_rows, warp)
 
 # the contract suite and its test helpers (they need pytest, or are only for tests): imported on first use
 _TESTING = {"BackendContract": "contracts", "DrafterContract": "contracts", "AcceptorContract": "contracts",
@@ -55,7 +56,7 @@ __all__ = [
     # acceptors and the acceptance rules
     "Acceptor", "VerifyRound", "AcceptResult", "greedy_round", "sampled_round",
     # sampling
-    "SamplingParams", "GREEDY_BELOW", "warp", "sample_at", "sample_rows", "argmax_token", "PositionRandom",
+    "SamplingParams", "GREEDY_BELOW", "warp", "sample_at", "sample_logits", "sample_rows", "argmax_token", "PositionRandom",
 ]  # the contract suite and its helpers (_TESTING) are attributes only: `import *` must not pull in pytest
 
 
