@@ -120,7 +120,7 @@ def _read_prompt(prompt: str) -> str:
 @click.option("--top-k", type=int, help="Keep the k most likely tokens; 0 = off [0].")
 @click.option("--top-p", type=float, help="Nucleus sampling mass; 1 = off [1].")
 @click.option("--min-p", type=float, help="Keep tokens whose probability is at least this times the most probable "
-              "one's (measured before temperature, as llama.cpp does); 0 = off [0].")
+              "one's (after temperature, as transformers and vLLM measure it; llama.cpp measures before it); 0 = off [0].")
 @click.option("--repeat-penalty", type=float, help="Penalise tokens among the last --repeat-last-n: a positive logit "
               "is divided by this, a negative one multiplied; 1 = off [1].")
 @click.option("--presence-penalty", type=float, help="Subtract this from the logit of a token among the last "

@@ -433,7 +433,7 @@ def lossless_with_draft_min(subject: Subject) -> None:
 
     As lossless_with_its_draft_probabilities, with DraftControls(draft_min=2, draft_p_min=Q_LAW_P_MIN): a sampled draft's
     length depends on its tokens, so dropping it for being short must not (the runner keeps q-drafts whatever their
-    length; README, Speculation controls)."""
+    length; docs/acceptance.md)."""
     _q_law(subject, DraftControls(draft_min=2, draft_p_min=Q_LAW_P_MIN), Q_LAW_CONTROL_GENERATIONS)
 
 
