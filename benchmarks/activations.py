@@ -15,7 +15,7 @@ rows x the weights a row meets / the rate one core gives a row in the build's la
 alone (no loads, no unpacking, no x to lay out; `outrider.native.product_rate_probe`) x threads: the integer products alone,
 then with each group's float step, all in single steps too (over int8's one-row time), the unit of the
 verify-cost targets. This is what `-o backend.activations auto` is chosen from
-(README, Numerics); name the CPU's vector extensions beside any figure you quote.
+(docs/numerics.md); name the CPU's vector extensions beside any figure you quote.
 """
 
 from __future__ import annotations

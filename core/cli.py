@@ -433,7 +433,7 @@ def bench(models, tokens, runs, threads, prompts, temperatures, engines, drafter
 @main.command()
 @click.argument("model")
 @click.argument("text_file", metavar="FILE", type=click.Path(dir_okay=False, allow_dash=True))
-@click.option("--ctx-size", "-c", "n_ctx", type=int, default=512, show_default=True,
+@click.option("--ctx-size", "-c", "n_ctx", type=click.IntRange(min=4), default=512, show_default=True,
               help="Tokens per chunk; the second half of each is scored (llama-perplexity's -c).")
 @click.option("--chunks", type=click.IntRange(min=1), default=None, help="Score at most this many chunks [all].")
 @click.option("--backend", "-b", help="Backend plugin [cpu].")

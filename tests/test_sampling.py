@@ -440,3 +440,25 @@ def test_sample_logits_follows_the_law_and_falls_back_to_the_reference():
     small = language_model_row(1000, 1)
     for u in (0.1, 0.5, 0.9):
         assert sample_logits(small, params, u) == sample_at(warp(small, params), u)
+
+
+def test_sample_logits_never_draws_a_token_without_probability():
+    """Masked logits (-FLT_MAX, -inf once tempered) and exps that underflow: such tokens have no probability in
+    the reference and are never drawn, whatever the filters and u, even at u's edges."""
+    from outrider.native import NativeUnavailable, load
+    from outrider.spec.sampling import sample_logits
+
+    try:
+        load()
+    except NativeUnavailable as e:
+        pytest.skip(str(e))
+    logits = language_model_row(262_144, 3)
+    masked = torch.zeros(logits.shape[0], dtype=torch.bool)
+    masked[::3] = True
+    masked[-1] = True  # the last token too, where a fallback to the row's end would land
+    logits[masked] = -3.4e38
+    for params in (SamplingParams(0.5, top_k=1000, top_p=0.9), SamplingParams(0.5, top_p=0.999999),
+                   SamplingParams(0.5), SamplingParams(0.5, top_k=200_000), SamplingParams(0.5, min_p=1e-30)):
+        for u in (0.0, 0.3, 0.999999999, 1.0 - 1e-16):
+            token = sample_logits(logits, params, u)
+            assert not masked[token], (params, u, token)

@@ -47,7 +47,8 @@ class ContextPenalties:
 
     def apply(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         """`logits` [k+1, V] (or [V], one row) of a round over the certain context then `drafts` x_1..x_k,
-        penalised: row i as if x_1..x_i were context. A new tensor; `logits` is left as it was."""
+        penalised: row i as if x_1..x_i were context; `logits` is left as it was (and returned as it is when no
+        token is counted)."""
         one_row = logits.dim() == 1
         rows = logits.unsqueeze(0) if one_row else logits
         drafts = [int(x) for x in drafts[: rows.shape[0] - 1]]

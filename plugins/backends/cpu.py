@@ -53,12 +53,12 @@ def _return_freed_memory() -> None:
 def register_backends(register):
     register("cpu", CPUBackend, options={
         "dtype": (str, f"weights and activations: {', '.join(DTYPES)}"),
-        "weights": (str, f"how weights are held: {', '.join(WEIGHT_MODES)} (see README, Numerics)"),
+        "weights": (str, f"how weights are held: {', '.join(WEIGHT_MODES)} (see docs/numerics.md)"),
         "batch_invariant": (bool, "with weights=dense: attention in float64, so a verify pass's logits stay "
                             "within ~1e-4 of single steps (torch's matmuls still sum in another order; the "
                             "compact kernels give the same bits by construction)"),
         "activations": (str, "with weights=compact: int8 quantizes each activation row per 32 values "
                         "and multiplies in integers (llama.cpp's design; the fast path on AVX2), float32 keeps "
-                        "them exact; auto = int8 on AVX2 without AVX-512 and on AVX512-VNNI, float32 elsewhere (see README, Numerics)"),
+                        "them exact; auto = int8 on AVX2 without AVX-512 and on AVX512-VNNI, float32 elsewhere (see docs/numerics.md)"),
         "threads": (int, "torch intra-op threads; 0 keeps torch's default (one per core)"),
     })

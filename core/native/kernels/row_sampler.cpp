@@ -27,14 +27,22 @@ struct Candidate {
   int32_t index;
 };
 
-// z descending, then index ascending: the order of a stable descending sort, as warp's top-k and top-p see it
+// z descending, then index ascending: a stable descending sort's order, as warp's top-p sees it (torch.topk
+// promises no order among ties at the top-k boundary: there the two may keep different tokens of equal z)
 static inline bool ranks_before(const Candidate& a, const Candidate& b) {
   return a.z > b.z || (a.z == b.z && a.index < b.index);
 }
 
+// exp(d) for d = z - zmax <= 0, and 0 where float's exp underflows: vexp clamps its input there, which would
+// give every masked token (a logit of -FLT_MAX) a probability the reference's softmax does not
+static inline vew exps(vew d) {
+  vew e = vexp(d);
+  return d >= -87.0f ? e : vew{};
+}
+
 static inline float exp_of(float z, float zmax) {
   vew lane = vew{} + (z - zmax);
-  return vexp(lane)[0];  // the vector exp, so a token's exp is the same bits in every pass
+  return exps(lane)[0];  // the vector exp, so a token's exp is the same bits in every pass
 }
 
 static float row_max(const float* x, int64_t n, bool& finite) {
@@ -65,7 +73,7 @@ static double block_sums(const float* x, int64_t n, float t, float zmax, float f
     int64_t i = start;
     for (; i + EW_LANES <= end; i += EW_LANES) {
       vew z = load_ew(x + i) / t;
-      vew e = vexp(z - zmax);
+      vew e = exps(z - zmax);
       acc += z >= floor ? e : vew{};
     }
     float lanes[EW_LANES];
@@ -100,18 +108,22 @@ static int64_t draw_by_blocks(const float* x, int64_t n, float t, float zmax, fl
     for (int64_t i = b * BLOCK, end = std::min(n, (b + 1) * BLOCK); i < end; ++i) {
       const float z = x[i] / t;
       if (!(z >= floor)) continue;
-      last = i;
-      cum += exp_of(z, zmax);
+      const float e = exp_of(z, zmax);
+      if (e > 0.0f) last = i;  // a token whose exp underflows has no probability: never the fallback
+      cum += e;
       if (cum > target) return i;
     }
     return last;  // rounding: the block's sum token by token fell short of its sum by vectors
   }
   for (int64_t i = std::min(n, (last_block + 1) * BLOCK) - 1; last_block >= 0 && i >= last_block * BLOCK; --i)
-    if (x[i] / t >= floor) return i;  // u * total rounded up to total: the last token with nonzero probability
+    if (x[i] / t >= floor && exp_of(x[i] / t, zmax) > 0.0f) return i;  // u * total rounded up to total: the last
+                                                                         // token with nonzero probability
   return -1;
 }
 
-// The tokens with z >= floor, in no order, and their mass
+// The tokens with z >= floor and a nonzero exp, in no order, and their mass. A token whose exp underflows (a
+// logit of -FLT_MAX tempered to -inf, or far below the largest) can never be drawn and adds no mass: left out,
+// the candidates' z are finite, and so are the bins of top-p below.
 static double collect(const float* x, int64_t n, float t, float zmax, float floor, std::vector<Candidate>& out) {
   out.clear();
   double mass = 0.0;
@@ -119,20 +131,20 @@ static double collect(const float* x, int64_t n, float t, float zmax, float floo
   for (; i + EW_LANES <= n; i += EW_LANES) {
     vew z = load_ew(x + i) / t;
     if (hmax(z) < floor) continue;
-    vew e = vexp(z - zmax);
+    vew e = exps(z - zmax);
     float zs[EW_LANES], es[EW_LANES];
     std::memcpy(zs, &z, sizeof zs);
     std::memcpy(es, &e, sizeof es);
     for (int l = 0; l < EW_LANES; ++l)
-      if (zs[l] >= floor) {
+      if (zs[l] >= floor && es[l] > 0.0f) {
         out.push_back({zs[l], es[l], (int32_t)(i + l)});
         mass += es[l];
       }
   }
   for (; i < n; ++i) {
     const float z = x[i] / t;
-    if (z >= floor) {
-      const float e = exp_of(z, zmax);
+    const float e = exp_of(z, zmax);
+    if (z >= floor && e > 0.0f) {
       out.push_back({z, e, (int32_t)i});
       mass += e;
     }
@@ -152,7 +164,10 @@ static size_t keep_top_p(std::vector<Candidate>& c, double keep_below) {
   }
   constexpr int BINS = 2048;
   const float scale = top > bottom ? (BINS - 1) / (top - bottom) : 0.0f;
-  auto bin = [&](const Candidate& k) { return std::min(BINS - 1, (int)((top - k.z) * scale)); };  // monotone in z
+  auto bin = [&](const Candidate& k) {  // monotone in z
+    const float at = (top - k.z) * scale;
+    return at < (float)(BINS - 1) ? (int)at : BINS - 1;
+  };
   std::vector<double> mass(BINS, 0.0);
   for (const Candidate& k : c) mass[bin(k)] += k.e;
   double before = 0.0;
@@ -180,7 +195,7 @@ static void depth_masses(const float* x, int64_t n, float t, float zmax, double*
     vew acc[N_DEPTHS] = {};
     for (const int64_t end = std::min(n, i + BLOCK); i + EW_LANES <= end; i += EW_LANES) {
       vew z = load_ew(x + i) / t;
-      vew e = vexp(z - zmax), d = zmax - z;
+      vew e = exps(z - zmax), d = zmax - z;
       for (int b = 0; b < N_DEPTHS; ++b) acc[b] += d <= DEPTHS[b] ? e : vew{};
     }
     for (int b = 0; b < N_DEPTHS; ++b) {
@@ -216,8 +231,10 @@ int64_t sample_logits(const float* x, int64_t n, double temperature, int64_t top
       collect(x, n, t, zmax, all ? -INFINITY : zmax - depth, kept);
       if ((int64_t)kept.size() >= k || all) break;
     }
-    std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(), ranks_before);
-    kept.resize(k);
+    if ((int64_t)kept.size() > k) {  // fewer: every token with probability is among the k largest
+      std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(), ranks_before);
+      kept.resize(k);
+    }
     if (top_p < 1.0) {
       double mass = 0.0;
       for (const Candidate& c : kept) mass += c.e;
