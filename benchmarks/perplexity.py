@@ -20,6 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))  # qwen_pair.py's llama.cpp tools
+from qwen_pair import llama_cpp_binary  # noqa: E402
+
 TEXT_CHARS = 60_000
 
 
@@ -29,14 +32,6 @@ def corpus_file(folder: Path) -> Path:
     path = folder / "pydoc-topics.txt"
     path.write_text("\n\n".join(topics[k] for k in sorted(topics))[:TEXT_CHARS], encoding="utf-8")
     return path
-
-
-def llama_perplexity_binary() -> Path:
-    if os.environ.get("LLAMA_PERPLEXITY"):
-        return Path(os.environ["LLAMA_PERPLEXITY"])
-    tool = Path(__file__).resolve().parents[2] / "shared" / "tools" / "build-llama-cpp"
-    out = subprocess.run([str(tool), "--no-amx"], capture_output=True, text=True, check=True).stdout.strip()
-    return Path(out.splitlines()[-1]) / "llama-perplexity"
 
 
 def outrider_ppl(model: str, text: Path, ctx: int, chunks: int, threads: int, activations: str) -> tuple[float, float]:
@@ -65,7 +60,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     args = parser.parse_args()
-    binary = llama_perplexity_binary()
+    binary = llama_cpp_binary("llama-perplexity", "LLAMA_PERPLEXITY")
     folder = Path(tempfile.mkdtemp(prefix="outrider-ppl-"))
     text = corpus_file(folder)
     print(f"text: {text} (the first {TEXT_CHARS} characters of pydoc_data.topics); -c {args.ctx} --chunks "

@@ -60,12 +60,17 @@ SAMPLED_CONFIG = "draft-model -o drafter.sample true"  # at T > 0: drafts drawn 
 TOP_K, TOP_P = 40, 0.95  # at T > 0, both engines (llama-server's min_p is turned off)
 
 
-def llama_server_binary() -> Path:
-    if os.environ.get("LLAMA_SERVER"):
-        return Path(os.environ["LLAMA_SERVER"])
+def llama_cpp_binary(name: str, variable: str) -> Path:
+    """llama.cpp's tool `name`: `$variable`, else the one `../shared/tools/build-llama-cpp --no-amx` builds."""
+    if os.environ.get(variable):
+        return Path(os.environ[variable])
     tool = Path(__file__).resolve().parents[2] / "shared" / "tools" / "build-llama-cpp"
     out = subprocess.run([str(tool), "--no-amx"], capture_output=True, text=True, check=True).stdout.strip()
-    return Path(out.splitlines()[-1]) / "llama-server"
+    return Path(out.splitlines()[-1]) / name
+
+
+def llama_server_binary() -> Path:
+    return llama_cpp_binary("llama-server", "LLAMA_SERVER")
 
 
 def _free_port() -> int:
@@ -96,10 +101,12 @@ class LlamaServer:
                 time.sleep(0.5)
         raise RuntimeError(f"llama-server did not start: see {self.log.name}")
 
-    def decode(self, prompt: str, tokens: int, temperature: float = 0.0, seed: int = 1) -> tuple[float, int, float]:
+    def decode(self, prompt: str, tokens: int, temperature: float = 0.0, seed: int = 1, top_k: int = TOP_K,
+               top_p: float = TOP_P, min_p: float = 0.0, ignore_eos: bool = False) -> tuple[float, int, float]:
         """(decode tok/s, new tokens, acceptance of drafts or nan)."""
-        body = json.dumps({"prompt": prompt, "n_predict": tokens, "temperature": temperature, "top_k": TOP_K,
-                           "top_p": TOP_P, "min_p": 0.0, "cache_prompt": False, "seed": seed}).encode()
+        body = json.dumps({"prompt": prompt, "n_predict": tokens, "temperature": temperature, "top_k": top_k,
+                           "top_p": top_p, "min_p": min_p, "cache_prompt": False, "seed": seed,
+                           "ignore_eos": ignore_eos}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body,
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:

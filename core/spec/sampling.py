@@ -20,6 +20,7 @@ The acceptor protocol (one verify round, the result) is in :mod:`outrider.spec.a
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -287,11 +288,11 @@ def sample_logits(logits: torch.Tensor, params: SamplingParams, u: float) -> int
     """The token ``sample_at(warp(logits, params), u)`` gives, for one row of logits [V].
 
     On the CPU the kernels' sampler finds it without warping the row: the filters look only at tokens near
-    the largest logit and the draw sums exps by blocks (a 262k-token vocabulary warped in torch costs a
-    third of a small model's decode step). Its sums run in float64 over float32 exps in another order than
-    the reference's, so it can pick a neighbouring token only where u * total falls within rounding of the
-    boundary between two tokens; the law is the same. Rows it cannot decide (NaN, infinities) go to the
-    reference, which says what is wrong.
+    the largest logit and the draw sums exps by blocks (warping a 262k-token row in torch costs a large share
+    of a small model's decode step: docs/bench/cpu.md). Its sums run in float64 over float32 exps in another
+    order than the reference's, so it can pick another token only where rounding decides (u * total within
+    rounding of a boundary between two tokens, or a token's mass before it within rounding of top_p); the law
+    is the same. Rows it cannot decide (NaN, infinities) go to the reference, which says what is wrong.
     """
     if params.greedy:
         return argmax_token(logits)
@@ -306,16 +307,13 @@ def sample_logits(logits: torch.Tensor, params: SamplingParams, u: float) -> int
     return sample_at(warp(logits, params), u)
 
 
-_SAMPLER_KERNELS: list = []
-
-
+@functools.cache
 def _sampler_kernels():
-    """The CPU kernels module, or None where it cannot be built (the reference then decides every draw)."""
-    if not _SAMPLER_KERNELS:
-        from outrider.native import NativeUnavailable, load
+    """The CPU kernels module, or None where it cannot be built (the reference then decides every draw): asked
+    once, not per draw."""
+    from outrider.native import NativeUnavailable, load
 
-        try:
-            _SAMPLER_KERNELS.append(load())
-        except NativeUnavailable:
-            _SAMPLER_KERNELS.append(None)
-    return _SAMPLER_KERNELS[0]
+    try:
+        return load()
+    except NativeUnavailable:
+        return None
