@@ -39,6 +39,9 @@ class QueueFull(Exception):
 class ShuttingDown(Exception):
     """The server stopped taking work while this request waited."""
 
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down; retry on another server")
+
 
 class Stalled(Exception):
     """The worker is held by a generation that makes no progress; `reason` says where."""
@@ -179,7 +182,7 @@ class GenerationEngine:
         # checked and queued under one lock: a stall declared or a stop begun in between would strand the job
         with self._lock:
             if self._stopping:  # no worker will take it
-                raise ShuttingDown("the server is shutting down; retry on another server")
+                raise ShuttingDown
             if self.stalled:
                 raise Stalled(self.stalled)
             if self.waiting + self.busy > self.queue_size:
@@ -209,7 +212,7 @@ class GenerationEngine:
 
     def _take(self, job: Job) -> tuple[str, Any] | None:
         if self._stopping:
-            return "error", ShuttingDown("the server is shutting down; retry on another server")
+            return "error", ShuttingDown()
         if job.cancelled.is_set():
             self.metrics.request_success.labels(self.metrics.model_name, "abort").inc()
             return None
