@@ -321,7 +321,7 @@ def test_a_gemma4_target_is_refused_in_one_line(fx):
         MTPDrafter().setup(fx.target("gemma4"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma3-period-4-softcap"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma3-period-4-softcap", "qwen2", "qwen3"])
 def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, arch):
     """distill trains `TrainableHead` (plain torch, gradients) and the drafter runs `MTPHead` (the backend's
     kernels, a KV cache): on the same weights (the trained head rounded to the sidecar's float16, then
@@ -368,3 +368,34 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
                 assert logits.abs().max() < model.logit_softcap
     if model.logit_softcap:
         assert want_logits.abs().max() < model.logit_softcap
+
+
+def test_an_interrupted_distill_resumes_to_the_uninterrupted_head(fx, tmp_path):
+    """Ctrl-C during training saves a checkpoint; the same command then finishes the run, and its head is the
+    head of a run that was never stopped (same seed, same steps): the corpus and the target's distributions
+    come back from their files, the sample order is a function of the step, AdamW's state is saved."""
+    from outrider.plugins.drafters.mtp.distill import DistillSettings, distill
+
+    settings = lambda: DistillSettings(steps=8, generate_tokens=12, stdlib_chunks=1, draft_vocab=64, eval_tokens=0,
+                                       lr=3e-3, prompts=("Hello there", "def f(x):"), seq_len=32)
+
+    def interrupt(step):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    whole = tmp_path / "whole" / "head.mtp.gguf"
+    resumed = tmp_path / "resumed" / "head.mtp.gguf"
+    distill(str(fx.model_path("llama")), settings(), whole, echo=lambda line: None)
+    with pytest.raises(KeyboardInterrupt):
+        distill(str(fx.model_path("llama")), settings(), resumed, echo=lambda line: None, on_step=interrupt)
+    assert torch.load(resumed.with_suffix(".distill.pt"), weights_only=False)["step"] == 3
+    lines = []
+    report = distill(str(fx.model_path("llama")), settings(), resumed, echo=lines.append)
+    assert report.steps == 8 and any("resuming training at step 3" in line for line in lines), lines
+    a, b = GGUFFile(whole), GGUFFile(resumed)
+    assert sorted(a.tensors) == sorted(b.tensors)
+    for name in a.tensors:
+        if name.endswith("draft_vocab"):
+            assert bytes(a.raw(name)) == bytes(b.raw(name))
+        else:
+            torch.testing.assert_close(b.load(name), a.load(name), atol=1e-5, rtol=1e-4)

@@ -10,14 +10,16 @@ from outrider.cli import friendly_errors
 @click.command()
 @click.argument("model")
 @click.option("--minutes", type=float, default=30.0, show_default=True, help="Wall-clock budget for the whole run.")
-@click.option("--steps", type=int, default=0, help="Train exactly this many steps instead of until the budget is spent.")
+@click.option("--steps", type=int, default=0,
+              help="Train this many steps in all (a resumed run included) instead of until the budget is spent.")
 @click.option("--draft-vocab", type=int, default=8192, show_default=True,
               help="Rows of the head's output layer: the most frequent tokens of the training text.")
-@click.option("--tokens", "generate_tokens", type=int, default=160, show_default=True,
+@click.option("--tokens", "generate_tokens", type=int, default=192, show_default=True,
               help="Tokens the target writes per built-in prompt.")
-@click.option("--stdlib-chunks", type=int, default=16, show_default=True,
-              help="Passages of the Python standard library's sources added to the training text.")
-@click.option("--fresh", is_flag=True, help="Start over instead of resuming from the checkpoint.")
+@click.option("--stdlib-chunks", type=int, default=400, show_default=True,
+              help="Passages of the Python standard library's sources offered as training text (the time budget "
+                   "decides how many the target reads).")
+@click.option("--fresh", is_flag=True, help="Start over instead of resuming from the files a stopped run left.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Sidecar path [the cache, where --drafter mtp looks].")
 @click.option("--seed", type=int, default=0, show_default=True)
 @friendly_errors

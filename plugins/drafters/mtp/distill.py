@@ -2,15 +2,18 @@
 
 The head is one decoder block of the trunk's kind with the nextn tensors around it (see
 `outrider.plugins.drafters.mtp.drafter`), initialised from the trunk's last layer. Its row at position p sees the
-token x_p and the target's final-normed hidden h_{p-1}, and is trained to give the target's own distribution
-of x_{p+1} (soft cross-entropy to the target's top-K probabilities, i.e. the KL up to a constant) over:
-text the target itself writes from a built-in, varied prompt set (chat, code, prose, quoting), and chunks of
-the Python standard library's sources and docstrings, which ship with every Python.
+token x_p and the target's final-normed hidden h_{p-1} (EAGLE's inputs), and is trained to give the target's
+own distribution of x_{p+1} (soft cross-entropy to the target's top-K probabilities, i.e. the KL up to a
+constant) and, with a small weight, the target's own hidden h_p (EAGLE's feature term: chained drafts feed the
+head's h' where the target's h_p would be). The text: what the target itself writes from a built-in prompt
+set (code, chat, prose), then as much of the Python standard library's sources as the budget lets the target
+read (a prefill gives every position's distribution at once).
 
 The head's output layer covers a reduced draft vocabulary (FR-Spec): the `draft_vocab` most frequent tokens
-of that text, mapped back to target ids in `blk.{n}.nextn.draft_vocab`; it starts from the target's output
-rows. The sidecar GGUF lands at `mtp_sidecar_path(target)`, where `--drafter mtp` looks without
-`--draft-model`. A checkpoint beside it makes a stopped run resumable.
+of that text, mapped back to target ids in `blk.{n}.nextn.draft_vocab`; its rows are the target's own output
+rows, kept frozen. The sidecar GGUF lands at `mtp_sidecar_path(target)`, where `--drafter mtp` looks without
+`--draft-model`. Each stage leaves a file beside it (the corpus, the target's distributions, the training
+checkpoint), so a stopped run resumes where it stood.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from outrider.errors import ConfigError
 from outrider.io.chat import template_or_raw_ids
 from outrider.models.llama import permute_qk
-from outrider.plugins.drafters.mtp.head import TrainableHead
+from outrider.plugins.drafters.mtp.head import QKV_BIAS, TrainableHead
 
 PROMPTS = (
     "Explain how a hash table works, with a short example in Python.",
@@ -47,24 +50,59 @@ PROMPTS = (
     "Give me a recipe for a simple tomato soup.",
     "What is the difference between a list and a tuple in Python?",
     "Write a dialogue between a teacher and a student about why the sky is blue.",
+) + tuple(f"Write a Python {what}. Include type hints and a docstring." for what in (
+    "function that parses an ISO 8601 date string into a datetime without using dateutil",
+    "class for a bank account with deposit, withdraw and a transaction history",
+    "function that flattens an arbitrarily nested list",
+    "script that reads a CSV file and prints the average of each numeric column",
+    "function that checks whether a string of brackets is balanced",
+    "implementation of binary search over a sorted list, with tests using pytest",
+    "dataclass for a 2D vector with addition, scaling, dot product and length",
+    "function that groups words by their anagram signature",
+    "context manager that times the block it wraps and logs the duration",
+    "generator that yields the prime numbers below n with a sieve",
+    "function that retries a callable with exponential backoff",
+    "command-line tool with argparse that renames files by a regular expression",
+    "function that computes the Levenshtein distance between two strings",
+    "class implementing a min-heap with push, pop and peek",
+    "function that converts a Roman numeral to an integer and back",
+    "async function that fetches several URLs concurrently with asyncio and aiohttp",
+)) + (
+    "Refactor this code to use a dictionary comprehension and explain the change:\n\n```python\nresult = {}\n"
+    "for key in keys:\n    if key in data:\n        result[key] = data[key] * 2\n```",
+    "Add error handling and logging to this function and return the whole code:\n\n```python\ndef load(path):\n"
+    "    with open(path) as f:\n        return json.load(f)\n```",
+    "Write unit tests with unittest for a function `slugify(text)` that lowercases text and joins words with '-'.",
+    "Explain what this code does, line by line:\n\n```python\nfrom collections import Counter\n"
+    "def top(words, n=3):\n    return [w for w, _ in Counter(words).most_common(n)]\n```",
 )
+# code generation the head never trains on: distill's own check and benchmarks/mtp_heads.py
 HELD_OUT_PROMPTS = (
-    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "Explain recursion to a beginner programmer, with an example.",
+    "Write a Python class `LRUCache` with `get` and `put` methods, both O(1), using only the standard library. "
+    "Include type hints and a docstring.",
+    "Write a Python function `merge_intervals(intervals)` that takes a list of (start, end) pairs and returns "
+    "the list of merged, non-overlapping intervals sorted by start. Include a docstring and type hints.",
+    "Write a Python function that reads a text file and returns the ten most common words with their counts, "
+    "ignoring case and punctuation, and a short example of its use.",
 )
+DISTILLABLE = ("llama", "gemma3", "qwen2", "qwen3")  # trunks whose block TrainableHead copies
 
 
 @dataclass
 class DistillSettings:
     minutes: float = 30.0  # wall-clock budget for the whole run
-    generate_tokens: int = 160  # per built-in prompt
-    stdlib_chunks: int = 16
-    seq_len: int = 128
+    generate_share: float = 0.2  # of the budget, at most, for the target writing its own text
+    teacher_share: float = 0.3  # of the budget, at most, for the target's distributions over the corpus
+    generate_tokens: int = 192  # per built-in prompt
+    stdlib_chunks: int = 400  # passages offered; the teacher's share of the budget decides how many are read
+    seq_len: int = 256
     draft_vocab: int = 8192
     top_k: int = 16  # target probabilities kept per row
+    feature_weight: float = 0.1  # of the feature term, beside the KL
     lr: float = 3e-4
-    steps: int = 0  # 0: train until the budget is spent
+    steps: int = 0  # total training steps; 0: train until the budget is spent
     held_out: float = 0.1
+    max_held_out: int = 16
     seed: int = 0
     fresh: bool = False
     temperature: float = 0.7  # of the target's own generations
@@ -75,7 +113,7 @@ class DistillSettings:
 @dataclass
 class Sample:
     tokens: torch.Tensor  # [T]
-    hidden: torch.Tensor  # [T, H] the target's final-normed hidden states
+    hidden: torch.Tensor  # [T, H] the target's final-normed hidden states, float16 (memory; resumes alike)
     top_ids: torch.Tensor  # [T, K] indices into the draft vocabulary (of the target's next-token distribution)
     top_p: torch.Tensor  # [T, K]
 
@@ -97,7 +135,7 @@ class DistillReport:
 def stdlib_texts(n: int, rng: random.Random, chars: int = 4000) -> list[str]:
     """`n` passages of the Python standard library's own sources (code and docstrings)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > chars)
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.stat().st_size > chars)
     texts = []
     for path in rng.sample(files, min(n, len(files))):
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -136,7 +174,7 @@ def teacher(model, tokens: list[int], vocab_index: torch.Tensor, top_k: int) -> 
     mapped = vocab_index[ids]
     p = torch.where(mapped >= 0, p, torch.zeros_like(p))
     p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
-    return Sample(torch.tensor(tokens), hidden.float().clone(), mapped.clamp_min(0), p)
+    return Sample(torch.tensor(tokens), hidden.half(), mapped.clamp_min(0), p)
 
 
 # ------------------------------------------------------------------------------------------------ the head
@@ -147,13 +185,18 @@ def shifted(hidden: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
 
 
-def sample_loss(head: TrainableHead, s: Sample) -> tuple[torch.Tensor, torch.Tensor]:
-    """(soft cross-entropy, KL) averaged over rows: row p's target is the target's distribution of x_{p+1}."""
-    logits, _ = head(s.tokens, shifted(s.hidden))
+def sample_loss(head: TrainableHead, s: Sample, feature_weight: float = 0.0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, KL, feature term), averaged over rows. Row p's target is the target's distribution of x_{p+1}
+    (the loss takes the soft cross-entropy, the KL up to a constant) and the target's own hidden state h_p
+    (smooth L1, EAGLE's feature term): when the head chains, its h' stands in for h_p at the next row."""
+    hidden = s.hidden.float()
+    logits, h = head(s.tokens, shifted(hidden))
     logq = torch.log_softmax(logits, -1).gather(1, s.top_ids)
     ce = -(s.top_p * logq).sum(-1).mean()
     entropy = -(s.top_p * s.top_p.clamp_min(1e-12).log()).sum(-1).mean()
-    return ce, ce - entropy
+    feature = torch.nn.functional.smooth_l1_loss(h, hidden)
+    return ce + feature_weight * feature, ce - entropy, feature
 
 
 def heldout_kl(head: TrainableHead, samples: list[Sample]) -> float:
@@ -191,6 +234,11 @@ def write_sidecar(path: Path, head: TrainableHead, g, vocab_ids: torch.Tensor) -
     p = f"blk.{b}."
     for name, param in head.w.items():
         t = param.detach().float()
+        if name == QKV_BIAS:  # the trunk's layout: a bias per projection
+            q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+            for part, bias in zip("qkv", t.split([q, kv, kv])):
+                w.add_tensor(f"{p}attn_{part}.bias", bias.numpy().astype(np.float32))
+            continue
         if arch == "llama" and name in ("attn_q", "attn_k"):
             t = permute_qk(cfg.n_heads if name == "attn_q" else cfg.n_kv_heads)(t)
         nextn = name in ("eh_proj", "enorm", "hnorm", "shared_head_norm", "shared_head_head")
@@ -228,32 +276,38 @@ def load_trunk(model_name: str):
     if int(g.arch_key("nextn_predict_layers", 0) or 0):
         raise ConfigError(f"{path.name} already has MTP blocks: use --drafter mtp as it is")
     model = CPUBackend().load_model(g)
-    if model.architecture not in ("llama", "gemma3"):
-        raise ConfigError(f"distill supports llama and gemma3 trunks, not {model.architecture}")
+    if model.architecture not in DISTILLABLE:
+        raise ConfigError(f"distill trains heads for {', '.join(DISTILLABLE)} trunks, not {model.architecture}; "
+                          "for Gemma 4 use --drafter gemma-assistant with its assistant file")
     return path, g, model, Tokenizer.from_gguf(g)
 
 
 def training_text(model, g, tokenizer, settings: DistillSettings, budget: float, rng: random.Random,
                   gen: torch.Generator) -> list[list[int]]:
-    """The corpus, as token sequences: what the target writes from the built-in prompts (within `budget`
-    seconds; every third greedily, the rest at the settings' temperature), then standard-library chunks."""
+    """The corpus, as token sequences: what the target writes from the built-in prompts, in a seeded order,
+    within `budget` seconds (every other one greedily, the rest at the settings' temperature), then
+    standard-library chunks. The teacher reads them in this order, so its own text always goes in."""
     stop = set(tokenizer.eog_ids)
     sequences = []
     bar = _bar(budget, "target writes training text")
     t0 = time.perf_counter()
-    for i, text in enumerate(settings.prompts):
+    prompts = list(settings.prompts)
+    rng.shuffle(prompts)
+    for i, text in enumerate(prompts):
         if time.perf_counter() - t0 > budget:
             break
         prompt, _ = template_or_raw_ids(g, tokenizer, text)
-        temperature = settings.temperature if i % 3 else 0.0
+        temperature = settings.temperature if i % 2 else 0.0
         sequences.append(prompt + generate(model, prompt, settings.generate_tokens, temperature, gen, stop))
         bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
     bar.close()
+    stdlib = []
     for text in stdlib_texts(settings.stdlib_chunks, rng):
         ids = tokenizer.encode(text)
         for j in range(0, max(1, len(ids) - settings.seq_len // 2), settings.seq_len):
-            sequences.append(ids[j:j + settings.seq_len])
-    return sequences
+            stdlib.append(ids[j:j + settings.seq_len])
+    rng.shuffle(stdlib)
+    return sequences + stdlib
 
 
 def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int) -> torch.Tensor:
@@ -265,56 +319,86 @@ def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int) -> 
 
 def teacher_split(model, sequences: list[list[int]], vocab_ids: torch.Tensor, settings: DistillSettings,
                   budget: float) -> tuple[list[Sample], list[Sample]]:
-    """The target's distributions over the corpus cut into pieces, shuffled, within `budget` seconds (pieces
-    not reached are left out, unless a fixed step count asks for all), split into (held-out, training)."""
+    """The target's distributions over the corpus cut into pieces, in the corpus' order, within `budget`
+    seconds (pieces not reached are left out, unless a fixed step count asks for all), split into
+    (held-out, training) by a seeded draw."""
     from tqdm import tqdm
 
     vocab_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
     vocab_index[vocab_ids] = torch.arange(len(vocab_ids))
     pieces = [s[j:j + settings.seq_len] for s in sequences for j in range(0, len(s), settings.seq_len)]
     pieces = [p for p in pieces if len(p) >= 8]
-    order = list(range(len(pieces)))
-    random.Random(settings.seed + 1).shuffle(order)
-    samples, t0 = [], time.perf_counter()
-    for i in tqdm(order, desc="the target's distributions", unit="seq", leave=False):
+    samples, read, t0 = [], 0, time.perf_counter()
+    # a bar over what bounds the stage: the pieces when all are read (a fixed step count), else the seconds
+    bar = tqdm(pieces, desc="the target's distributions", unit="seq", leave=False) if settings.steps else \
+        _bar(budget, "the target's distributions")
+    for piece in pieces:
         if samples and time.perf_counter() - t0 > budget and not settings.steps:
             break
-        samples.append(teacher(model, pieces[i], vocab_index, settings.top_k))
-    n_held = max(1, int(len(samples) * settings.held_out))
+        samples.append(teacher(model, piece, vocab_index, settings.top_k))
+        if settings.steps:
+            bar.update(1)
+        else:
+            read += len(piece)
+            bar.set_postfix_str(f"{len(samples)} sequences, {read} tokens")
+            bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
+    bar.close()
+    random.Random(settings.seed + 1).shuffle(samples)
+    n_held = min(max(1, int(len(samples) * settings.held_out)), settings.max_held_out)
     return samples[:n_held], samples[n_held:] or samples[:1]
 
 
+def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
+    """The training samples' order in `epoch`: a function of the step alone, so a resumed run sees what an
+    uninterrupted one would."""
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
 def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[Sample], step: int,
-          settings: DistillSettings, budget: float, save: Callable[[int], None]) -> int:
-    """Train from `step` for `settings.steps` steps, or for `budget` seconds when that is 0, saving a
-    checkpoint every two minutes; the step count reached."""
+          settings: DistillSettings, budget: float, save: Callable[[int], None],
+          on_step: Callable[[int], None] | None = None) -> int:
+    """Train from `step` up to `settings.steps` steps in all, or for `budget` seconds when that is 0, saving a
+    checkpoint every two minutes and on an interrupt; the step count reached."""
     bar = None if settings.steps else _bar(budget, "training the MTP head")
     t0, last_save = time.perf_counter(), time.perf_counter()
-    target_steps = step + settings.steps
-    while (step < target_steps) if settings.steps else (time.perf_counter() - t0 < budget):
-        s = samples[step % len(samples)]
-        ce, kl = sample_loss(head, s)
-        optimizer.zero_grad()
-        ce.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        optimizer.step()
-        step += 1
+    order, epoch = None, -1
+    try:
+        while (step < settings.steps) if settings.steps else (time.perf_counter() - t0 < budget):
+            if step // len(samples) != epoch:
+                epoch = step // len(samples)
+                order = epoch_order(len(samples), epoch, settings.seed)
+            s = samples[order[step % len(samples)]]
+            loss, kl, feature = sample_loss(head, s, settings.feature_weight)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            if bar is not None:
+                bar.set_postfix_str(f"step {step} KL {kl.item():.3f} feature {feature.item():.3f}")
+                bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
+            if time.perf_counter() - last_save > 120:
+                save(step)
+                last_save = time.perf_counter()
+            if on_step is not None:
+                on_step(step)
+    except KeyboardInterrupt:
+        save(step)
+        raise
+    finally:
         if bar is not None:
-            bar.set_postfix_str(f"step {step} KL {kl.item():.3f}")
-            bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
-        if time.perf_counter() - last_save > 120:
-            save(step)
-            last_save = time.perf_counter()
-    if bar is not None:
-        bar.close()
+            bar.close()
     return step
 
 
 def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
-            echo: Callable[[str], None] = print) -> DistillReport:
-    """The whole run, resumable: the trunk, the corpus and draft vocabulary (or the checkpoint's), the
-    target's distributions, training, the sidecar, and the held-out evaluation. The time budget goes 30% to
-    writing text, half of the rest at most to the target's distributions, and training ends with 10% left."""
+            echo: Callable[[str], None] = print, on_step: Callable[[int], None] | None = None) -> DistillReport:
+    """The whole run, resumable at every stage: the trunk; the corpus and draft vocabulary; the target's
+    distributions; training (checkpointed); the sidecar; the held-out evaluation. The budget goes at most
+    `generate_share` to writing text and `teacher_share` to the distributions, and training ends with 5%
+    left for the sidecar and the check. An interrupt (Ctrl-C) during training saves where it stood."""
     from outrider.plugins.drafters.mtp.drafter import mtp_sidecar_path
 
     start = time.perf_counter()
@@ -323,37 +407,60 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     torch.manual_seed(settings.seed)
     path, g, model, tokenizer = load_trunk(model_name)
     out = out or mtp_sidecar_path(path)
-    checkpoint = out.with_suffix(".distill.pt")
-    state = torch.load(checkpoint, weights_only=False) if checkpoint.is_file() and not settings.fresh else None
+    files = {stage: out.with_suffix(f".{stage}.pt") for stage in ("corpus", "teacher", "distill")}
+    if settings.fresh:
+        for file in files.values():
+            file.unlink(missing_ok=True)
+    load = lambda stage: torch.load(files[stage], weights_only=False) if files[stage].is_file() else None
+    files["corpus"].parent.mkdir(parents=True, exist_ok=True)
 
-    if state is not None:
-        echo(f"resuming from {checkpoint} (step {state['step']})")
-        sequences, vocab_ids = state["sequences"], state["vocab_ids"]
+    corpus = load("corpus")
+    if corpus is None:
+        sequences = training_text(model, g, tokenizer, settings, settings.generate_share * settings.minutes * 60,
+                                  rng, gen)
+        corpus = {"sequences": sequences,
+                  "vocab_ids": draft_vocabulary(sequences, model.config.vocab_size, settings.draft_vocab)}
+        torch.save(corpus, files["corpus"])
     else:
-        sequences = training_text(model, g, tokenizer, settings, 0.3 * (deadline - time.perf_counter()), rng, gen)
-        vocab_ids = draft_vocabulary(sequences, model.config.vocab_size, settings.draft_vocab)
-    held, train_samples = teacher_split(model, sequences, vocab_ids, settings,
-                                        0.5 * max(deadline - time.perf_counter(), 0))
+        echo(f"resuming from {files['corpus']}")
+    vocab_ids = corpus["vocab_ids"]
+    data = load("teacher")
+    if data is None:
+        held, train_samples = teacher_split(model, corpus["sequences"], vocab_ids, settings,
+                                            min(settings.teacher_share * settings.minutes * 60,
+                                                max(deadline - time.perf_counter(), 0)))
+        torch.save({"held": held, "train": train_samples}, files["teacher"])
+    else:
+        held, train_samples = data["held"], data["train"]
 
     head = TrainableHead(model, g, vocab_ids)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=0.0)
-    step = 0
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=settings.lr,
+                                  weight_decay=0.0)
+    state, step = load("distill"), 0
     if state is not None:
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
+        echo(f"resuming training at step {step}")
     kl_now = heldout_kl(head, held)
     kl_start = state["kl_start"] if state is not None else kl_now  # the untrained head's, kept across resumes
-    echo(f"{len(train_samples)} training and {len(held)} held-out sequences; draft vocabulary {len(vocab_ids)} of "
-         f"{model.config.vocab_size}; held-out KL {kl_now:.3f} nats")
+    tokens = sum(len(s.tokens) for s in train_samples)
+    echo(f"{len(train_samples)} training sequences ({tokens} tokens) and {len(held)} held out; draft vocabulary "
+         f"{len(vocab_ids)} of {model.config.vocab_size}; held-out KL {kl_now:.3f} nats")
+
+    saved = {}
 
     def save(step: int) -> None:
-        checkpoint.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"step": step, "head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                    "sequences": sequences, "vocab_ids": vocab_ids, "kl_start": kl_start}, checkpoint)
+                    "kl_start": kl_start}, files["distill"])
+        saved["step"] = step
 
-    budget = max(deadline - time.perf_counter() - 0.1 * settings.minutes * 60, 0)
-    step = train(head, optimizer, train_samples, step, settings, budget, save)
+    budget = max(deadline - time.perf_counter() - 0.05 * settings.minutes * 60, 0)
+    try:
+        step = train(head, optimizer, train_samples, step, settings, budget, save, on_step)
+    except KeyboardInterrupt:
+        echo(f"interrupted at step {saved['step']}: saved {files['distill']}; the same command resumes from there")
+        raise
     save(step)
     kl_end = heldout_kl(head, held)
     size = write_sidecar(out, head, g, vocab_ids)

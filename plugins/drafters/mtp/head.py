@@ -20,6 +20,8 @@ from outrider.models.stack import LayerStack, LayerWeights, decoder_layer
 from outrider.models.weight_forms import load_linear
 from outrider.spec.drafter import Target
 
+QKV_BIAS = "attn_qkv_bias"  # TrainableHead's name for Qwen2's q, k and v biases, kept as one parameter
+
 
 def mtp_rows(embedded: torch.Tensor, hidden: torch.Tensor, enorm: torch.Tensor, hnorm: torch.Tensor, eh_proj,
              block: Callable[[torch.Tensor], torch.Tensor], head_norm: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,9 +115,12 @@ class TrainableHead(torch.nn.Module):
             "shared_head_head": param(model.output.rows(vocab_ids).float()),
         })
         opt = lambda name: self.w[name] if name in self.w else None
-        if self.arch == "gemma3":
-            for name in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
+        for name in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):  # Gemma 3, Qwen3
+            if f"blk.{last}.{name}.weight" in g.tensors:
                 self.w[name] = param(load(name))
+        if f"blk.{last}.attn_q.bias" in g.tensors:  # Qwen2: one fused q/k/v bias, as the trunk's layers add it
+            self.w[QKV_BIAS] = param(torch.cat([g.load(f"blk.{last}.attn_{n}.bias") for n in "qkv"]))
+        if self.arch == "gemma3":
             # block n_layers, local or global as the drafter reads it
             rotary, window = model.position(local_layers(g, cfg.n_layers + 1)[cfg.n_layers])
         else:
@@ -124,8 +129,12 @@ class TrainableHead(torch.nn.Module):
         # the block as the trunk's layers are held, on the parameters (q, k, v and gate, up trained apart)
         self.layer = LayerWeights(lin("attn_q", "attn_k", "attn_v"), lin("attn_output"), lin("ffn_gate", "ffn_up"),
                                   lin("ffn_down"), w["attn_norm"], w["ffn_norm"], rotary, window, opt("attn_q_norm"),
-                                  opt("attn_k_norm"), opt("post_attention_norm"), opt("post_ffw_norm"))
+                                  opt("attn_k_norm"), opt("post_attention_norm"), opt("post_ffw_norm"),
+                                  opt(QKV_BIAS))
         self.eh_proj, self.head = lin("eh_proj"), lin("shared_head_head")
+        # the output rows stay the target's (EAGLE keeps its LM head frozen too): the head learns to give
+        # hidden states the target's own head reads, and a step trains a fifth fewer weights
+        self.w["shared_head_head"].requires_grad_(False)
         self.softcap = model.logit_softcap
 
     def forward(self, tokens: torch.Tensor, h_prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

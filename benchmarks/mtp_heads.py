@@ -1,0 +1,151 @@
+"""Does a distilled MTP head pay? `--drafter mtp` and `lookup,mtp` beside plain decoding on held-out code, in one run.
+
+The target is the catalog's Qwen2.5-Coder-1.5B (Q4_K_M); the head is the one `outrider distill` cached for it
+(or `--head`). The prompts are the three code-generation prompts distill never trains on
+(`distill.HELD_OUT_PROMPTS`) and qwen_pair's code edit (where lookup has text to copy), each through the file's
+chat template. Every configuration runs at T=0 (greedy acceptor) and at T=0.7 (no other warper; the
+sampled acceptor with the head's q), the same seed per round for every configuration; rounds interleave the
+configurations, a warm-up round first. Printed: decode tok/s (medians), the speed-up over plain as the median
+of each round's ratio, llama-server's plain decode in the same run as the peer (`--engines`), and acceptance
+per draft position j: rounds that accepted position j / rounds that drafted at least j tokens, pooled over
+the measured rounds (cumulative: accepting position 2 means position 1 was accepted too).
+
+    python benchmarks/mtp_heads.py --threads 2 --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from qwen_pair import PROMPTS as PAIR_PROMPTS  # noqa: E402
+from qwen_pair import LlamaServer, llama_server_binary  # noqa: E402
+
+CONFIGS = ("none", "mtp", "lookup,mtp")
+
+
+def outrider_runs(target_path: Path, head: Path, prompts: dict[str, list[int]], temperatures: list[float],
+                  tokens: int, runs: int, threads: int, draft_max: str) -> dict:
+    """{(prompt, T, config): [(tok/s, generated, drafted_at, accepted_at), ...]} over the measured rounds."""
+    from outrider.io.gguf import GGUFFile
+    from outrider.io.tokenizer import Tokenizer
+    from outrider.plugins.acceptors.greedy import GreedyAcceptor
+    from outrider.plugins.acceptors.sampled import SampledAcceptor
+    from outrider.plugins.backends.cpu import CPUBackend
+    from outrider.plugins.drafters.lookup import LookupDrafter
+    from outrider.plugins.drafters.mtp.drafter import MTPDrafter
+    from outrider.plugins.drafters.none import NoDrafter
+    from outrider.spec.chain import DrafterChain
+    from outrider.spec.drafter import Target
+    from outrider.spec.drafter_traits import DrafterTraits
+    from outrider.spec.runner import Runner
+    from outrider.spec.sampling import SamplingParams
+
+    g = GGUFFile(target_path)
+    backend = CPUBackend(threads=threads)
+    target = Target(backend.load_model(g), Tokenizer.from_gguf(g), g, backend)
+    mtp, lookup = MTPDrafter(model=str(head), sample=True), LookupDrafter()
+    mtp.setup(target)
+    lookup.setup(target)
+    drafters = {"none": NoDrafter(), "mtp": mtp, "lookup,mtp": DrafterChain([lookup, mtp], ["lookup", "mtp"])}
+    runners = {(t, name): Runner(target, drafter, (SampledAcceptor if t > 0 else GreedyAcceptor)(),
+                                 DrafterTraits.of(drafter, draft_max=0 if name == "none" else draft_max), context=4096)
+               for t in temperatures for name, drafter in drafters.items()}
+    results = {}
+    for run in range(runs + 1):  # the first is a warm-up
+        for label, ids in prompts.items():
+            for (t, name), runner in runners.items():
+                params = SamplingParams(t, seed=1 + run) if t > 0 else SamplingParams()
+                list(runner.generate(ids, tokens, params, stop_ids=target.tokenizer.eog_ids))
+                s = runner.stats
+                if run:
+                    results.setdefault((label, t, name), []).append(
+                        (s.generated_tokens / s.decode_s, s.generated_tokens, list(s.drafted_at),
+                         list(s.accepted_at)))
+    return results
+
+
+def per_position(rows: list[tuple]) -> list[float]:
+    drafted, accepted = [], []
+    for _, _, d, a in rows:
+        for j, (dj, aj) in enumerate(zip(d, a)):
+            if j == len(drafted):
+                drafted.append(0)
+                accepted.append(0)
+            drafted[j] += dj
+            accepted[j] += aj
+    return [a / d for a, d in zip(accepted, drafted) if d]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--head", help="the MTP sidecar [the one `outrider distill` cached for the target]")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--draft-max", default="auto")
+    parser.add_argument("--temperatures", default="0,0.7")
+    parser.add_argument("--engines", default="outrider,llama.cpp")
+    args = parser.parse_args(argv)
+
+    from outrider.catalog import resolve_model
+    from outrider.io.chat import apply_chat_template
+    from outrider.io.gguf import GGUFFile
+    from outrider.io.tokenizer import Tokenizer
+    from outrider.native import cflags, vector_extensions
+    from outrider.plugins.drafters.mtp.distill import HELD_OUT_PROMPTS
+    from outrider.plugins.drafters.mtp.drafter import mtp_sidecar_path
+
+    target_path = resolve_model(args.target)
+    head = Path(args.head) if args.head else mtp_sidecar_path(target_path)
+    if not head.is_file():
+        sys.exit(f"no MTP head at {head}: run `outrider distill {args.target}` first, or pass --head")
+    g = GGUFFile(target_path)
+    tokenizer = Tokenizer.from_gguf(g)
+    texts = {f"held-out code {i + 1}": text for i, text in enumerate(HELD_OUT_PROMPTS)}
+    texts["code edit"] = PAIR_PROMPTS["code edit"]
+    rendered = {label: apply_chat_template(g, tokenizer, [{"role": "user", "content": text}])
+                for label, text in texts.items()}
+    prompts = {label: tokenizer.encode(text) for label, text in rendered.items()}
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+
+    peer = {}
+    server_path = llama_server_binary() if "llama.cpp" in args.engines.split(",") else None
+    if server_path:
+        server = LlamaServer(server_path, target_path, target_path, [], args.threads)
+        try:
+            for label, text in rendered.items():
+                server.decode(text, 16)  # warm-up
+                for t in temperatures:
+                    peer[label, t] = statistics.median(server.decode(text, args.tokens, t, 1 + run, top_k=0,
+                                                                     top_p=1.0)[0] for run in range(args.runs))
+        finally:
+            server.close()
+    results = outrider_runs(target_path, head, prompts, temperatures, args.tokens, args.runs, args.threads,
+                            args.draft_max)
+
+    print(f"CPU vector extensions: {' '.join(vector_extensions())}; Outrider's kernels built with {' '.join(cflags())}; "
+          f"llama-server: {server_path or 'not run'}; {args.threads} threads; {args.tokens} tokens; medians of "
+          f"{args.runs} rounds; draft-max {args.draft_max}; head {head.name}\n")
+    print("| prompt | T | configuration | decode tok/s | vs plain | vs llama.cpp plain | accepted per position |")
+    print("|---|---|---|---|---|---|---|")
+    for label in prompts:
+        for t in temperatures:
+            plain = results[label, t, "none"]
+            for name in CONFIGS:
+                rows = results[label, t, name]
+                speed = statistics.median(r[0] for r in rows)
+                ratio = statistics.median(r[0] / p[0] for r, p in zip(rows, plain))
+                vs_peer = f"{speed / peer[label, t]:.2f}x" if (label, t) in peer else ""
+                positions = " ".join(f"{a:.2f}" for a in per_position(rows)[:6])
+                print(f"| {label} | {t:g} | {name} | {speed:.1f} | {ratio:.2f}x | {vs_peer} | {positions} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
