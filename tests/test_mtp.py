@@ -288,7 +288,7 @@ def distilled(fx, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("distill") / "tiny-llama.mtp.gguf"
     settings = DistillSettings(steps=15, generate_tokens=16, stdlib_chunks=1, draft_vocab=64, eval_tokens=0,
-                               lr=3e-3, prompts=("Hello there", "def f(x):"), fresh=True)
+                               lr=3e-3, prompts=("Hello there", "def f(x):"), fresh=True, matrices="F16")
     return distill(str(fx.model_path("llama")), settings, out, echo=lambda line: None)
 
 
@@ -298,8 +298,8 @@ def test_distill_reduces_the_held_out_kl(distilled):
 
 
 def test_a_distilled_head_drafts_what_the_spec_equations_give(fx, distilled):
-    """The written sidecar (q/k rows permuted back to llama.cpp's order, float16 matrices, the reduced head)
-    read by the drafter gives the oracle's distributions."""
+    """The written sidecar (q/k rows permuted back to llama.cpp's order, float16 matrices (exact; the default
+    Q8_0 is what a user drafts with), the reduced head) read by the drafter gives the oracle's distributions."""
     target = fx.target("llama")
     drafter = MTPDrafter(model=str(distilled.sidecar), sample=True)
     drafter.setup(target)
@@ -354,7 +354,7 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
             if p.dim() == 2:
                 p.copy_(p.half().float())
     path = tmp_path / f"{arch}.mtp.gguf"
-    write_trained(path, head, g, vocab_ids)
+    write_trained(path, head, g, vocab_ids, matrices="F16")
     tokens = [5, 17, 42, 8, 99, 3, 64, 7, 21, 11]
     hidden = _target_hidden(target, tokens).float()
     with native_activations("float32"), torch.no_grad():

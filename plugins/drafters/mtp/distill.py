@@ -18,6 +18,7 @@ checkpoint), so a stopped run resumes where it stood.
 
 from __future__ import annotations
 
+import math
 import random
 import sysconfig
 import time
@@ -92,14 +93,14 @@ DISTILLABLE = ("llama", "gemma3", "qwen2", "qwen3")  # trunks whose block Traina
 class DistillSettings:
     minutes: float = 30.0  # wall-clock budget for the whole run
     generate_share: float = 0.2  # of the budget, at most, for the target writing its own text
-    teacher_share: float = 0.3  # of the budget, at most, for the target's distributions over the corpus
+    teacher_share: float = 0.25  # of the budget, at most, for the target's distributions over the corpus
     generate_tokens: int = 192  # per built-in prompt
     stdlib_chunks: int = 400  # passages offered; the teacher's share of the budget decides how many are read
     seq_len: int = 256
     draft_vocab: int = 8192
     top_k: int = 16  # target probabilities kept per row
     feature_weight: float = 0.1  # of the feature term, beside the KL
-    lr: float = 3e-4
+    lr: float = 5e-4  # the peak of a cosine decay (`learning_rate`)
     steps: int = 0  # total training steps; 0: train until the budget is spent
     held_out: float = 0.1
     max_held_out: int = 16
@@ -108,6 +109,7 @@ class DistillSettings:
     temperature: float = 0.7  # of the target's own generations
     prompts: tuple[str, ...] = PROMPTS
     eval_tokens: int = 64
+    matrices: str = "Q8_0"  # the sidecar's matrices (`write_sidecar`)
 
 
 @dataclass
@@ -207,9 +209,17 @@ def heldout_kl(head: TrainableHead, samples: list[Sample]) -> float:
 # ------------------------------------------------------------------------------------------------ the sidecar
 
 
-def write_sidecar(path: Path, head: TrainableHead, g, vocab_ids: torch.Tensor) -> int:
-    """The trained head as an MTP-only GGUF in llama.cpp's nextn layout (block `n_trunk`); its size in bytes."""
+def write_sidecar(path: Path, head: TrainableHead, g, vocab_ids: torch.Tensor, matrices: str = "Q8_0") -> int:
+    """The trained head as an MTP-only GGUF in llama.cpp's nextn layout (block `n_trunk`); its size in bytes.
+    `matrices`: Q8_0 (the default: the drafter reads a byte per weight, where F16 is held as float32 by the CPU
+    kernels and a draft would cost four times the bytes) or F16 (exact to the trained head's float16)."""
     import gguf
+
+    def matrix(t: torch.Tensor) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
+        if matrices == "Q8_0" and t.shape[1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0] == 0:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            return gguf.quants.quantize(t.numpy(), q8), q8
+        return t.numpy().astype(np.float16), None
 
     arch, cfg = head.arch, head.cfg
     b = cfg.n_layers
@@ -242,8 +252,8 @@ def write_sidecar(path: Path, head: TrainableHead, g, vocab_ids: torch.Tensor) -
         if arch == "llama" and name in ("attn_q", "attn_k"):
             t = permute_qk(cfg.n_heads if name == "attn_q" else cfg.n_kv_heads)(t)
         nextn = name in ("eh_proj", "enorm", "hnorm", "shared_head_norm", "shared_head_head")
-        array = t.numpy().astype(np.float16 if t.dim() == 2 else np.float32)
-        w.add_tensor(p + ("nextn." if nextn else "") + name + ".weight", array)
+        array, kind = matrix(t) if t.dim() == 2 else (t.numpy().astype(np.float32), None)
+        w.add_tensor(p + ("nextn." if nextn else "") + name + ".weight", array, raw_dtype=kind)
     w.add_tensor(p + "nextn.draft_vocab", vocab_ids.numpy().astype(np.int32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -356,6 +366,12 @@ def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
     return order
 
 
+def learning_rate(peak: float, done: float) -> float:
+    """Cosine decay from `peak` to a tenth of it over the run (`done` from 0 to 1: by steps when a step count
+    is set, so a resumed run follows the same curve, else by the time budget)."""
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(max(done, 0.0), 1.0))))
+
+
 def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[Sample], step: int,
           settings: DistillSettings, budget: float, save: Callable[[int], None],
           on_step: Callable[[int], None] | None = None) -> int:
@@ -370,6 +386,9 @@ def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[S
                 epoch = step // len(samples)
                 order = epoch_order(len(samples), epoch, settings.seed)
             s = samples[order[step % len(samples)]]
+            done = step / settings.steps if settings.steps else (time.perf_counter() - t0) / max(budget, 1e-9)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(settings.lr, done)
             loss, kl, feature = sample_loss(head, s, settings.feature_weight)
             optimizer.zero_grad()
             loss.backward()
@@ -463,7 +482,7 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
         raise
     save(step)
     kl_end = heldout_kl(head, held)
-    size = write_sidecar(out, head, g, vocab_ids)
+    size = write_sidecar(out, head, g, vocab_ids, settings.matrices)
     report = DistillReport(out, step, time.perf_counter() - start, kl_start, kl_end, size)
     echo(f"held-out KL {kl_start:.3f} -> {kl_end:.3f} nats after {step} steps; wrote {out} ({size / 1e6:.1f} MB)")
     if settings.eval_tokens:
