@@ -250,6 +250,18 @@ def test_sampling_with_q_keeps_the_target_distribution(fx, tmp_path):
     third drafted with q in one round, and verified) is exactly plain sampling's, from the target's own
     distributions. The head's reduced vocabulary is the tokens in play plus a few others, so drafts are
     sometimes accepted, sometimes not, and tokens outside it have q = 0."""
+    _check_the_sampled_law(fx, tmp_path, {})
+
+
+def test_a_learning_head_keeps_the_target_distribution(fx, tmp_path):
+    """The same law while `drafter.learn` trains the head every round (a large learning rate) and rebuilds
+    the drafting head after every step: each round's q is the head's that drafted it."""
+    drafter = _check_the_sampled_law(fx, tmp_path, {"learn": True, "learn_share": 1.0, "learn_rows": 4,
+                                                    "learn_refresh": 1, "learn_lr": 3e-2})
+    assert drafter.learner.refreshes >= 400, drafter.learner.refreshes
+
+
+def _check_the_sampled_law(fx, tmp_path, options):
     target, model = fx.target("llama"), fx.target("llama").model
     params = SamplingParams(temperature=1.5, top_k=3)
     prompt = PROMPT[:6]
@@ -265,7 +277,7 @@ def test_sampling_with_q_keeps_the_target_distribution(fx, tmp_path):
                 want.append(float(p1[a] * p2[b] * p3[c]))
     ids = sorted({t for cell in cells for t in cell} | {0, 1, 2, 3})
     write_sidecar(tmp_path / "head.gguf", "llama", fx.model_path("llama"), seed=5, reduced=True, ids=ids)
-    drafter = MTPDrafter(model=str(tmp_path / "head.gguf"), sample=True)
+    drafter = MTPDrafter(model=str(tmp_path / "head.gguf"), sample=True, **options)
     drafter.setup(target)
     runner = Runner(target, drafter, SampledAcceptor(), DrafterTraits.of(drafter, draft_max=2), context=64)
     counts = np.zeros(len(cells))
@@ -277,6 +289,7 @@ def test_sampling_with_q_keeps_the_target_distribution(fx, tmp_path):
     stat, df, pval, forbidden = chi2_test(counts, np.array(want))
     assert forbidden == 0 and pval > 1e-4, f"chi2={stat:.1f} df={df} p={pval:.2g}"
     assert drafted > 0 and 0 < accepted < drafted, (accepted, drafted)
+    return drafter
 
 
 # ------------------------------------------------------------------------------------------------ distill
@@ -329,7 +342,7 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
     third case has 7 layers listed local-local-local-global-..., so the head's block 7 is global by the
     file's period (not by a period of 6), and a final logit softcap both must apply."""
     from outrider.plugins.drafters.mtp.distill import shifted
-    from outrider.plugins.drafters.mtp.distill import write_sidecar as write_trained
+    from outrider.plugins.drafters.mtp.sidecar import write_sidecar as write_trained
     from outrider.plugins.drafters.mtp.head import MTPHead, TrainableHead
     from outrider.testing.fixtures import cpu_target
     from outrider.testing.tiny_models import write_tiny_gemma3
@@ -399,3 +412,37 @@ def test_an_interrupted_distill_resumes_to_the_uninterrupted_head(fx, tmp_path):
             assert bytes(a.raw(name)) == bytes(b.raw(name))
         else:
             torch.testing.assert_close(b.load(name), a.load(name), atol=1e-5, rtol=1e-4)
+
+
+def test_learning_moves_the_head_toward_the_target_and_is_saved(fx, tmp_path):
+    """`drafter.learn` on one text, round after round: the head's distribution (the oracle's equations on the
+    saved file) moves toward the target's own (its forward, renormalized over the draft vocabulary) on that
+    text, and the learned head replaces the sidecar at save, the distilled one kept beside it."""
+    target = fx.target("llama")
+    vocab = target.model.config.vocab_size
+    ids = list(range(0, vocab, 2))
+    path = write_sidecar(tmp_path / "head.mtp.gguf", "llama", fx.model_path("llama"), seed=3, reduced=True, ids=ids)
+    original = path.read_bytes()
+    tokens = [5, 17, 42, 8, 99, 3, 64, 7, 21, 11, 30, 2, 77, 15, 60, 4, 9, 33, 12, 50]
+    hidden = _target_hidden(target, tokens)
+    logp = torch.log_softmax(target.model.forward(torch.tensor(tokens), 0, target.model.new_cache(32))[:, ids], -1)
+
+    def kl() -> float:  # KL(target || head) per row, over the draft vocabulary, from the file as it stands
+        shifted = torch.cat([torch.zeros(1, hidden.shape[1]), hidden[:-1]])
+        logq = torch.log_softmax(Oracle("llama", fx.model_path("llama"), path).rows(tokens, shifted)[0][:, ids], -1)
+        return float((logp.exp() * (logp - logq)).sum(-1).mean())
+
+    before = kl()
+    drafter = MTPDrafter(model=str(path), learn=True, learn_share=1.0, learn_rows=len(tokens), learn_refresh=5,
+                         learn_lr=3e-3)
+    drafter.setup(target)
+    for _ in range(30):
+        drafter.begin(tokens[:-1], SamplingParams(), DraftControls())
+        drafter.observe(hidden[:-1], 0, None)
+        drafter.propose(list(tokens), 1)
+    assert drafter.learner.steps == 30 and drafter.learner.refreshes == 6
+    drafter.learner.save()
+    after = kl()
+    assert after < 0.5 * before, (before, after)
+    assert path.with_suffix(".distilled.gguf").read_bytes() == original
+    MTPDrafter(model=str(path)).setup(target)  # the learned head drafts as any sidecar does

@@ -1,7 +1,8 @@
 """The `mtp` drafter as one package: the head in its drafting and its training form, one forward (head.py),
-the drafter that runs it (drafter.py), the training that makes a head for a model that shipped without one
-(distill.py), and its `outrider distill` command (command.py, added to the CLI through the
-`register_commands` hook)."""
+the file a trained head is written to (sidecar.py), the drafter that runs it (drafter.py), the training that
+makes a head for a model that shipped without one (distill.py) and the training that goes on while it drafts
+(learn.py, `-o drafter.learn true`), and the `outrider distill` command (command.py, added to the CLI through
+the `register_commands` hook)."""
 
 from __future__ import annotations
 

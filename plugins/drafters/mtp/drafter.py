@@ -34,6 +34,7 @@ from outrider.hookspecs import hookimpl
 from outrider.io.gguf import GGUFFile
 from outrider.models.layers import PREFILL_CHUNK, trunk_layers
 from outrider.plugins.drafters.mtp.head import MTPHead
+from outrider.plugins.drafters.mtp.learn import HeadLearner, LearnSettings
 from outrider.spec.drafter import (
     NEEDS_MTP_HEAD,
     NEEDS_TARGET_HIDDEN,
@@ -84,9 +85,14 @@ class MTPDrafter(DrafterBase):
     needs = frozenset({NEEDS_TARGET_HIDDEN, NEEDS_MTP_HEAD})
     gives_draft_probs = True  # at temperature > 0 with sample = true: drafts are sampled from q
 
-    def __init__(self, model: str = "", sample: bool = True, context: int = 4096):
+    def __init__(self, model: str = "", sample: bool = True, context: int = 4096, learn: bool = False,
+                 learn_share: float = 0.2, learn_rows: int = 128, learn_refresh: int = 4, learn_lr: float = 1e-4):
         self.model_name, self.sample, self.context = model, sample, context
         self.gives_draft_probs = sample
+        self.learn = LearnSettings(learn_share, learn_rows, lr=learn_lr, refresh=learn_refresh) if learn else None
+        if learn and not (0 < learn_share <= 1 and learn_rows >= 2 and learn_refresh >= 1 and learn_lr > 0):
+            raise ConfigError("drafter.learn needs 0 < learn_share <= 1, learn_rows >= 2, learn_refresh >= 1 and "
+                              "learn_lr > 0")
 
     def setup(self, target: Target) -> None:
         super().setup(target)
@@ -98,6 +104,12 @@ class MTPDrafter(DrafterBase):
         self.max_len = min(self.context, target.model.config.context_length)
         first = trunk_layers(g)
         self.heads = [MTPHead(g, first + k, target, self.max_len) for k in range(head_count(g))]
+        self.learner = None
+        if self.learn is not None:
+            if g is target.gguf or len(self.heads) != 1:
+                raise ConfigError("drafter.learn trains a head `outrider distill` wrote (one block, in a sidecar); "
+                                  f"{g.path.name} is not one: drop -o drafter.learn")
+            self.learner = HeadLearner(target.model, target.gguf, g, self.learn)
         self.vocab = target.model.config.vocab_size
         self.hidden = torch.zeros(self.max_len, target.model.config.hidden_size, dtype=target.model.dtype,
                                   device=target.model.device)
@@ -108,6 +120,8 @@ class MTPDrafter(DrafterBase):
         self.observed = 0  # target hidden rows held for positions [0, observed)
         for head in self.heads:
             head.cache.truncate(0)
+        if self.learner is not None:
+            self.learner.begin()
 
     def observe(self, hidden: torch.Tensor, start: int, cache) -> None:
         if start > self.observed:  # rows before these were never shown: keep only the contiguous ones
@@ -118,6 +132,8 @@ class MTPDrafter(DrafterBase):
 
     def rollback(self, length: int) -> None:
         self.observed = min(self.observed, length)
+        if self.learner is not None:
+            self.learner.rollback(length)
         for head in self.heads:
             head.cache.truncate(min(head.cache.length, length))
 
@@ -151,12 +167,16 @@ class MTPDrafter(DrafterBase):
         if k <= 0 or not self._ready(tokens):
             return Draft()
         n = len(tokens) - 1  # t0's position: its row (t0, h_{n-1}) is made from the target and seeds the draft
+        start = time.perf_counter()
+        if self.learner is not None and self.learner.due(self.observed):
+            rebuilt = self.learner.step(tokens, self.hidden, self.observed)
+            if rebuilt is not None:  # drafts from here on come from the trained head (its cache refilled below)
+                self.heads = [MTPHead(rebuilt, trunk_layers(rebuilt), self.target, self.max_len)]
         for head in self.heads:
             head.cache.truncate(min(head.cache.length, n))
-        start = time.perf_counter()
         seeds = [self._catch_up(head, tokens, n + 1) for head in self.heads]
-        # keeping the heads' caches up with the target: its size follows the rows accepted since the last
-        # MTP round (in a chain, lookup's), not the draft length, so `auto` does not bill it per drafted token
+        # keeping the heads' caches up with the target (and learning): its size follows the rows accepted since
+        # the last MTP round (in a chain, lookup's), not the draft length, so `auto` does not bill it per token
         upkeep_s = time.perf_counter() - start
         logits, hidden = seeds[0]
         chain = [hidden]  # chain[m]: the hidden that made draft m + 1
@@ -187,4 +207,10 @@ def register_drafters(register):
         "sample": (bool, "at temperature > 0, sample drafts from the head's q (the acceptor uses the full-q "
                                "rule); false: argmax drafts"),
         "context": (int, "the MTP blocks' KV cache length"),
+        "learn": (bool, "keep training a distilled head on the rows the target verifies (saved over its sidecar "
+                        "on exit); the output law is unchanged"),
+        "learn_share": (float, "with learn: at most this share of the wall time goes to training"),
+        "learn_rows": (int, "with learn: the newest verified rows one training step reads"),
+        "learn_refresh": (int, "with learn: training steps between rebuilding the drafting head"),
+        "learn_lr": (float, "with learn: AdamW's learning rate"),
     })

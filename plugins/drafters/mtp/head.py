@@ -21,6 +21,7 @@ from outrider.models.weight_forms import load_linear
 from outrider.spec.drafter import Target
 
 QKV_BIAS = "attn_qkv_bias"  # TrainableHead's name for Qwen2's q, k and v biases, kept as one parameter
+NEXTN_NAMES = ("eh_proj", "enorm", "hnorm", "shared_head_norm", "shared_head_head")  # blk.{b}.nextn.* in the file
 
 
 def mtp_rows(embedded: torch.Tensor, hidden: torch.Tensor, enorm: torch.Tensor, hnorm: torch.Tensor, eh_proj,
@@ -94,7 +95,7 @@ class TrainableHead(torch.nn.Module):
         super().__init__()
         cfg = model.config
         self.arch, self.cfg = model.architecture, cfg
-        self.model = model
+        self.model, self.vocab_ids = model, vocab_ids
         self.eps = cfg.eps
         last = cfg.n_layers - 1
         load = lambda name: g.load(f"blk.{last}.{name}.weight").float()
@@ -136,6 +137,28 @@ class TrainableHead(torch.nn.Module):
         # hidden states the target's own head reads, and a step trains a fifth fewer weights
         self.w["shared_head_head"].requires_grad_(False)
         self.softcap = model.logit_softcap
+
+    @classmethod
+    def from_sidecar(cls, model, g, sidecar: GGUFFile) -> "TrainableHead":
+        """The head a sidecar written by `outrider distill` holds, as parameters again (to train further)."""
+        b = model.config.n_layers
+        p = f"blk.{b}."
+        if p + "nextn.draft_vocab" not in sidecar.tensors or p + "nextn.shared_head_head.weight" not in sidecar.tensors:
+            raise ModelFileError(f"{sidecar.path}: not a head `outrider distill` wrote (no {p}nextn.draft_vocab); "
+                                 "only such a head can keep training")
+        ids = torch.from_numpy(np.frombuffer(sidecar.raw(p + "nextn.draft_vocab"), dtype=np.int32).astype(np.int64))
+        head = cls(model, g, ids)
+        cfg = model.config
+        with torch.no_grad():
+            for name, param in head.w.items():
+                if name == QKV_BIAS:
+                    t = torch.cat([sidecar.load(f"{p}attn_{n}.bias") for n in "qkv"])
+                else:
+                    t = sidecar.load(p + ("nextn." if name in NEXTN_NAMES else "") + name + ".weight")
+                    if head.arch == "llama" and name in ("attn_q", "attn_k"):
+                        t = unpermute_qk(cfg.n_heads if name == "attn_q" else cfg.n_kv_heads)(t)
+                param.copy_(t.reshape(param.shape))
+        return head
 
     def forward(self, tokens: torch.Tensor, h_prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft-vocabulary logits [T, V_d], post-norm hidden [T, H]) of rows 0..T-1 = (x_p, h_{p-1})."""

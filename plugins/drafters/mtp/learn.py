@@ -1,0 +1,104 @@
+"""`-o drafter.learn true`: the mtp drafter keeps training a distilled head on the text it drafts for.
+
+Every row the target verified is a training example distill would have made, at no extra target forward: the
+token x_p, the target's hidden h_{p-1} (the head's inputs) and the target's hidden h_p, from which the head's
+the target's output rows over the draft vocabulary give the target's logits of x_{p+1} there.
+So the learner needs nothing but the rows the drafter already observes. A step trains on the newest `rows`
+certain rows, when a quarter of them are new since the last step and learning has used less than
+`share` of the time the drafter has spent in requests (bounded time; memory is the head's parameters, AdamW's
+two moments and one window). Every `refresh` steps the drafting head is rebuilt from the trained parameters;
+a draft is always made, and its q reported, by one fixed head, so the acceptors' law is untouched: what
+changes between rounds is only which proposal distribution a round uses.
+
+The learned head replaces the sidecar it came from when the process exits (the distilled one is kept once,
+beside it, as `*.distilled.gguf`), so the next run starts where this one stopped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from outrider.io.gguf import GGUFFile
+from outrider.models.linear import torch_post_steps
+from outrider.plugins.drafters.mtp.head import TrainableHead
+from outrider.plugins.drafters.mtp.sidecar import write_sidecar
+
+
+@dataclass(frozen=True)
+class LearnSettings:
+    share: float = 0.2  # at most this share of the time spent in requests goes to training
+    rows: int = 128  # a step trains on the newest certain rows, this many, when a quarter of them are new
+    lr: float = 1e-4
+    refresh: int = 4  # steps between rebuilding the drafting head
+    feature_weight: float = 0.1
+
+
+class HeadLearner:
+    def __init__(self, model, g, sidecar: GGUFFile, settings: LearnSettings):
+        self.model, self.g, self.settings, self.source = model, g, settings, Path(sidecar.path)
+        self.head = TrainableHead.from_sidecar(model, g, sidecar)
+        # the target's output rows over the draft vocabulary (a distilled head's own rows are these; another's
+        # need not be): they turn a verified hidden state into the target's logits there
+        self.target_rows = model.output.rows(self.head.vocab_ids).float()
+        self.optimizer = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=settings.lr,
+                                           weight_decay=0.0)
+        self.spent, self.active_before, self.request_start = 0.0, 0.0, None
+        self.steps, self.trained_to, self.refreshes, self.unsaved = 0, 0, 0, False
+        self.staged = self.source.with_suffix(".learning.gguf")
+        atexit.register(self.save)
+
+    def begin(self) -> None:
+        self.trained_to = 0
+        self.active_before, self.request_start = self.active(), time.perf_counter()
+
+    def rollback(self, length: int) -> None:
+        self.trained_to = min(self.trained_to, length)
+
+    def active(self) -> float:
+        """Seconds spent in requests so far (from each `begin` to the latest round): what `share` is of."""
+        return self.active_before + (time.perf_counter() - self.request_start) if self.request_start else 0.0
+
+    def due(self, certain: int) -> bool:
+        return (certain - self.trained_to >= max(1, self.settings.rows // 4)
+                and self.spent <= self.settings.share * self.active())
+
+    def step(self, tokens: list[int], hidden: torch.Tensor, certain: int) -> GGUFFile | None:
+        """One training step on rows [certain - rows, certain) (tokens[p], hidden[p - 1] -> the target's
+        distribution from hidden[p], and hidden[p]); the rebuilt head's file when a refresh is due."""
+        t0 = time.perf_counter()
+        start = max(certain - self.settings.rows, 0)
+        h = hidden[start:certain].float()
+        h_prev = torch.cat([hidden[start - 1:start].float() if start else torch.zeros_like(h[:1]), h[:-1]])
+        want = torch.softmax(torch_post_steps(h @ self.target_rows.T, None, None, self.model.logit_softcap, 0.0), -1)
+        logits, h_new = self.head(torch.tensor(tokens[start:certain]), h_prev)
+        loss = -(want * torch.log_softmax(logits, -1)).sum(-1).mean()
+        loss = loss + self.settings.feature_weight * torch.nn.functional.smooth_l1_loss(h_new, h)
+        self.optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+        self.optimizer.step()
+        self.steps, self.trained_to, self.unsaved = self.steps + 1, certain, True
+        rebuilt = None
+        if self.steps % self.settings.refresh == 0:
+            write_sidecar(self.staged, self.head, self.g, self.head.vocab_ids)
+            rebuilt = GGUFFile(self.staged)
+            self.refreshes += 1
+        self.spent += time.perf_counter() - t0
+        return rebuilt
+
+    def save(self) -> None:
+        """The learned head over the sidecar it came from (the distilled one kept once beside it)."""
+        if not self.unsaved or not self.source.parent.is_dir():  # nothing new, or its folder is gone
+            return
+        write_sidecar(self.staged, self.head, self.g, self.head.vocab_ids)
+        keep = self.source.with_suffix(".distilled.gguf")
+        if not keep.exists():
+            shutil.copy2(self.source, keep)
+        self.staged.replace(self.source)
+        self.unsaved = False
