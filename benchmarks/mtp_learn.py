@@ -35,7 +35,7 @@ def functions(n: int, lines: tuple[int, int] = (6, 40)) -> list[str]:
         if not path.is_file():
             continue
         text = path.read_text()
-        for node in ast.walk(ast.parse(text)):
+        for node in sorted(ast.walk(ast.parse(text)), key=lambda node: getattr(node, "lineno", 0)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 src = ast.get_source_segment(text, node)
                 src = src and textwrap.dedent(" " * node.col_offset + src)  # a method's first line keeps its indent

@@ -368,6 +368,10 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
                 p.copy_(p.half().float())
     path = tmp_path / f"{arch}.mtp.gguf"
     write_trained(path, head, g, vocab_ids, matrices="F16")
+    again = TrainableHead.from_sidecar(model, g, GGUFFile(path))  # what drafter.learn trains on: the same head
+    assert sorted(again.w) == sorted(head.w)
+    for name, param in head.w.items():
+        torch.testing.assert_close(again.w[name], param.detach().half().float() if param.dim() == 2 else param.detach())
     tokens = [5, 17, 42, 8, 99, 3, 64, 7, 21, 11]
     hidden = _target_hidden(target, tokens).float()
     with native_activations("float32"), torch.no_grad():
@@ -390,7 +394,7 @@ def test_an_interrupted_distill_resumes_to_the_uninterrupted_head(fx, tmp_path):
     from outrider.plugins.drafters.mtp.distill import DistillSettings, distill
 
     settings = lambda: DistillSettings(steps=8, generate_tokens=12, stdlib_chunks=1, draft_vocab=64, eval_tokens=0,
-                                       lr=3e-3, prompts=("Hello there", "def f(x):"), seq_len=32)
+                                       lr=3e-3, prompts=("Hello there", "def f(x):"), seq_len=32, matrices="F16")
 
     def interrupt(step):
         if step == 3:
@@ -446,3 +450,28 @@ def test_learning_moves_the_head_toward_the_target_and_is_saved(fx, tmp_path):
     assert after < 0.5 * before, (before, after)
     assert path.with_suffix(".distilled.gguf").read_bytes() == original
     MTPDrafter(model=str(path)).setup(target)  # the learned head drafts as any sidecar does
+
+
+def test_learning_time_is_a_share_of_the_time_in_requests(monkeypatch):
+    """`learn_share` bounds training by the seconds spent in requests (begin to last round), by hand: idle
+    time between requests banks nothing."""
+    from outrider.plugins.drafters.mtp import learn
+
+    clock = [0.0]
+    monkeypatch.setattr(learn.time, "perf_counter", lambda: clock[0])
+    learner = object.__new__(learn.HeadLearner)
+    learner.settings = learn.LearnSettings(share=0.5, rows=4)
+    learner.spent, learner.active_before, learner.request_start, learner.last_round = 0.0, 0.0, None, 0.0
+    learner.trained_to = 0
+    learner.begin()
+    clock[0] = 10.0
+    learner.spent = 4.0
+    assert learner.due(8)  # 4 s of 10 in requests: under half
+    learner.spent = 6.0
+    assert not learner.due(8)
+    clock[0] = 100.0  # 90 s idle, then the next request
+    learner.begin()
+    clock[0] = 101.0
+    assert not learner.due(8)  # 6 s of 11 in requests
+    clock[0] = 113.0
+    assert learner.due(8)  # 6 s of 23

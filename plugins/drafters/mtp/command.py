@@ -19,7 +19,8 @@ from outrider.cli import friendly_errors
 @click.option("--stdlib-chunks", type=int, default=400, show_default=True,
               help="Passages of the Python standard library's sources offered as training text (the time budget "
                    "decides how many the target reads).")
-@click.option("--fresh", is_flag=True, help="Start over instead of resuming from the files a stopped run left.")
+@click.option("--fresh", is_flag=True, help="Start over instead of going on from the files an earlier run left (a finished run's too: "
+                   "running the same command again trains the head further).")
 @click.option("--out", type=click.Path(dir_okay=False), help="Sidecar path [the cache, where --drafter mtp looks].")
 @click.option("--seed", type=int, default=0, show_default=True)
 @friendly_errors

@@ -19,6 +19,7 @@ checkpoint), so a stopped run resumes where it stood.
 from __future__ import annotations
 
 import math
+import pickle
 import random
 import sysconfig
 import time
@@ -276,8 +277,7 @@ def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int) -> 
 def teacher_split(model, sequences: list[list[int]], vocab_ids: torch.Tensor, settings: DistillSettings,
                   budget: float) -> tuple[list[Sample], list[Sample]]:
     """The target's distributions over the corpus cut into pieces, in the corpus' order, within `budget`
-    seconds (pieces not reached are left out, unless a fixed step count asks for all), split into
-    (held-out, training) by a seeded draw."""
+    seconds (pieces not reached are left out), split into (held-out, training) by a seeded draw."""
     from tqdm import tqdm
 
     vocab_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
@@ -289,7 +289,7 @@ def teacher_split(model, sequences: list[list[int]], vocab_ids: torch.Tensor, se
     bar = tqdm(pieces, desc="the target's distributions", unit="seq", leave=False) if settings.steps else \
         _bar(budget, "the target's distributions")
     for piece in pieces:
-        if samples and time.perf_counter() - t0 > budget and not settings.steps:
+        if samples and time.perf_counter() - t0 > budget:
             break
         samples.append(teacher(model, piece, vocab_index, settings.top_k))
         if settings.steps:
@@ -302,6 +302,15 @@ def teacher_split(model, sequences: list[list[int]], vocab_ids: torch.Tensor, se
     random.Random(settings.seed + 1).shuffle(samples)
     n_held = min(max(1, int(len(samples) * settings.held_out)), settings.max_held_out)
     return samples[:n_held], samples[n_held:] or samples[:1]
+
+
+STAGE_FORM = 2  # of the stage files; a file of another form is made again
+
+
+def corpus_key(settings: DistillSettings) -> tuple:
+    """What the stage files depend on: a file made with other values of these is made again."""
+    return (settings.generate_tokens, settings.stdlib_chunks, settings.seq_len, settings.draft_vocab, settings.top_k,
+            settings.seed, settings.temperature, settings.prompts)
 
 
 def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
@@ -376,8 +385,25 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     if settings.fresh:
         for file in files.values():
             file.unlink(missing_ok=True)
-    load = lambda stage: torch.load(files[stage], weights_only=False) if files[stage].is_file() else None
     files["corpus"].parent.mkdir(parents=True, exist_ok=True)
+
+    def load(stage: str):
+        if not files[stage].is_file():
+            return None
+        try:
+            state = torch.load(files[stage], weights_only=False)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
+            echo(f"{files[stage]} is unreadable (a run stopped while writing it?): making it again")
+            return None
+        if state.get("form") != (STAGE_FORM, corpus_key(settings)):
+            echo(f"{files[stage]} was made by another distill or other settings: making it again")
+            return None
+        return state
+
+    def store(stage: str, state: dict) -> None:  # whole or not at all: a stop while writing leaves the old file
+        partial = files[stage].with_suffix(".partial")
+        torch.save({**state, "form": (STAGE_FORM, corpus_key(settings))}, partial)
+        partial.replace(files[stage])
 
     corpus = load("corpus")
     if corpus is None:
@@ -385,7 +411,7 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
                                   rng, gen)
         corpus = {"sequences": sequences,
                   "vocab_ids": draft_vocabulary(sequences, model.config.vocab_size, settings.draft_vocab)}
-        torch.save(corpus, files["corpus"])
+        store("corpus", corpus)
     else:
         echo(f"resuming from {files['corpus']}")
     vocab_ids = corpus["vocab_ids"]
@@ -394,8 +420,9 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
         held, train_samples = teacher_split(model, corpus["sequences"], vocab_ids, settings,
                                             min(settings.teacher_share * settings.minutes * 60,
                                                 max(deadline - time.perf_counter(), 0)))
-        torch.save({"held": held, "train": train_samples}, files["teacher"])
+        store("teacher", {"held": held, "train": train_samples})
     else:
+        echo(f"reading the target's distributions from {files['teacher']}")
         held, train_samples = data["held"], data["train"]
 
     head = TrainableHead(model, g, vocab_ids)
@@ -416,8 +443,8 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     saved = {}
 
     def save(step: int) -> None:
-        torch.save({"step": step, "head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                    "kl_start": kl_start}, files["distill"])
+        store("distill", {"step": step, "head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                          "kl_start": kl_start})
         saved["step"] = step
 
     budget = max(deadline - time.perf_counter() - 0.05 * settings.minutes * 60, 0)

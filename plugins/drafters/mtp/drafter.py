@@ -167,14 +167,17 @@ class MTPDrafter(DrafterBase):
         if k <= 0 or not self._ready(tokens):
             return Draft()
         n = len(tokens) - 1  # t0's position: its row (t0, h_{n-1}) is made from the target and seeds the draft
-        start = time.perf_counter()
+        start = rebuilt_at = time.perf_counter()
         if self.learner is not None and self.learner.due(self.observed):
             rebuilt = self.learner.step(tokens, self.hidden, self.observed)
             if rebuilt is not None:  # drafts from here on come from the trained head (its cache refilled below)
+                rebuilt_at = time.perf_counter()
                 self.heads = [MTPHead(rebuilt, trunk_layers(rebuilt), self.target, self.max_len)]
         for head in self.heads:
             head.cache.truncate(min(head.cache.length, n))
         seeds = [self._catch_up(head, tokens, n + 1) for head in self.heads]
+        if rebuilt_at > start:  # loading the new head and refilling its cache are learning's cost too
+            self.learner.spent += time.perf_counter() - rebuilt_at
         # keeping the heads' caches up with the target (and learning): its size follows the rows accepted since
         # the last MTP round (in a chain, lookup's), not the draft length, so `auto` does not bill it per token
         upkeep_s = time.perf_counter() - start
@@ -209,7 +212,7 @@ def register_drafters(register):
         "context": (int, "the MTP blocks' KV cache length"),
         "learn": (bool, "keep training a distilled head on the rows the target verifies (saved over its sidecar "
                         "on exit); the output law is unchanged"),
-        "learn_share": (float, "with learn: at most this share of the wall time goes to training"),
+        "learn_share": (float, "with learn: at most this share of the time spent in requests goes to training"),
         "learn_rows": (int, "with learn: the newest verified rows one training step reads"),
         "learn_refresh": (int, "with learn: training steps between rebuilding the drafting head"),
         "learn_lr": (float, "with learn: AdamW's learning rate"),

@@ -17,6 +17,7 @@ beside it, as `*.distilled.gguf`), so the next run starts where this one stopped
 from __future__ import annotations
 
 import atexit
+import weakref
 import shutil
 import time
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from outrider.plugins.drafters.mtp.sidecar import write_sidecar
 
 @dataclass(frozen=True)
 class LearnSettings:
-    share: float = 0.2  # at most this share of the time spent in requests goes to training
+    share: float = 0.2  # at most this share of the time spent in requests goes to training (1: no limit)
     rows: int = 128  # a step trains on the newest certain rows, this many, when a quarter of them are new
     lr: float = 1e-4
     refresh: int = 4  # steps between rebuilding the drafting head
@@ -48,25 +49,27 @@ class HeadLearner:
         self.target_rows = model.output.rows(self.head.vocab_ids).float()
         self.optimizer = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=settings.lr,
                                            weight_decay=0.0)
-        self.spent, self.active_before, self.request_start = 0.0, 0.0, None
+        self.spent, self.active_before, self.request_start, self.last_round = 0.0, 0.0, None, 0.0
         self.steps, self.trained_to, self.refreshes, self.unsaved = 0, 0, 0, False
         self.staged = self.source.with_suffix(".learning.gguf")
-        atexit.register(self.save)
+        atexit.register(_save_at_exit, weakref.ref(self))  # a learner dropped before exit is not kept alive
 
     def begin(self) -> None:
         self.trained_to = 0
-        self.active_before, self.request_start = self.active(), time.perf_counter()
+        if self.request_start is not None:  # the last request, from its begin to its last round
+            self.active_before += self.last_round - self.request_start
+        self.request_start = self.last_round = time.perf_counter()
 
     def rollback(self, length: int) -> None:
         self.trained_to = min(self.trained_to, length)
 
-    def active(self) -> float:
-        """Seconds spent in requests so far (from each `begin` to the latest round): what `share` is of."""
-        return self.active_before + (time.perf_counter() - self.request_start) if self.request_start else 0.0
-
     def due(self, certain: int) -> bool:
-        return (certain - self.trained_to >= max(1, self.settings.rows // 4)
-                and self.spent <= self.settings.share * self.active())
+        """Whether to train this round; `share` is of the seconds spent in requests (each from its `begin` to
+        its latest round), so time between requests banks nothing."""
+        self.last_round = time.perf_counter()
+        active = self.active_before + (self.last_round - self.request_start if self.request_start is not None else 0.0)
+        return certain - self.trained_to >= max(1, self.settings.rows // 4) and (
+            self.settings.share >= 1 or self.spent <= self.settings.share * active)
 
     def step(self, tokens: list[int], hidden: torch.Tensor, certain: int) -> GGUFFile | None:
         """One training step on rows [certain - rows, certain) (tokens[p], hidden[p - 1] -> the target's
@@ -102,3 +105,8 @@ class HeadLearner:
             shutil.copy2(self.source, keep)
         self.staged.replace(self.source)
         self.unsaved = False
+
+
+def _save_at_exit(learner: weakref.ref) -> None:
+    if (alive := learner()) is not None:
+        alive.save()
