@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qwen_pair import PROMPTS as PAIR_PROMPTS  # noqa: E402
-from qwen_pair import LlamaServer, llama_server_binary  # noqa: E402
+from qwen_pair import LlamaServer, cpu_target, llama_server_binary  # noqa: E402
 
 CONFIGS = ("none", "mtp", "lookup,mtp")
 
@@ -31,23 +31,17 @@ CONFIGS = ("none", "mtp", "lookup,mtp")
 def outrider_runs(target_path: Path, head: Path, prompts: dict[str, list[int]], temperatures: list[float],
                   tokens: int, runs: int, threads: int, draft_max: str) -> dict:
     """{(prompt, T, config): [(tok/s, generated, drafted_at, accepted_at), ...]} over the measured rounds."""
-    from outrider.io.gguf import GGUFFile
-    from outrider.io.tokenizer import Tokenizer
     from outrider.plugins.acceptors.greedy import GreedyAcceptor
     from outrider.plugins.acceptors.sampled import SampledAcceptor
-    from outrider.plugins.backends.cpu import CPUBackend
     from outrider.plugins.drafters.lookup import LookupDrafter
     from outrider.plugins.drafters.mtp.drafter import MTPDrafter
     from outrider.plugins.drafters.none import NoDrafter
     from outrider.spec.chain import DrafterChain
-    from outrider.spec.drafter import Target
     from outrider.spec.drafter_traits import DrafterTraits
     from outrider.spec.runner import Runner
     from outrider.spec.sampling import SamplingParams
 
-    g = GGUFFile(target_path)
-    backend = CPUBackend(threads=threads)
-    target = Target(backend.load_model(g), Tokenizer.from_gguf(g), g, backend)
+    target = cpu_target(target_path, threads)
     mtp, lookup = MTPDrafter(model=str(head), sample=True), LookupDrafter()
     mtp.setup(target)
     lookup.setup(target)

@@ -23,6 +23,9 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from qwen_pair import cpu_target  # noqa: E402
 FILES = ("core/spec/runner.py", "core/spec/chain.py", "core/spec/length_policy.py", "core/spec/penalties.py",
          "core/io/chat.py", "core/catalog.py", "core/serve/app.py")
 
@@ -56,16 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from outrider.catalog import resolve_model
-    from outrider.io.chat import apply_chat_template
-    from outrider.io.gguf import GGUFFile
-    from outrider.io.tokenizer import Tokenizer
+    from outrider.io.chat import template_or_raw_ids
     from outrider.native import cflags, vector_extensions
     from outrider.plugins.acceptors.greedy import GreedyAcceptor
-    from outrider.plugins.backends.cpu import CPUBackend
     from outrider.plugins.drafters.mtp.distill import HELD_OUT_PROMPTS
     from outrider.plugins.drafters.mtp.drafter import MTPDrafter, mtp_sidecar_path
     from outrider.plugins.drafters.none import NoDrafter
-    from outrider.spec.drafter import Target
     from outrider.spec.drafter_traits import DrafterTraits
     from outrider.spec.runner import Runner
     from outrider.spec.sampling import SamplingParams
@@ -78,9 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     learning_copy = work / head.name
     shutil.copy2(head, learning_copy)
 
-    g = GGUFFile(target_path)
-    backend = CPUBackend(threads=args.threads)
-    target = Target(backend.load_model(g), Tokenizer.from_gguf(g), g, backend)
+    target = cpu_target(target_path, args.threads)
+    g = target.gguf
     frozen = MTPDrafter(model=str(head))
     learning = MTPDrafter(model=str(learning_copy), learn=True, learn_share=args.learn_share)
     frozen.setup(target)
@@ -88,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     runners = {name: Runner(target, d, GreedyAcceptor(), DrafterTraits.of(d, draft_max=0 if name == "plain" else
                                                                          args.draft_max), context=4096)
                for name, d in (("plain", NoDrafter()), ("frozen", frozen), ("learning", learning))}
-    encode = lambda text: target.tokenizer.encode(apply_chat_template(g, target.tokenizer,
-                                                                      [{"role": "user", "content": text}]))
+    encode = lambda text: template_or_raw_ids(g, target.tokenizer, text)[0]
 
     def run(name: str, ids: list[int]) -> tuple[float, float]:
         runner = runners[name]

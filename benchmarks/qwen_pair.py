@@ -122,25 +122,31 @@ class LlamaServer:
         self.log.close()
 
 
-def outrider_runs(target_path: Path, draft_path: Path, prompts: dict[str, str], tokens: int, runs: int,
-                  threads: int, draft_max: str, temperature: float) -> dict:
+def cpu_target(path: Path, threads: int):
+    """The target at `path` on the CPU backend with `threads` threads, with its tokenizer (every benchmark here)."""
     from outrider.io.gguf import GGUFFile
     from outrider.io.tokenizer import Tokenizer
+    from outrider.plugins.backends.cpu import CPUBackend
+    from outrider.spec.drafter import Target
+
+    g = GGUFFile(path)
+    backend = CPUBackend(threads=threads)
+    return Target(backend.load_model(g), Tokenizer.from_gguf(g), g, backend)
+
+
+def outrider_runs(target_path: Path, draft_path: Path, prompts: dict[str, str], tokens: int, runs: int,
+                  threads: int, draft_max: str, temperature: float) -> dict:
     from outrider.plugins.acceptors.greedy import GreedyAcceptor
     from outrider.plugins.acceptors.sampled import SampledAcceptor
-    from outrider.plugins.backends.cpu import CPUBackend
     from outrider.plugins.drafters.draft_model import DraftModelDrafter
     from outrider.plugins.drafters.lookup import LookupDrafter
     from outrider.plugins.drafters.none import NoDrafter
     from outrider.spec.chain import DrafterChain
-    from outrider.spec.drafter import Target
     from outrider.spec.drafter_traits import DrafterTraits
     from outrider.spec.runner import Runner
     from outrider.spec.sampling import SamplingParams
 
-    g = GGUFFile(target_path)
-    backend = CPUBackend(threads=threads)
-    target = Target(backend.load_model(g), Tokenizer.from_gguf(g), g, backend)
+    target = cpu_target(target_path, threads)
     draft = DraftModelDrafter(model=str(draft_path))
     draft.setup(target)
     lookup = LookupDrafter()

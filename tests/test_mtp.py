@@ -459,19 +459,17 @@ def test_learning_time_is_a_share_of_the_time_in_requests(monkeypatch):
 
     clock = [0.0]
     monkeypatch.setattr(learn.time, "perf_counter", lambda: clock[0])
-    learner = object.__new__(learn.HeadLearner)
-    learner.settings = learn.LearnSettings(share=0.5, rows=4)
-    learner.spent, learner.active_before, learner.request_start, learner.last_round = 0.0, 0.0, None, 0.0
-    learner.trained_to = 0
-    learner.begin()
+    share = learn.TimeShare(0.5)
+    share.begin()
     clock[0] = 10.0
-    learner.spent = 4.0
-    assert learner.due(8)  # 4 s of 10 in requests: under half
-    learner.spent = 6.0
-    assert not learner.due(8)
+    share.charge(4.0)
+    assert share.allows()  # 4 s of 10 in requests: under half
+    share.charge(2.0)
+    assert not share.allows()
     clock[0] = 100.0  # 90 s idle, then the next request
-    learner.begin()
+    share.begin()
     clock[0] = 101.0
-    assert not learner.due(8)  # 6 s of 11 in requests
+    assert not share.allows()  # 6 s of 11 in requests
     clock[0] = 113.0
-    assert learner.due(8)  # 6 s of 23
+    assert share.allows()  # 6 s of 23
+    assert learn.TimeShare(1.0).allows()  # no limit

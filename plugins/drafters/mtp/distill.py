@@ -190,16 +190,9 @@ def shifted(hidden: torch.Tensor) -> torch.Tensor:
 
 def sample_loss(head: TrainableHead, s: Sample, feature_weight: float = 0.0
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, KL, feature term), averaged over rows. Row p's target is the target's distribution of x_{p+1}
-    (the loss takes the soft cross-entropy, the KL up to a constant) and the target's own hidden state h_p
-    (smooth L1, EAGLE's feature term): when the head chains, its h' stands in for h_p at the next row."""
+    """`TrainableHead.loss` on a sample: (loss, KL, feature term)."""
     hidden = s.hidden.float()
-    logits, h = head(s.tokens, shifted(hidden))
-    logq = torch.log_softmax(logits, -1).gather(1, s.top_ids)
-    ce = -(s.top_p * logq).sum(-1).mean()
-    entropy = -(s.top_p * s.top_p.clamp_min(1e-12).log()).sum(-1).mean()
-    feature = torch.nn.functional.smooth_l1_loss(h, hidden)
-    return ce + feature_weight * feature, ce - entropy, feature
+    return head.loss(s.tokens, shifted(hidden), hidden, s.top_p, s.top_ids, feature_weight)
 
 
 def heldout_kl(head: TrainableHead, samples: list[Sample]) -> float:
@@ -211,6 +204,11 @@ def heldout_kl(head: TrainableHead, samples: list[Sample]) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ the run
+
+
+def _advance(bar, t0: float) -> None:
+    """A `_bar` to the seconds since t0 (never past its end)."""
+    bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
 
 
 def _bar(total: float, desc: str):
@@ -256,7 +254,7 @@ def training_text(model, g, tokenizer, settings: DistillSettings, budget: float,
         prompt, _ = template_or_raw_ids(g, tokenizer, text)
         temperature = settings.temperature if i % 2 else 0.0
         sequences.append(prompt + generate(model, prompt, settings.generate_tokens, temperature, gen, stop))
-        bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
+        _advance(bar, t0)
     bar.close()
     stdlib = []
     for text in stdlib_texts(settings.stdlib_chunks, rng):
@@ -278,26 +276,19 @@ def teacher_split(model, sequences: list[list[int]], vocab_ids: torch.Tensor, se
                   budget: float) -> tuple[list[Sample], list[Sample]]:
     """The target's distributions over the corpus cut into pieces, in the corpus' order, within `budget`
     seconds (pieces not reached are left out), split into (held-out, training) by a seeded draw."""
-    from tqdm import tqdm
-
     vocab_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
     vocab_index[vocab_ids] = torch.arange(len(vocab_ids))
     pieces = [s[j:j + settings.seq_len] for s in sequences for j in range(0, len(s), settings.seq_len)]
     pieces = [p for p in pieces if len(p) >= 8]
     samples, read, t0 = [], 0, time.perf_counter()
-    # a bar over what bounds the stage: the pieces when all are read (a fixed step count), else the seconds
-    bar = tqdm(pieces, desc="the target's distributions", unit="seq", leave=False) if settings.steps else \
-        _bar(budget, "the target's distributions")
+    bar = _bar(budget, "the target's distributions")
     for piece in pieces:
         if samples and time.perf_counter() - t0 > budget:
             break
         samples.append(teacher(model, piece, vocab_index, settings.top_k))
-        if settings.steps:
-            bar.update(1)
-        else:
-            read += len(piece)
-            bar.set_postfix_str(f"{len(samples)} sequences, {read} tokens")
-            bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
+        read += len(piece)
+        bar.set_postfix_str(f"{len(samples)} sequences, {read} tokens")
+        _advance(bar, t0)
     bar.close()
     random.Random(settings.seed + 1).shuffle(samples)
     n_held = min(max(1, int(len(samples) * settings.held_out)), settings.max_held_out)
@@ -352,7 +343,7 @@ def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[S
             step += 1
             if bar is not None:
                 bar.set_postfix_str(f"step {step} KL {kl.item():.3f} feature {feature.item():.3f}")
-                bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
+                _advance(bar, t0)
             if time.perf_counter() - last_save > 120:
                 save(step)
                 last_save = time.perf_counter()

@@ -177,7 +177,7 @@ class MTPDrafter(DrafterBase):
             head.cache.truncate(min(head.cache.length, n))
         seeds = [self._catch_up(head, tokens, n + 1) for head in self.heads]
         if rebuilt_at > start:  # loading the new head and refilling its cache are learning's cost too
-            self.learner.spent += time.perf_counter() - rebuilt_at
+            self.learner.clock.charge(time.perf_counter() - rebuilt_at)
         # keeping the heads' caches up with the target (and learning): its size follows the rows accepted since
         # the last MTP round (in a chain, lookup's), not the draft length, so `auto` does not bill it per token
         upkeep_s = time.perf_counter() - start

@@ -160,6 +160,22 @@ class TrainableHead(torch.nn.Module):
                 param.copy_(t.reshape(param.shape))
         return head
 
+    def loss(self, tokens: torch.Tensor, h_prev: torch.Tensor, hidden: torch.Tensor, want_p: torch.Tensor,
+             want_ids: torch.Tensor | None = None, feature_weight: float = 0.0
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, KL, feature term), averaged over rows. Row p's targets are the target's distribution of x_{p+1}
+        (`want_p` over the draft vocabulary's rows `want_ids`, or over all of it; the loss takes the soft
+        cross-entropy, the KL up to a constant) and the target's own hidden state h_p = hidden[p] (smooth L1,
+        EAGLE's feature term: when the head chains, its h' stands in for h_p at the next row)."""
+        logits, h = self(tokens, h_prev)
+        logq = torch.log_softmax(logits, -1)
+        if want_ids is not None:
+            logq = logq.gather(1, want_ids)
+        ce = -(want_p * logq).sum(-1).mean()
+        entropy = -(want_p * want_p.clamp_min(1e-12).log()).sum(-1).mean()
+        feature = torch.nn.functional.smooth_l1_loss(h, hidden)
+        return ce + feature_weight * feature, ce - entropy, feature
+
     def forward(self, tokens: torch.Tensor, h_prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft-vocabulary logits [T, V_d], post-norm hidden [T, H]) of rows 0..T-1 = (x_p, h_{p-1})."""
         with torch.no_grad():

@@ -40,6 +40,30 @@ class LearnSettings:
     feature_weight: float = 0.1
 
 
+class TimeShare:
+    """Side work (training) kept to `share` of the seconds spent in requests, each from its `begin` to its
+    latest round: time between requests banks nothing. A share of 1 or more sets no limit."""
+
+    def __init__(self, share: float):
+        self.share, self.spent, self.banked = share, 0.0, 0.0
+        self.request_start: float | None = None
+        self.last_round = 0.0
+
+    def begin(self) -> None:
+        if self.request_start is not None:  # the last request, from its begin to its last round
+            self.banked += self.last_round - self.request_start
+        self.request_start = self.last_round = time.perf_counter()
+
+    def allows(self) -> bool:
+        """Whether the side work may run now (this call marks the latest round)."""
+        self.last_round = time.perf_counter()
+        active = self.banked + (self.last_round - self.request_start if self.request_start is not None else 0.0)
+        return self.share >= 1 or self.spent <= self.share * active
+
+    def charge(self, seconds: float) -> None:
+        self.spent += seconds
+
+
 class HeadLearner:
     def __init__(self, model, g, sidecar: GGUFFile, settings: LearnSettings):
         self.model, self.g, self.settings, self.source = model, g, settings, Path(sidecar.path)
@@ -49,27 +73,21 @@ class HeadLearner:
         self.target_rows = model.output.rows(self.head.vocab_ids).float()
         self.optimizer = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=settings.lr,
                                            weight_decay=0.0)
-        self.spent, self.active_before, self.request_start, self.last_round = 0.0, 0.0, None, 0.0
+        self.clock = TimeShare(settings.share)
         self.steps, self.trained_to, self.refreshes, self.unsaved = 0, 0, 0, False
         self.staged = self.source.with_suffix(".learning.gguf")
         atexit.register(_save_at_exit, weakref.ref(self))  # a learner dropped before exit is not kept alive
 
     def begin(self) -> None:
         self.trained_to = 0
-        if self.request_start is not None:  # the last request, from its begin to its last round
-            self.active_before += self.last_round - self.request_start
-        self.request_start = self.last_round = time.perf_counter()
+        self.clock.begin()
 
     def rollback(self, length: int) -> None:
         self.trained_to = min(self.trained_to, length)
 
     def due(self, certain: int) -> bool:
-        """Whether to train this round; `share` is of the seconds spent in requests (each from its `begin` to
-        its latest round), so time between requests banks nothing."""
-        self.last_round = time.perf_counter()
-        active = self.active_before + (self.last_round - self.request_start if self.request_start is not None else 0.0)
-        return certain - self.trained_to >= max(1, self.settings.rows // 4) and (
-            self.settings.share >= 1 or self.spent <= self.settings.share * active)
+        """Whether to train this round: the clock allows it and a quarter of the window is new."""
+        return self.clock.allows() and certain - self.trained_to >= max(1, self.settings.rows // 4)
 
     def step(self, tokens: list[int], hidden: torch.Tensor, certain: int) -> GGUFFile | None:
         """One training step on rows [certain - rows, certain) (tokens[p], hidden[p - 1] -> the target's
@@ -79,9 +97,8 @@ class HeadLearner:
         h = hidden[start:certain].float()
         h_prev = torch.cat([hidden[start - 1:start].float() if start else torch.zeros_like(h[:1]), h[:-1]])
         want = torch.softmax(torch_post_steps(h @ self.target_rows.T, None, None, self.model.logit_softcap, 0.0), -1)
-        logits, h_new = self.head(torch.tensor(tokens[start:certain]), h_prev)
-        loss = -(want * torch.log_softmax(logits, -1)).sum(-1).mean()
-        loss = loss + self.settings.feature_weight * torch.nn.functional.smooth_l1_loss(h_new, h)
+        loss, _, _ = self.head.loss(torch.tensor(tokens[start:certain]), h_prev, h, want,
+                                    feature_weight=self.settings.feature_weight)
         self.optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
@@ -92,7 +109,7 @@ class HeadLearner:
             write_sidecar(self.staged, self.head, self.g, self.head.vocab_ids)
             rebuilt = GGUFFile(self.staged)
             self.refreshes += 1
-        self.spent += time.perf_counter() - t0
+        self.clock.charge(time.perf_counter() - t0)
         return rebuilt
 
     def save(self) -> None:
