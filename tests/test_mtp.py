@@ -340,7 +340,8 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
     kernels, a KV cache): on the same weights (the trained head rounded to the sidecar's float16, then
     written as a sidecar), positions and an empty cache, both give the same logits and hidden rows. The
     third case has 7 layers listed local-local-local-global-..., so the head's block 7 is global by the
-    file's period (not by a period of 6), and a final logit softcap both must apply."""
+    file's period (not by a period of 6), and a final logit softcap both must apply. Chains too: the training
+    head's depths 2 and 3 (all rows at once, `chain_mask`) are the drafter's second and third drafts."""
     from outrider.plugins.drafters.mtp.distill import shifted
     from outrider.plugins.drafters.mtp.sidecar import write_sidecar as write_trained
     from outrider.plugins.drafters.mtp.head import MTPHead, TrainableHead
@@ -383,6 +384,16 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
             torch.testing.assert_close(logits, want_logits[end - 1], atol=2e-4, rtol=1e-4)
             if model.logit_softcap:  # applied, not only read: softcapped logits lie within +-cap (by hand)
                 assert logits.abs().max() < model.logit_softcap
+        # deeper drafts, trained all at once, against the drafter's chain: seed row n from the target's hidden,
+        # then the drafted tokens (here the text's own: a chain whose drafts were right) on the head's own h'
+        chained = head.chain(torch.tensor(tokens), shifted(hidden), 3)
+        for n in range(len(tokens) - 1):
+            drafting.cache.truncate(n)
+            logits, h = drafting.forward(torch.tensor(tokens[n:n + 1]), shifted(hidden)[n:n + 1], n)
+            for m in range(1, min(3, len(tokens) - n)):
+                logits, h = drafting.forward(torch.tensor(tokens[n + m:n + m + 1]), h[-1:].float(), n + m)
+                torch.testing.assert_close(h[-1].float(), chained[m][1][n + m], atol=3e-4, rtol=1e-4)
+                torch.testing.assert_close(logits, chained[m][0][n + m], atol=3e-4, rtol=1e-4)
     if model.logit_softcap:
         assert want_logits.abs().max() < model.logit_softcap
 

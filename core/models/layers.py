@@ -56,6 +56,20 @@ def attention_mask(start: int, t: int, window: int | None, device) -> tuple[int,
     return first_key, mask
 
 
+def chain_mask(t: int, depth: int, window: int | None, device) -> torch.Tensor:
+    """Which keys rows at depth `depth` of draft chains see, over the keys of depths 1..depth side by side
+    [T, depth * T]. Row p at depth d is the d-th draft of the chain seeded at row n = p - d + 1: as the drafter's
+    cache holds it then, it sees depth 1's rows 0..n (made from the target's hidden states) and the chain's
+    rows n + 1..p, one from each depth 2..d. Rows p < d - 1 (no such chain) see what of this exists, so no row
+    is empty. Depth 1 is the causal mask."""
+    p = torch.arange(t, device=device)[:, None]
+    j = torch.arange(t, device=device)[None, :]
+    blocks = [j <= p - depth + 1] + [j == p - depth + s for s in range(2, depth + 1)]
+    if window is not None:
+        blocks = [b & (p - j < window) for b in blocks]
+    return torch.cat(blocks, dim=1)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_key: int, mask: torch.Tensor | None,
               scale: float) -> torch.Tensor:
     """q [heads, T, d] over k, v [kv_heads, end, d] from `first_key` on; returns [T, heads * d].
@@ -106,13 +120,17 @@ class Attention:
         first_key, mask = self._mask(start, qkv.shape[0], window, qkv.device)
         return attention(q, keys, values, first_key, mask, self.scale)
 
-    def over_rows(self, qkv: torch.Tensor, rotary: Rotary, q_norm: torch.Tensor | None = None,
-                  k_norm: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-        """Rows at positions 0..T-1 attending over each other only, with no cache, in torch: the
-        differentiable form (the MTP head's training), the same equations as `__call__`'s torch path."""
+    def over_chain(self, qkv: torch.Tensor, rotary: Rotary, q_norm: torch.Tensor | None,
+                   k_norm: torch.Tensor | None, window: int | None, shallower: list) -> torch.Tensor:
+        """Rows at positions 0..T-1 with no cache, in torch: the differentiable form (the MTP head's training),
+        the same equations as `__call__`'s torch path. Depth d = len(shallower) + 1 of draft chains trained all
+        at once (EAGLE-3's training-time test, `chain_mask`): at depth 1 the rows attend over each other; a
+        deeper row reads the shallower depths' keys, which `shallower` holds, (k, v) per depth; this depth's
+        are appended to it."""
         q, k, v = self._heads(qkv, 0, rotary, q_norm, k_norm)
-        first_key, mask = attention_mask(0, qkv.shape[0], window, qkv.device)
-        return attention(q, k, v, first_key, mask, self.scale)
+        shallower.append((k, v))
+        keys, values = (torch.cat(parts, dim=1) for parts in zip(*shallower))
+        return attention(q, keys, values, 0, chain_mask(qkv.shape[0], len(shallower), window, qkv.device), self.scale)
 
     def _heads(self, qkv: torch.Tensor, start: int, rotary: Rotary, q_norm, k_norm):
         """(q [heads, T, d], k and v [kv_heads, T, d]) of fused projections: q/k norms (Gemma), then rotary."""

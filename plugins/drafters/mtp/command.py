@@ -14,6 +14,8 @@ from outrider.cli import friendly_errors
               help="Train this many steps in all (a resumed run included) instead of until the budget is spent.")
 @click.option("--draft-vocab", type=int, default=8192, show_default=True,
               help="Rows of the head's output layer: the most frequent tokens of the training text.")
+@click.option("--depth", type=int, default=3, show_default=True,
+              help="Draft positions trained at once, each on the head's own output as the drafter chains it.")
 @click.option("--tokens", "generate_tokens", type=int, default=192, show_default=True,
               help="Tokens the target writes per built-in prompt.")
 @click.option("--stdlib-chunks", type=int, default=400, show_default=True,
@@ -24,14 +26,15 @@ from outrider.cli import friendly_errors
 @click.option("--out", type=click.Path(dir_okay=False), help="Sidecar path [the cache, where --drafter mtp looks].")
 @click.option("--seed", type=int, default=0, show_default=True)
 @friendly_errors
-def distill(model, minutes, steps, draft_vocab, generate_tokens, stdlib_chunks, fresh, out, seed):
+def distill(model, minutes, steps, draft_vocab, depth, generate_tokens, stdlib_chunks, fresh, out, seed):
     """Train an MTP head for MODEL (catalog name or .gguf) on the CPU and cache it for `--drafter mtp`."""
     from pathlib import Path
 
     from outrider.plugins.drafters.mtp.distill import DistillSettings
     from outrider.plugins.drafters.mtp.distill import distill as run_distill
 
-    settings = DistillSettings(minutes=minutes, steps=steps, draft_vocab=draft_vocab, generate_tokens=generate_tokens,
+    settings = DistillSettings(minutes=minutes, steps=steps, draft_vocab=draft_vocab, depth=depth,
+                               generate_tokens=generate_tokens,
                                stdlib_chunks=stdlib_chunks, fresh=fresh, seed=seed)
     report = run_distill(model, settings, Path(out) if out else None, echo=lambda line: click.echo(line, err=True))
     click.echo(f"{report.sidecar} ({report.head_bytes / 1e6:.1f} MB) in {report.seconds / 60:.1f} min, "

@@ -5,7 +5,8 @@ The head is one decoder block of the trunk's kind with the nextn tensors around 
 token x_p and the target's final-normed hidden h_{p-1} (EAGLE's inputs), and is trained to give the target's
 own distribution of x_{p+1} (soft cross-entropy to the target's top-K probabilities, i.e. the KL up to a
 constant) and, with a small weight, the target's own hidden h_p (EAGLE's feature term: chained drafts feed the
-head's h' where the target's h_p would be). The text: what the target itself writes from a built-in prompt
+head's h' where the target's h_p would be). Drafts 2..`depth` are trained too, as the drafter chains them
+(EAGLE-3's training-time test: the head's own h' in, the shallower drafts' keys in its attention). The text: what the target itself writes from a built-in prompt
 set (code, chat, prose), then as much of the Python standard library's sources as the budget lets the target
 read (a prefill gives every position's distribution at once).
 
@@ -32,7 +33,7 @@ import torch
 
 from outrider.errors import ConfigError
 from outrider.io.chat import template_or_raw_ids
-from outrider.plugins.drafters.mtp.head import TrainableHead
+from outrider.plugins.drafters.mtp.head import TrainableHead, shifted
 from outrider.plugins.drafters.mtp.sidecar import write_sidecar
 
 PROMPTS = (
@@ -101,6 +102,7 @@ class DistillSettings:
     draft_vocab: int = 8192
     top_k: int = 16  # target probabilities kept per row
     feature_weight: float = 0.1  # of the feature term, beside the KL
+    depth: int = 3  # draft positions trained at once, as the drafter chains them (`TrainableHead.chain`)
     lr: float = 5e-4  # the peak of a cosine decay (`learning_rate`)
     steps: int = 0  # total training steps; 0: train until the budget is spent
     held_out: float = 0.1
@@ -183,16 +185,11 @@ def teacher(model, tokens: list[int], vocab_index: torch.Tensor, top_k: int) -> 
 # ------------------------------------------------------------------------------------------------ the head
 
 
-def shifted(hidden: torch.Tensor) -> torch.Tensor:
-    """h_{p-1} for every row p (a zero row before position 0, as the drafter does)."""
-    return torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
-
-
-def sample_loss(head: TrainableHead, s: Sample, feature_weight: float = 0.0
+def sample_loss(head: TrainableHead, s: Sample, feature_weight: float = 0.0, depth: int = 1
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`TrainableHead.loss` on a sample: (loss, KL, feature term)."""
+    """`TrainableHead.loss` on a sample: (loss, the first draft's KL, its feature term)."""
     hidden = s.hidden.float()
-    return head.loss(s.tokens, shifted(hidden), hidden, s.top_p, s.top_ids, feature_weight)
+    return head.loss(s.tokens, shifted(hidden), hidden, s.top_p, s.top_ids, feature_weight, depth)
 
 
 def heldout_kl(head: TrainableHead, samples: list[Sample]) -> float:
@@ -335,7 +332,7 @@ def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[S
             done = step / settings.steps if settings.steps else (time.perf_counter() - t0) / max(budget, 1e-9)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(settings.lr, done)
-            loss, kl, feature = sample_loss(head, s, settings.feature_weight)
+            loss, kl, feature = sample_loss(head, s, settings.feature_weight, settings.depth)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -366,6 +363,8 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     left for the sidecar and the check. An interrupt (Ctrl-C) during training saves where it stood."""
     from outrider.plugins.drafters.mtp.drafter import mtp_sidecar_path
 
+    if settings.depth < 1:
+        raise ConfigError(f"--depth {settings.depth}: the head trains at least its first draft; pass --depth 1 or more")
     start = time.perf_counter()
     deadline = start + settings.minutes * 60
     rng, gen = random.Random(settings.seed), torch.Generator().manual_seed(settings.seed)

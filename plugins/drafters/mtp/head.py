@@ -31,6 +31,11 @@ def mtp_rows(embedded: torch.Tensor, hidden: torch.Tensor, enorm: torch.Tensor, 
     return rms_norm(block(eh_proj(x)), head_norm, eps)
 
 
+def shifted(hidden: torch.Tensor) -> torch.Tensor:
+    """h_{p-1} for every row p (a zero row before position 0, as the drafter does)."""
+    return torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
+
+
 class MTPHead:
     """One MTP block: the trunk-kind decoder block and the nextn projections around it, on the target's
     backend, with its own one-layer KV cache."""
@@ -161,28 +166,45 @@ class TrainableHead(torch.nn.Module):
         return head
 
     def loss(self, tokens: torch.Tensor, h_prev: torch.Tensor, hidden: torch.Tensor, want_p: torch.Tensor,
-             want_ids: torch.Tensor | None = None, feature_weight: float = 0.0
+             want_ids: torch.Tensor | None = None, feature_weight: float = 0.0, depth: int = 1
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(loss, KL, feature term), averaged over rows. Row p's targets are the target's distribution of x_{p+1}
-        (`want_p` over the draft vocabulary's rows `want_ids`, or over all of it; the loss takes the soft
-        cross-entropy, the KL up to a constant) and the target's own hidden state h_p = hidden[p] (smooth L1,
-        EAGLE's feature term: when the head chains, its h' stands in for h_p at the next row)."""
-        logits, h = self(tokens, h_prev)
-        logq = torch.log_softmax(logits, -1)
-        if want_ids is not None:
-            logq = logq.gather(1, want_ids)
-        ce = -(want_p * logq).sum(-1).mean()
-        entropy = -(want_p * want_p.clamp_min(1e-12).log()).sum(-1).mean()
-        feature = torch.nn.functional.smooth_l1_loss(h, hidden)
-        return ce + feature_weight * feature, ce - entropy, feature
+        """(loss, KL, feature term) of the first draft, averaged over rows; with `depth` > 1 the loss is also
+        the deeper drafts' (`chain`), depth d weighted 0.8^(d-1) as EAGLE-3 weighs them. Row p's targets at
+        every depth are the target's distribution of x_{p+1} (`want_p` over the draft vocabulary's rows
+        `want_ids`, or over all of it; the loss takes the soft cross-entropy, the KL up to a constant) and the
+        target's own hidden state h_p = hidden[p] (smooth L1, EAGLE's feature term: when the head chains, its
+        h' stands in for h_p at the next row)."""
+        entropy = -(want_p * want_p.clamp_min(1e-12).log()).sum(-1)
+        total, weights = 0.0, 0.0
+        for d, (logits, h) in enumerate(self.chain(tokens, h_prev, depth)):
+            logq = torch.log_softmax(logits[d:], -1)  # rows before d seed no chain this deep
+            if want_ids is not None:
+                logq = logq.gather(1, want_ids[d:])
+            ce = -(want_p[d:] * logq).sum(-1).mean()
+            feature = torch.nn.functional.smooth_l1_loss(h[d:], hidden[d:])
+            if d == 0:
+                first = ce - entropy.mean(), feature
+            total, weights = total + 0.8 ** d * (ce + feature_weight * feature), weights + 0.8 ** d
+        return total / weights, *first
+
+    def chain(self, tokens: torch.Tensor, h_prev: torch.Tensor, depth: int = 1
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """[(draft-vocabulary logits [T, V_d], post-norm hidden [T, H])] for depths 1..depth. Depth 1's row p is
+        (x_p, h_{p-1}); depth d's row p is (x_p, depth d-1's h' of row p - 1): the d-th draft of a chain seeded
+        at row p - d + 1 whose earlier drafts were right, as the drafter runs it (`Attention.over_chain`)."""
+        with torch.no_grad():
+            e = self.model.embed(tokens).float()
+        l, attention, w = self.layer, self.model.attention, self.w
+        shallower = []
+        attend = lambda qkv: attention.over_chain(qkv, l.rotary, l.q_norm, l.k_norm, l.window, shallower)
+        block = lambda x: decoder_layer(l, x, attend, self.eps, self.model.activation)
+        depths = []
+        for _ in range(depth):
+            h = mtp_rows(e, h_prev, w["enorm"], w["hnorm"], self.eh_proj, block, w["shared_head_norm"], self.eps)
+            depths.append((self.head(h, softcap=self.softcap), h))
+            h_prev = shifted(h)
+        return depths
 
     def forward(self, tokens: torch.Tensor, h_prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(draft-vocabulary logits [T, V_d], post-norm hidden [T, H]) of rows 0..T-1 = (x_p, h_{p-1})."""
-        with torch.no_grad():
-            e = self.model.embed(tokens).float()
-        l, attention = self.layer, self.model.attention
-        attend = lambda qkv: attention.over_rows(qkv, l.rotary, l.q_norm, l.k_norm, l.window)
-        block = lambda x: decoder_layer(l, x, attend, self.eps, self.model.activation)
-        w = self.w
-        h = mtp_rows(e, h_prev, w["enorm"], w["hnorm"], self.eh_proj, block, w["shared_head_norm"], self.eps)
-        return self.head(h, softcap=self.softcap), h
+        return self.chain(tokens, h_prev)[0]
