@@ -8,7 +8,8 @@ sampled acceptor with the head's q), the same seed per round for every configura
 configurations, a warm-up round first. Printed: decode tok/s (medians), the speed-up over plain as the median
 of each round's ratio, llama-server's plain decode in the same run as the peer (`--engines`), and acceptance
 per draft position j: rounds that accepted position j / rounds that drafted at least j tokens, pooled over
-the measured rounds (cumulative: accepting position 2 means position 1 was accepted too).
+the measured rounds (cumulative: accepting position 2 means position 1 was accepted too). `--other-head` adds
+a second head's mtp as one more configuration (two heads compared side by side).
 
     python benchmarks/mtp_heads.py --threads 2 --runs 3
 """
@@ -26,10 +27,11 @@ from qwen_pair import PROMPTS as PAIR_PROMPTS  # noqa: E402
 from qwen_pair import LlamaServer, cpu_target, llama_server_binary  # noqa: E402
 
 CONFIGS = ("none", "mtp", "lookup,mtp")
+OTHER = "mtp, other head"  # --other-head's configuration
 
 
 def outrider_runs(target_path: Path, head: Path, prompts: dict[str, list[int]], temperatures: list[float],
-                  tokens: int, runs: int, threads: int, draft_max: str) -> dict:
+                  tokens: int, runs: int, threads: int, draft_max: str, other_head: Path | None = None) -> dict:
     """{(prompt, T, config): [(tok/s, generated, drafted_at, accepted_at), ...]} over the measured rounds."""
     from outrider.plugins.acceptors.greedy import GreedyAcceptor
     from outrider.plugins.acceptors.sampled import SampledAcceptor
@@ -46,6 +48,9 @@ def outrider_runs(target_path: Path, head: Path, prompts: dict[str, list[int]], 
     mtp.setup(target)
     lookup.setup(target)
     drafters = {"none": NoDrafter(), "mtp": mtp, "lookup,mtp": DrafterChain([lookup, mtp], ["lookup", "mtp"])}
+    if other_head is not None:
+        drafters[OTHER] = MTPDrafter(model=str(other_head), sample=True)
+        drafters[OTHER].setup(target)
     runners = {(t, name): Runner(target, drafter, (SampledAcceptor if t > 0 else GreedyAcceptor)(),
                                  DrafterTraits.of(drafter, draft_max=0 if name == "none" else draft_max), context=4096)
                for t in temperatures for name, drafter in drafters.items()}
@@ -85,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-max", default="auto")
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--engines", default="outrider,llama.cpp")
+    parser.add_argument("--other-head", help="a second MTP sidecar, run as one more configuration beside the first")
     args = parser.parse_args(argv)
 
     from outrider.catalog import resolve_model
@@ -121,17 +127,18 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.close()
     results = outrider_runs(target_path, head, prompts, temperatures, args.tokens, args.runs, args.threads,
-                            args.draft_max)
+                            args.draft_max, Path(args.other_head) if args.other_head else None)
 
     print(f"CPU vector extensions: {' '.join(vector_extensions())}; Outrider's kernels built with {' '.join(cflags())}; "
           f"llama-server: {server_path or 'not run'}; {args.threads} threads; {args.tokens} tokens; medians of "
-          f"{args.runs} rounds; draft-max {args.draft_max}; head {head.name}\n")
+          f"{args.runs} rounds; draft-max {args.draft_max}; head {head}"
+          + (f"; other head {args.other_head}" if args.other_head else "") + "\n")
     print("| prompt | T | configuration | decode tok/s | vs plain | vs llama.cpp plain | accepted per position |")
     print("|---|---|---|---|---|---|---|")
     for label in prompts:
         for t in temperatures:
             plain = results[label, t, "none"]
-            for name in CONFIGS:
+            for name in CONFIGS + ((OTHER,) if args.other_head else ()):
                 rows = results[label, t, name]
                 speed = statistics.median(r[0] for r in rows)
                 ratio = statistics.median(r[0] / p[0] for r, p in zip(rows, plain))

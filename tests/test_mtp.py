@@ -429,6 +429,49 @@ def test_an_interrupted_distill_resumes_to_the_uninterrupted_head(fx, tmp_path):
             torch.testing.assert_close(b.load(name), a.load(name), atol=1e-5, rtol=1e-4)
 
 
+def test_a_stopped_distill_goes_on_with_the_rest_of_its_time(fx, tmp_path, monkeypatch):
+    """Bound by time (no --steps), a run stopped during training and started again trains for what was left of
+    its training budget, the learning rate going on down the same cosine curve (not starting over at its
+    peak); a finished run started again trains further for a new budget. distill's clock is a counter here
+    (every reading 0.05 s later), so the run takes the same steps on a loaded machine."""
+    from outrider.plugins.drafters.mtp import distill as module
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            self.now += 0.05
+            return self.now
+
+    settings = lambda: module.DistillSettings(minutes=0.1, generate_tokens=12, stdlib_chunks=1, draft_vocab=64,
+                                              eval_tokens=0, prompts=("Hello there", "def f(x):"), seq_len=32,
+                                              matrices="F16")
+    done = []
+    monkeypatch.setattr(module, "learning_rate", lambda peak, at: (done.append(min(at, 1.0)), peak)[1])
+    monkeypatch.setattr(module, "time", Clock())
+    out = tmp_path / "head.mtp.gguf"
+
+    def interrupt(step):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        module.distill(str(fx.model_path("llama")), settings(), out, echo=lambda line: None, on_step=interrupt)
+    stopped = torch.load(out.with_suffix(".distill.pt"), weights_only=False)
+    assert 0 < stopped["seconds"] < stopped["budget"] and stopped["step"] == 3
+    done.clear()
+    lines = []
+    module.distill(str(fx.model_path("llama")), settings(), out, echo=lines.append)
+    finished = torch.load(out.with_suffix(".distill.pt"), weights_only=False)
+    assert finished["budget"] == stopped["budget"] and finished["seconds"] >= stopped["budget"]
+    assert any("training minutes left" in line for line in lines), lines
+    assert done[0] >= stopped["seconds"] / stopped["budget"] > 0 and done[-1] <= 1.0
+    done.clear()
+    module.distill(str(fx.model_path("llama")), settings(), out, echo=lambda line: None)
+    again = torch.load(out.with_suffix(".distill.pt"), weights_only=False)
+    assert again["step"] > finished["step"] and done[0] < 0.05  # a new budget, the curve from its start
+
+
 def test_learning_moves_the_head_toward_the_target_and_is_saved(fx, tmp_path):
     """`drafter.learn` on one text, round after round: the head's distribution (the oracle's equations on the
     saved file) moves toward the target's own (its forward, renormalized over the draft vocabulary) on that

@@ -777,7 +777,7 @@ def test_attention_with_three_heads_per_kv_group_matches_float64_and_single_quer
 
 
 def _cpu_has(flag: str) -> bool:
-    return flag in native._cpu_flags().split()
+    return flag in native.cpu_flags().split()
 
 
 @pytest.mark.slow

@@ -73,7 +73,7 @@ class NativeUnavailable(RuntimeError):
     pass
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")
@@ -87,7 +87,7 @@ VECTOR_EXTENSIONS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "
 
 def vector_extensions() -> list[str]:
     """Which of VECTOR_EXTENSIONS this CPU has: what to print beside every speed figure."""
-    flags = set(_cpu_flags().split())
+    flags = set(cpu_flags().split())
     return [name for name in VECTOR_EXTENSIONS if name in flags]
 
 
@@ -110,7 +110,7 @@ def build_key() -> str:
         text = path.read_bytes()
         digest.update(f"{path.name}\0{len(text)}\0".encode())
         digest.update(text)
-    for part in (torch.__version__, " ".join(cflags()), _cpu_flags(), platform.python_version()):
+    for part in (torch.__version__, " ".join(cflags()), cpu_flags(), platform.python_version()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -220,7 +220,7 @@ def product_rate_probe():
     from outrider.paths import outrider_home
 
     digest = hashlib.sha256(PROBE.read_bytes() + (KERNELS / "isa.h").read_bytes())
-    for part in (" ".join(cflags()), _cpu_flags(), compiler_key()):
+    for part in (" ".join(cflags()), cpu_flags(), compiler_key()):
         digest.update(part.encode())
     folder = outrider_home() / "native" / f"probe-{digest.hexdigest()[:16]}"
     folder.mkdir(parents=True, exist_ok=True)

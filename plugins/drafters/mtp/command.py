@@ -16,6 +16,8 @@ from outrider.cli import friendly_errors
               help="Rows of the head's output layer: the most frequent tokens of the training text.")
 @click.option("--depth", type=int, default=3, show_default=True,
               help="Draft positions trained at once, each on the head's own output as the drafter chains it.")
+@click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
+              help="Of the training's matrix products; auto: bf16 where the CPU has AVX-512 BF16 or AMX.")
 @click.option("--tokens", "generate_tokens", type=int, default=192, show_default=True,
               help="Tokens the target writes per built-in prompt.")
 @click.option("--stdlib-chunks", type=int, default=400, show_default=True,
@@ -26,14 +28,14 @@ from outrider.cli import friendly_errors
 @click.option("--out", type=click.Path(dir_okay=False), help="Sidecar path [the cache, where --drafter mtp looks].")
 @click.option("--seed", type=int, default=0, show_default=True)
 @friendly_errors
-def distill(model, minutes, steps, draft_vocab, depth, generate_tokens, stdlib_chunks, fresh, out, seed):
+def distill(model, minutes, steps, draft_vocab, depth, precision, generate_tokens, stdlib_chunks, fresh, out, seed):
     """Train an MTP head for MODEL (catalog name or .gguf) on the CPU and cache it for `--drafter mtp`."""
     from pathlib import Path
 
     from outrider.plugins.drafters.mtp.distill import DistillSettings
     from outrider.plugins.drafters.mtp.distill import distill as run_distill
 
-    settings = DistillSettings(minutes=minutes, steps=steps, draft_vocab=draft_vocab, depth=depth,
+    settings = DistillSettings(minutes=minutes, steps=steps, draft_vocab=draft_vocab, depth=depth, precision=precision,
                                generate_tokens=generate_tokens,
                                stdlib_chunks=stdlib_chunks, fresh=fresh, seed=seed)
     report = run_distill(model, settings, Path(out) if out else None, echo=lambda line: click.echo(line, err=True))

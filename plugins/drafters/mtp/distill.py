@@ -103,6 +103,7 @@ class DistillSettings:
     top_k: int = 16  # target probabilities kept per row
     feature_weight: float = 0.1  # of the feature term, beside the KL
     depth: int = 3  # draft positions trained at once, as the drafter chains them (`TrainableHead.chain`)
+    precision: str = "auto"  # of the training's matrix products: bf16, fp32, or auto (`bf16_is_native`)
     lr: float = 5e-4  # the peak of a cosine decay (`learning_rate`)
     steps: int = 0  # total training steps; 0: train until the budget is spent
     held_out: float = 0.1
@@ -208,10 +209,10 @@ def _advance(bar, t0: float) -> None:
     bar.update(min(round(time.perf_counter() - t0), bar.total) - bar.n)
 
 
-def _bar(total: float, desc: str):
+def _bar(total: float, desc: str, initial: float = 0):
     from tqdm import tqdm
 
-    return tqdm(total=round(total), desc=desc, unit="s", bar_format="{desc}: {bar} {n_fmt}/{total_fmt}s "
+    return tqdm(total=round(total), initial=round(initial), desc=desc, unit="s", bar_format="{desc}: {bar} {n_fmt}/{total_fmt}s "
                 "[{elapsed}<{remaining}] {postfix}")
 
 
@@ -309,19 +310,29 @@ def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
     return order
 
 
+def bf16_is_native() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX): there bfloat16 autocast about
+    halves a training step; elsewhere it is emulated, and slower than float32."""
+    from outrider.native import cpu_flags
+
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
+
+
 def learning_rate(peak: float, done: float) -> float:
     """Cosine decay from `peak` to a tenth of it over the run (`done` from 0 to 1: by steps when a step count
-    is set, so a resumed run follows the same curve, else by the time budget)."""
+    is set, else by the training seconds of the budget; a resumed run goes on along the same curve)."""
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(max(done, 0.0), 1.0))))
 
 
 def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[Sample], step: int,
-          settings: DistillSettings, budget: float, save: Callable[[int], None],
+          settings: DistillSettings, budget: float, spent: float, save: Callable[[int, float], None],
           on_step: Callable[[int], None] | None = None) -> int:
-    """Train from `step` up to `settings.steps` steps in all, or for `budget` seconds when that is 0, saving a
-    checkpoint every two minutes and on an interrupt; the step count reached."""
-    bar = None if settings.steps else _bar(budget, "training the MTP head")
-    t0, last_save = time.perf_counter(), time.perf_counter()
+    """Train from `step` up to `settings.steps` steps in all, or when that is 0 until `budget` seconds of
+    training are spent (`spent` of them before this call), saving a checkpoint (`save(step, seconds spent)`)
+    every two minutes and on an interrupt; the step count reached."""
+    bar = None if settings.steps else _bar(budget, "training the MTP head", spent)
+    t0, last_save = time.perf_counter() - spent, time.perf_counter()  # t0: when the training would have begun
+    bf16 = settings.precision == "bf16" or (settings.precision == "auto" and bf16_is_native())
     order, epoch = None, -1
     try:
         while (step < settings.steps) if settings.steps else (time.perf_counter() - t0 < budget):
@@ -332,7 +343,8 @@ def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[S
             done = step / settings.steps if settings.steps else (time.perf_counter() - t0) / max(budget, 1e-9)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(settings.lr, done)
-            loss, kl, feature = sample_loss(head, s, settings.feature_weight, settings.depth)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # the parameters stay float32
+                loss, kl, feature = sample_loss(head, s, settings.feature_weight, settings.depth)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -342,12 +354,12 @@ def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[S
                 bar.set_postfix_str(f"step {step} KL {kl.item():.3f} feature {feature.item():.3f}")
                 _advance(bar, t0)
             if time.perf_counter() - last_save > 120:
-                save(step)
+                save(step, time.perf_counter() - t0)
                 last_save = time.perf_counter()
             if on_step is not None:
                 on_step(step)
     except KeyboardInterrupt:
-        save(step)
+        save(step, time.perf_counter() - t0)
         raise
     finally:
         if bar is not None:
@@ -365,6 +377,8 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
 
     if settings.depth < 1:
         raise ConfigError(f"--depth {settings.depth}: the head trains at least its first draft; pass --depth 1 or more")
+    if settings.precision not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"--precision {settings.precision}: pass auto, bf16 or fp32")
     start = time.perf_counter()
     deadline = start + settings.minutes * 60
     rng, gen = random.Random(settings.seed), torch.Generator().manual_seed(settings.seed)
@@ -432,18 +446,28 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
 
     saved = {}
 
-    def save(step: int) -> None:
+    # a run stopped before its training budget was spent goes on with the rest of it (no more than this run's
+    # budget allows), along the same learning rate curve; a finished run run again trains further, for a new
+    # budget. A run bound by --steps keeps no time budget.
+    budget, spent = max(deadline - time.perf_counter() - 0.05 * settings.minutes * 60, 0), 0.0
+    if not settings.steps and state is not None and state.get("seconds", 0.0) < state.get("budget", 0.0):
+        budget, spent = min(state["budget"], state["seconds"] + budget), state["seconds"]
+        echo(f"{(budget - spent) / 60:.1f} of its {state['budget'] / 60:.1f} training minutes left")
+    if settings.steps:
+        budget = 0.0
+
+    def save(step: int, seconds: float) -> None:
         store("distill", {"step": step, "head": head.state_dict(), "optimizer": optimizer.state_dict(),
-                          "kl_start": kl_start})
+                          "kl_start": kl_start, "seconds": seconds, "budget": budget})
         saved["step"] = step
 
-    budget = max(deadline - time.perf_counter() - 0.05 * settings.minutes * 60, 0)
+    t_train = time.perf_counter()
     try:
-        step = train(head, optimizer, train_samples, step, settings, budget, save, on_step)
+        step = train(head, optimizer, train_samples, step, settings, budget, spent, save, on_step)
     except KeyboardInterrupt:
         echo(f"interrupted at step {saved['step']}: saved {files['distill']}; the same command resumes from there")
         raise
-    save(step)
+    save(step, max(spent + time.perf_counter() - t_train, budget))  # spent: a run again trains for a new budget
     kl_end = heldout_kl(head, held)
     size = write_sidecar(out, head, g, vocab_ids, settings.matrices)
     report = DistillReport(out, step, time.perf_counter() - start, kl_start, kl_end, size)

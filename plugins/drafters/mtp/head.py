@@ -93,7 +93,7 @@ class MTPHead:
 
 class TrainableHead(torch.nn.Module):
     """The MTP block as trainable parameters, run over whole sequences without a cache: `mtp_rows` and
-    `decoder_layer` with attention over the rows themselves (`Attention.over_rows`), in differentiable
+    `decoder_layer` with attention over the rows themselves (`Attention.over_chain`), in differentiable
     torch. `MTPHead` runs the same two functions on the backend's kernels."""
 
     def __init__(self, model, g, vocab_ids: torch.Tensor):
@@ -176,7 +176,7 @@ class TrainableHead(torch.nn.Module):
         h' stands in for h_p at the next row)."""
         entropy = -(want_p * want_p.clamp_min(1e-12).log()).sum(-1)
         total, weights = 0.0, 0.0
-        for d, (logits, h) in enumerate(self.chain(tokens, h_prev, depth)):
+        for d, (logits, h) in enumerate(self.chain(tokens, h_prev, min(depth, len(tokens)))):
             logq = torch.log_softmax(logits[d:], -1)  # rows before d seed no chain this deep
             if want_ids is not None:
                 logq = logq.gather(1, want_ids[d:])
