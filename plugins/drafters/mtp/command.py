@@ -14,8 +14,9 @@ from outrider.cli import friendly_errors
               help="Train this many steps in all (a resumed run included) instead of until the budget is spent.")
 @click.option("--draft-vocab", type=int, default=8192, show_default=True,
               help="Rows of the head's output layer: the most frequent tokens of the training text.")
-@click.option("--depth", type=int, default=3, show_default=True,
-              help="Draft positions trained at once, each on the head's own output as the drafter chains it.")
+@click.option("--depth", type=int, default=1, show_default=True,
+              help="Draft positions trained at once, each on the head's own output as the drafter chains it "
+                   "(each costs about a first draft's time per step).")
 @click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
               help="Of the training's matrix products; auto: bf16 where the CPU has AVX-512 BF16 or AMX.")
 @click.option("--tokens", "generate_tokens", type=int, default=192, show_default=True,

@@ -5,8 +5,9 @@ The head is one decoder block of the trunk's kind with the nextn tensors around 
 token x_p and the target's final-normed hidden h_{p-1} (EAGLE's inputs), and is trained to give the target's
 own distribution of x_{p+1} (soft cross-entropy to the target's top-K probabilities, i.e. the KL up to a
 constant) and, with a small weight, the target's own hidden h_p (EAGLE's feature term: chained drafts feed the
-head's h' where the target's h_p would be). Drafts 2..`depth` are trained too, as the drafter chains them
-(EAGLE-3's training-time test: the head's own h' in, the shallower drafts' keys in its attention). The text: what the target itself writes from a built-in prompt
+head's h' where the target's h_p would be). With `depth` > 1, drafts 2..depth are trained too, as the drafter
+chains them (EAGLE-3's training-time test: the head's own h' in, the shallower drafts' keys in its attention);
+each depth costs about as much as the first, which a 30-minute budget spends better on more steps. The text: what the target itself writes from a built-in prompt
 set (code, chat, prose), then as much of the Python standard library's sources as the budget lets the target
 read (a prefill gives every position's distribution at once).
 
@@ -33,7 +34,7 @@ import torch
 
 from outrider.errors import ConfigError
 from outrider.io.chat import template_or_raw_ids
-from outrider.plugins.drafters.mtp.head import TrainableHead, shifted
+from outrider.plugins.drafters.mtp.head import TrainableHead, bf16_is_native, shifted, training_autocast
 from outrider.plugins.drafters.mtp.sidecar import write_sidecar
 
 PROMPTS = (
@@ -102,7 +103,7 @@ class DistillSettings:
     draft_vocab: int = 8192
     top_k: int = 16  # target probabilities kept per row
     feature_weight: float = 0.1  # of the feature term, beside the KL
-    depth: int = 3  # draft positions trained at once, as the drafter chains them (`TrainableHead.chain`)
+    depth: int = 1  # draft positions trained at once, as the drafter chains them (`TrainableHead.chain`)
     precision: str = "auto"  # of the training's matrix products: bf16, fp32, or auto (`bf16_is_native`)
     lr: float = 5e-4  # the peak of a cosine decay (`learning_rate`)
     steps: int = 0  # total training steps; 0: train until the budget is spent
@@ -310,14 +311,6 @@ def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
     return order
 
 
-def bf16_is_native() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX): there bfloat16 autocast about
-    halves a training step; elsewhere it is emulated, and slower than float32."""
-    from outrider.native import cpu_flags
-
-    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
-
-
 def learning_rate(peak: float, done: float) -> float:
     """Cosine decay from `peak` to a tenth of it over the run (`done` from 0 to 1: by steps when a step count
     is set, else by the training seconds of the budget; a resumed run goes on along the same curve)."""
@@ -343,7 +336,7 @@ def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[S
             done = step / settings.steps if settings.steps else (time.perf_counter() - t0) / max(budget, 1e-9)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(settings.lr, done)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # the parameters stay float32
+            with training_autocast(bf16):
                 loss, kl, feature = sample_loss(head, s, settings.feature_weight, settings.depth)
             optimizer.zero_grad()
             loss.backward()

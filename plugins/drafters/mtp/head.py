@@ -6,6 +6,8 @@ stack that matches it), the head's norm. tests/test_mtp.py checks that the two g
 
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
 from typing import Callable
 
 import numpy as np
@@ -18,6 +20,7 @@ from outrider.models.linear import StackedLinear, rms_norm
 from outrider.models.llama import unpermute_qk
 from outrider.models.stack import LayerStack, LayerWeights, decoder_layer
 from outrider.models.weight_forms import load_linear
+from outrider.native import cpu_flags
 from outrider.spec.drafter import Target
 
 QKV_BIAS = "attn_qkv_bias"  # TrainableHead's name for Qwen2's q, k and v biases, kept as one parameter
@@ -29,6 +32,22 @@ def mtp_rows(embedded: torch.Tensor, hidden: torch.Tensor, enorm: torch.Tensor, 
     """The head's post-norm hidden rows h' = rms(block(eh_proj([rms(E[x_p], enorm), rms(h_{p-1}, hnorm)])))."""
     x = torch.cat([rms_norm(embedded, enorm, eps), rms_norm(hidden, hnorm, eps)], dim=-1)
     return rms_norm(block(eh_proj(x)), head_norm, eps)
+
+
+def bf16_is_native() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX): there bfloat16 autocast about
+    halves a training step; elsewhere it is emulated, and slower than float32."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
+
+
+@contextmanager
+def training_autocast(enabled: bool):
+    """bfloat16 autocast for the head's matrix products while it trains (its parameters stay float32). The
+    norms then meet bfloat16 rows and float32 weights and take torch's unfused path, which is what is meant:
+    its warning about that is not shown."""
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+        yield
 
 
 def shifted(hidden: torch.Tensor) -> torch.Tensor:

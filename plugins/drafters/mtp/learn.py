@@ -27,7 +27,7 @@ import torch
 
 from outrider.io.gguf import GGUFFile
 from outrider.models.linear import torch_post_steps
-from outrider.plugins.drafters.mtp.head import TrainableHead
+from outrider.plugins.drafters.mtp.head import TrainableHead, bf16_is_native, training_autocast
 from outrider.plugins.drafters.mtp.sidecar import write_sidecar
 
 
@@ -74,6 +74,7 @@ class HeadLearner:
         self.optimizer = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=settings.lr,
                                            weight_decay=0.0)
         self.clock = TimeShare(settings.share)
+        self.bf16 = bf16_is_native()  # as distill trains: about half a step's time where the CPU has it
         self.steps, self.trained_to, self.refreshes, self.unsaved = 0, 0, 0, False
         self.staged = self.source.with_suffix(".learning.gguf")
         atexit.register(_save_at_exit, weakref.ref(self))  # a learner dropped before exit is not kept alive
@@ -97,8 +98,9 @@ class HeadLearner:
         h = hidden[start:certain].float()
         h_prev = torch.cat([hidden[start - 1:start].float() if start else torch.zeros_like(h[:1]), h[:-1]])
         want = torch.softmax(torch_post_steps(h @ self.target_rows.T, None, None, self.model.logit_softcap, 0.0), -1)
-        loss, _, _ = self.head.loss(torch.tensor(tokens[start:certain]), h_prev, h, want,
-                                    feature_weight=self.settings.feature_weight)
+        with training_autocast(self.bf16):
+            loss, _, _ = self.head.loss(torch.tensor(tokens[start:certain]), h_prev, h, want,
+                                        feature_weight=self.settings.feature_weight)
         self.optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
