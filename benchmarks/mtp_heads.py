@@ -27,7 +27,7 @@ from qwen_pair import PROMPTS as PAIR_PROMPTS  # noqa: E402
 from qwen_pair import LlamaServer, cpu_target, llama_server_binary  # noqa: E402
 
 CONFIGS = ("none", "mtp", "lookup,mtp")
-OTHER = "mtp, other head"  # --other-head's configuration
+OTHER_HEAD = "mtp, other head"  # --other-head's configuration
 
 
 def outrider_runs(target_path: Path, head: Path, prompts: dict[str, list[int]], temperatures: list[float],
@@ -49,8 +49,8 @@ def outrider_runs(target_path: Path, head: Path, prompts: dict[str, list[int]], 
     lookup.setup(target)
     drafters = {"none": NoDrafter(), "mtp": mtp, "lookup,mtp": DrafterChain([lookup, mtp], ["lookup", "mtp"])}
     if other_head is not None:
-        drafters[OTHER] = MTPDrafter(model=str(other_head), sample=True)
-        drafters[OTHER].setup(target)
+        drafters[OTHER_HEAD] = MTPDrafter(model=str(other_head), sample=True)
+        drafters[OTHER_HEAD].setup(target)
     runners = {(t, name): Runner(target, drafter, (SampledAcceptor if t > 0 else GreedyAcceptor)(),
                                  DrafterTraits.of(drafter, draft_max=0 if name == "none" else draft_max), context=4096)
                for t in temperatures for name, drafter in drafters.items()}
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     for label in prompts:
         for t in temperatures:
             plain = results[label, t, "none"]
-            for name in CONFIGS + ((OTHER,) if args.other_head else ()):
+            for name in CONFIGS + ((OTHER_HEAD,) if args.other_head else ()):
                 rows = results[label, t, name]
                 speed = statistics.median(r[0] for r in rows)
                 ratio = statistics.median(r[0] / p[0] for r, p in zip(rows, plain))

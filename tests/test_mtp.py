@@ -342,9 +342,8 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
     third case has 7 layers listed local-local-local-global-..., so the head's block 7 is global by the
     file's period (not by a period of 6), and a final logit softcap both must apply. Chains too: the training
     head's depths 2 and 3 (all rows at once, `chain_mask`) are the drafter's second and third drafts."""
-    from outrider.plugins.drafters.mtp.distill import shifted
     from outrider.plugins.drafters.mtp.sidecar import write_sidecar as write_trained
-    from outrider.plugins.drafters.mtp.head import MTPHead, TrainableHead
+    from outrider.plugins.drafters.mtp.head import MTPHead, TrainableHead, shifted
     from outrider.testing.fixtures import cpu_target
     from outrider.testing.tiny_models import write_tiny_gemma3
 
@@ -470,6 +469,39 @@ def test_a_stopped_distill_goes_on_with_the_rest_of_its_time(fx, tmp_path, monke
     module.distill(str(fx.model_path("llama")), settings(), out, echo=lambda line: None)
     again = torch.load(out.with_suffix(".distill.pt"), weights_only=False)
     assert again["step"] > finished["step"] and done[0] < 0.05  # a new budget, the curve from its start
+    out.unlink()  # as if stopped after training, before the sidecar was written: the run again only writes it
+    done.clear()
+    lines.clear()
+    module.distill(str(fx.model_path("llama")), settings(), out, echo=lines.append)
+    assert out.is_file() and not done and any("writing the sidecar" in line for line in lines), lines
+    assert torch.load(out.with_suffix(".distill.pt"), weights_only=False)["step"] == again["step"]
+
+
+def test_draft_chains_see_the_keys_the_drafter_caches():
+    """`chain_mask` by hand: 5 rows, depth 3, a window of 3. Row p at depth 3 is the third draft of the chain
+    seeded at row p - 2: depth 1's keys up to p - 2 less than 3 rows back, depth 2's at p - 1, depth 3's at p."""
+    from outrider.models.layers import chain_mask
+
+    want = torch.tensor([
+        # depth 1 keys 0..4     depth 2 keys 0..4    depth 3 keys 0..4
+        [0, 0, 0, 0, 0] + [0, 0, 0, 0, 0] + [1, 0, 0, 0, 0],  # row 0: no chain this deep; its own key only
+        [0, 0, 0, 0, 0] + [1, 0, 0, 0, 0] + [0, 1, 0, 0, 0],  # row 1: no depth-1 seed at -1
+        [1, 0, 0, 0, 0] + [0, 1, 0, 0, 0] + [0, 0, 1, 0, 0],  # row 2: seeded at 0
+        [0, 1, 0, 0, 0] + [0, 0, 1, 0, 0] + [0, 0, 0, 1, 0],  # row 3: seeded at 1; key 0 is 3 back: outside
+        [0, 0, 1, 0, 0] + [0, 0, 0, 1, 0] + [0, 0, 0, 0, 1],  # row 4: seeded at 2
+    ], dtype=torch.bool)
+    assert torch.equal(chain_mask(5, 3, 3, "cpu"), want)
+    assert torch.equal(chain_mask(4, 1, None, "cpu"), torch.ones(4, 4, dtype=torch.bool).tril())  # depth 1: causal
+
+
+@pytest.mark.parametrize("bad, message", [(dict(depth=0), "--depth 1 or more"),
+                                          (dict(precision="fp8"), "auto, bf16 or fp32")])
+def test_bad_distill_settings_are_refused_in_one_line_before_the_target_loads(tmp_path, bad, message):
+    from outrider.errors import ConfigError
+    from outrider.plugins.drafters.mtp.distill import DistillSettings, distill
+
+    with pytest.raises(ConfigError, match=message):
+        distill(str(tmp_path / "missing.gguf"), DistillSettings(**bad), echo=lambda line: None)
 
 
 def test_learning_moves_the_head_toward_the_target_and_is_saved(fx, tmp_path):

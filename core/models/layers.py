@@ -121,16 +121,16 @@ class Attention:
         return attention(q, keys, values, first_key, mask, self.scale)
 
     def over_chain(self, qkv: torch.Tensor, rotary: Rotary, q_norm: torch.Tensor | None,
-                   k_norm: torch.Tensor | None, window: int | None, shallower: list) -> torch.Tensor:
+                   k_norm: torch.Tensor | None, window: int | None, depth_kv: list) -> torch.Tensor:
         """Rows at positions 0..T-1 with no cache, in torch: the differentiable form (the MTP head's training),
-        the same equations as `__call__`'s torch path. Depth d = len(shallower) + 1 of draft chains trained all
+        the same equations as `__call__`'s torch path. Depth d = len(depth_kv) + 1 of draft chains trained all
         at once (EAGLE-3's training-time test, `chain_mask`): at depth 1 the rows attend over each other; a
-        deeper row reads the shallower depths' keys, which `shallower` holds, (k, v) per depth; this depth's
+        deeper row reads the shallower depths' keys, which `depth_kv` holds, (k, v) per depth; this depth's
         are appended to it."""
         q, k, v = self._heads(qkv, 0, rotary, q_norm, k_norm)
-        shallower.append((k, v))
-        keys, values = (torch.cat(parts, dim=1) for parts in zip(*shallower))
-        return attention(q, keys, values, 0, chain_mask(qkv.shape[0], len(shallower), window, qkv.device), self.scale)
+        depth_kv.append((k, v))
+        keys, values = (torch.cat(parts, dim=1) for parts in zip(*depth_kv))
+        return attention(q, keys, values, 0, chain_mask(qkv.shape[0], len(depth_kv), window, qkv.device), self.scale)
 
     def _heads(self, qkv: torch.Tensor, start: int, rotary: Rotary, q_norm, k_norm):
         """(q [heads, T, d], k and v [kv_heads, T, d]) of fused projections: q/k norms (Gemma), then rotary."""

@@ -74,6 +74,7 @@ class NativeUnavailable(RuntimeError):
 
 
 def cpu_flags() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them (its "flags" or "Features" line)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")

@@ -15,8 +15,8 @@ from outrider.cli import friendly_errors
 @click.option("--draft-vocab", type=int, default=8192, show_default=True,
               help="Rows of the head's output layer: the most frequent tokens of the training text.")
 @click.option("--depth", type=int, default=1, show_default=True,
-              help="Draft positions trained at once, each on the head's own output as the drafter chains it "
-                   "(each costs about a first draft's time per step).")
+              help="Draft positions trained at once, as the drafter chains them (the first from the target's "
+                   "hidden state, each later one from the head's own output); each adds to a step's time.")
 @click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
               help="Of the training's matrix products; auto: bf16 where the CPU has AVX-512 BF16 or AMX.")
 @click.option("--tokens", "generate_tokens", type=int, default=192, show_default=True,

@@ -7,7 +7,7 @@ own distribution of x_{p+1} (soft cross-entropy to the target's top-K probabilit
 constant) and, with a small weight, the target's own hidden h_p (EAGLE's feature term: chained drafts feed the
 head's h' where the target's h_p would be). With `depth` > 1, drafts 2..depth are trained too, as the drafter
 chains them (EAGLE-3's training-time test: the head's own h' in, the shallower drafts' keys in its attention);
-each depth costs about as much as the first, which a 30-minute budget spends better on more steps. The text: what the target itself writes from a built-in prompt
+each depth adds to a step's time (when that pays: docs/bench/mtp.md). The text: what the target itself writes from a built-in prompt
 set (code, chat, prose), then as much of the Python standard library's sources as the budget lets the target
 read (a prefill gives every position's distribution at once).
 
@@ -34,7 +34,7 @@ import torch
 
 from outrider.errors import ConfigError
 from outrider.io.chat import template_or_raw_ids
-from outrider.plugins.drafters.mtp.head import TrainableHead, bf16_is_native, shifted, training_autocast
+from outrider.plugins.drafters.mtp.head import TrainableHead, cpu_has_bf16_matmul, shifted, training_autocast
 from outrider.plugins.drafters.mtp.sidecar import write_sidecar
 
 PROMPTS = (
@@ -104,7 +104,7 @@ class DistillSettings:
     top_k: int = 16  # target probabilities kept per row
     feature_weight: float = 0.1  # of the feature term, beside the KL
     depth: int = 1  # draft positions trained at once, as the drafter chains them (`TrainableHead.chain`)
-    precision: str = "auto"  # of the training's matrix products: bf16, fp32, or auto (`bf16_is_native`)
+    precision: str = "auto"  # of the training's matrix products: bf16, fp32, or auto (`cpu_has_bf16_matmul`)
     lr: float = 5e-4  # the peak of a cosine decay (`learning_rate`)
     steps: int = 0  # total training steps; 0: train until the budget is spent
     held_out: float = 0.1
@@ -313,7 +313,8 @@ def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
 
 def learning_rate(peak: float, done: float) -> float:
     """Cosine decay from `peak` to a tenth of it over the run (`done` from 0 to 1: by steps when a step count
-    is set, else by the training seconds of the budget; a resumed run goes on along the same curve)."""
+    is set, else by the training seconds of the budget; a resumed run goes on along the same curve, compressed
+    when its --minutes leave less than the rest)."""
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(max(done, 0.0), 1.0))))
 
 
@@ -325,7 +326,7 @@ def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[S
     every two minutes and on an interrupt; the step count reached."""
     bar = None if settings.steps else _bar(budget, "training the MTP head", spent)
     t0, last_save = time.perf_counter() - spent, time.perf_counter()  # t0: when the training would have begun
-    bf16 = settings.precision == "bf16" or (settings.precision == "auto" and bf16_is_native())
+    bf16 = settings.precision == "bf16" or (settings.precision == "auto" and cpu_has_bf16_matmul())
     order, epoch = None, -1
     try:
         while (step < settings.steps) if settings.steps else (time.perf_counter() - t0 < budget):
@@ -446,6 +447,10 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     if not settings.steps and state is not None and state.get("seconds", 0.0) < state.get("budget", 0.0):
         budget, spent = min(state["budget"], state["seconds"] + budget), state["seconds"]
         echo(f"{(budget - spent) / 60:.1f} of its {state['budget'] / 60:.1f} training minutes left")
+    elif not settings.steps and state is not None and (not out.is_file() or
+                                                        out.stat().st_mtime < files["distill"].stat().st_mtime):
+        budget = spent = state.get("seconds", 0.0)  # trained, stopped before the sidecar was written: write it
+        echo("training was done; writing the sidecar")
     if settings.steps:
         budget = 0.0
 
@@ -460,7 +465,7 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     except KeyboardInterrupt:
         echo(f"interrupted at step {saved['step']}: saved {files['distill']}; the same command resumes from there")
         raise
-    save(step, max(spent + time.perf_counter() - t_train, budget))  # spent: a run again trains for a new budget
+    save(step, max(spent + time.perf_counter() - t_train, budget))  # finished: run again, it trains anew
     kl_end = heldout_kl(head, held)
     size = write_sidecar(out, head, g, vocab_ids, settings.matrices)
     report = DistillReport(out, step, time.perf_counter() - start, kl_start, kl_end, size)

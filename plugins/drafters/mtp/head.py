@@ -7,7 +7,6 @@ stack that matches it), the head's norm. tests/test_mtp.py checks that the two g
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
 from typing import Callable
 
 import numpy as np
@@ -34,20 +33,20 @@ def mtp_rows(embedded: torch.Tensor, hidden: torch.Tensor, enorm: torch.Tensor, 
     return rms_norm(block(eh_proj(x)), head_norm, eps)
 
 
-def bf16_is_native() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX): there bfloat16 autocast about
-    halves a training step; elsewhere it is emulated, and slower than float32."""
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX), where training under bfloat16
+    autocast takes less time a step (docs/bench/mtp.md); elsewhere bfloat16 products are converted, not faster."""
     return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
 
 
-@contextmanager
+# under training_autocast the norms meet bfloat16 rows and float32 weights and take torch's unfused path, which
+# is what is meant; set once here (not per call: the filters are process-wide, and the learner may run on any thread)
+warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+
+
 def training_autocast(enabled: bool):
-    """bfloat16 autocast for the head's matrix products while it trains (its parameters stay float32). The
-    norms then meet bfloat16 rows and float32 weights and take torch's unfused path, which is what is meant:
-    its warning about that is not shown."""
-    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
-        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
-        yield
+    """bfloat16 autocast for the head's matrix products while it trains (its parameters stay float32)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
 
 def shifted(hidden: torch.Tensor) -> torch.Tensor:
@@ -112,7 +111,8 @@ class MTPHead:
 
 class TrainableHead(torch.nn.Module):
     """The MTP block as trainable parameters, run over whole sequences without a cache: `mtp_rows` and
-    `decoder_layer` with attention over the rows themselves (`Attention.over_chain`), in differentiable
+    `decoder_layer` with attention over the rows themselves (and, chained, the shallower drafts' rows:
+    `Attention.over_chain`), in differentiable
     torch. `MTPHead` runs the same two functions on the backend's kernels."""
 
     def __init__(self, model, g, vocab_ids: torch.Tensor):
@@ -195,16 +195,16 @@ class TrainableHead(torch.nn.Module):
         h' stands in for h_p at the next row)."""
         entropy = -(want_p * want_p.clamp_min(1e-12).log()).sum(-1)
         total, weights = 0.0, 0.0
-        for d, (logits, h) in enumerate(self.chain(tokens, h_prev, min(depth, len(tokens)))):
+        for d, (logits, h) in enumerate(self.chain(tokens, h_prev, min(max(depth, 1), len(tokens)))):
             logq = torch.log_softmax(logits[d:], -1)  # rows before d seed no chain this deep
             if want_ids is not None:
                 logq = logq.gather(1, want_ids[d:])
             ce = -(want_p[d:] * logq).sum(-1).mean()
             feature = torch.nn.functional.smooth_l1_loss(h[d:], hidden[d:])
             if d == 0:
-                first = ce - entropy.mean(), feature
+                first_kl_feature = ce - entropy.mean(), feature
             total, weights = total + 0.8 ** d * (ce + feature_weight * feature), weights + 0.8 ** d
-        return total / weights, *first
+        return total / weights, *first_kl_feature
 
     def chain(self, tokens: torch.Tensor, h_prev: torch.Tensor, depth: int = 1
               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -214,8 +214,8 @@ class TrainableHead(torch.nn.Module):
         with torch.no_grad():
             e = self.model.embed(tokens).float()
         l, attention, w = self.layer, self.model.attention, self.w
-        shallower = []
-        attend = lambda qkv: attention.over_chain(qkv, l.rotary, l.q_norm, l.k_norm, l.window, shallower)
+        depth_kv = []
+        attend = lambda qkv: attention.over_chain(qkv, l.rotary, l.q_norm, l.k_norm, l.window, depth_kv)
         block = lambda x: decoder_layer(l, x, attend, self.eps, self.model.activation)
         depths = []
         for _ in range(depth):

@@ -27,7 +27,7 @@ import torch
 
 from outrider.io.gguf import GGUFFile
 from outrider.models.linear import torch_post_steps
-from outrider.plugins.drafters.mtp.head import TrainableHead, bf16_is_native, training_autocast
+from outrider.plugins.drafters.mtp.head import TrainableHead, cpu_has_bf16_matmul, training_autocast
 from outrider.plugins.drafters.mtp.sidecar import write_sidecar
 
 
@@ -74,7 +74,7 @@ class HeadLearner:
         self.optimizer = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=settings.lr,
                                            weight_decay=0.0)
         self.clock = TimeShare(settings.share)
-        self.bf16 = bf16_is_native()  # as distill trains: about half a step's time where the CPU has it
+        self.autocast_bf16 = cpu_has_bf16_matmul()  # as distill trains by default
         self.steps, self.trained_to, self.refreshes, self.unsaved = 0, 0, 0, False
         self.staged = self.source.with_suffix(".learning.gguf")
         atexit.register(_save_at_exit, weakref.ref(self))  # a learner dropped before exit is not kept alive
@@ -98,7 +98,7 @@ class HeadLearner:
         h = hidden[start:certain].float()
         h_prev = torch.cat([hidden[start - 1:start].float() if start else torch.zeros_like(h[:1]), h[:-1]])
         want = torch.softmax(torch_post_steps(h @ self.target_rows.T, None, None, self.model.logit_softcap, 0.0), -1)
-        with training_autocast(self.bf16):
+        with training_autocast(self.autocast_bf16):
             loss, _, _ = self.head.loss(torch.tensor(tokens[start:certain]), h_prev, h, want,
                                         feature_weight=self.settings.feature_weight)
         self.optimizer.zero_grad()
