@@ -34,7 +34,7 @@ import torch
 
 from outrider.errors import ConfigError
 from outrider.io.chat import template_or_raw_ids
-from outrider.plugins.drafters.mtp.head import TrainableHead, cpu_has_bf16_matmul, shifted, training_autocast
+from outrider.plugins.drafters.mtp.head import TrainableHead, shifted
 from outrider.plugins.drafters.mtp.sidecar import write_sidecar
 
 PROMPTS = (
@@ -104,7 +104,7 @@ class DistillSettings:
     top_k: int = 16  # target probabilities kept per row
     feature_weight: float = 0.1  # of the feature term, beside the KL
     depth: int = 1  # draft positions trained at once, as the drafter chains them (`TrainableHead.chain`)
-    precision: str = "auto"  # of the training's matrix products: bf16, fp32, or auto (`cpu_has_bf16_matmul`)
+    precision: str = "auto"  # of the training's matrix products: bf16, fp32, or auto (`TrainableHead.train_step`)
     lr: float = 5e-4  # the peak of a cosine decay (`learning_rate`)
     steps: int = 0  # total training steps; 0: train until the budget is spent
     held_out: float = 0.1
@@ -213,8 +213,8 @@ def _advance(bar, t0: float) -> None:
 def _bar(total: float, desc: str, initial: float = 0):
     from tqdm import tqdm
 
-    return tqdm(total=round(total), initial=round(initial), desc=desc, unit="s", bar_format="{desc}: {bar} {n_fmt}/{total_fmt}s "
-                "[{elapsed}<{remaining}] {postfix}")
+    return tqdm(total=round(total), initial=round(initial), desc=desc, unit="s",
+                bar_format="{desc}: {bar} {n_fmt}/{total_fmt}s [{elapsed}<{remaining}] {postfix}")
 
 
 def load_trunk(model_name: str):
@@ -326,7 +326,6 @@ def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[S
     every two minutes and on an interrupt; the step count reached."""
     bar = None if settings.steps else _bar(budget, "training the MTP head", spent)
     t0, last_save = time.perf_counter() - spent, time.perf_counter()  # t0: when the training would have begun
-    bf16 = settings.precision == "bf16" or (settings.precision == "auto" and cpu_has_bf16_matmul())
     order, epoch = None, -1
     try:
         while (step < settings.steps) if settings.steps else (time.perf_counter() - t0 < budget):
@@ -337,12 +336,8 @@ def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[S
             done = step / settings.steps if settings.steps else (time.perf_counter() - t0) / max(budget, 1e-9)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(settings.lr, done)
-            with training_autocast(bf16):
-                loss, kl, feature = sample_loss(head, s, settings.feature_weight, settings.depth)
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            optimizer.step()
+            kl, feature = head.train_step(optimizer, lambda: sample_loss(head, s, settings.feature_weight,
+                                                                         settings.depth), settings.precision)
             step += 1
             if bar is not None:
                 bar.set_postfix_str(f"step {step} KL {kl.item():.3f} feature {feature.item():.3f}")

@@ -6,6 +6,7 @@ stack that matches it), the head's norm. tests/test_mtp.py checks that the two g
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Callable
 
@@ -33,20 +34,16 @@ def mtp_rows(embedded: torch.Tensor, hidden: torch.Tensor, enorm: torch.Tensor, 
     return rms_norm(block(eh_proj(x)), head_norm, eps)
 
 
+@functools.cache
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX), where training under bfloat16
     autocast takes less time a step (docs/bench/mtp.md); elsewhere bfloat16 products are converted, not faster."""
     return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags().split()))
 
 
-# under training_autocast the norms meet bfloat16 rows and float32 weights and take torch's unfused path, which
+# under bfloat16 autocast the norms meet bfloat16 rows and float32 weights and take torch's unfused path, which
 # is what is meant; set once here (not per call: the filters are process-wide, and the learner may run on any thread)
 warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
-
-
-def training_autocast(enabled: bool):
-    """bfloat16 autocast for the head's matrix products while it trains (its parameters stay float32)."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
 
 def shifted(hidden: torch.Tensor) -> torch.Tensor:
@@ -183,6 +180,20 @@ class TrainableHead(torch.nn.Module):
                         t = unpermute_qk(cfg.n_heads if name == "attn_q" else cfg.n_kv_heads)(t)
                 param.copy_(t.reshape(param.shape))
         return head
+
+    def train_step(self, optimizer: torch.optim.Optimizer, loss_of: Callable[[], tuple], precision: str = "auto"
+                   ) -> tuple:
+        """One optimizer step on the loss `loss_of()` returns first (the rest of what it returns is returned): its
+        matrix products under bfloat16 autocast with `precision` bf16, or auto where the CPU multiplies bfloat16
+        (`cpu_has_bf16_matmul`), the parameters float32 either way; gradients clipped to norm 1."""
+        bf16 = precision == "bf16" or (precision == "auto" and cpu_has_bf16_matmul())
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, *rest = loss_of()
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
+        optimizer.step()
+        return tuple(rest)
 
     def loss(self, tokens: torch.Tensor, h_prev: torch.Tensor, hidden: torch.Tensor, want_p: torch.Tensor,
              want_ids: torch.Tensor | None = None, feature_weight: float = 0.0, depth: int = 1

@@ -1,9 +1,8 @@
 """`-o drafter.learn true`: the mtp drafter keeps training a distilled head on the text it drafts for.
 
 Every row the target verified is a training example distill would have made, at no extra target forward: the
-token x_p, the target's hidden h_{p-1} (the head's inputs) and the target's hidden h_p, from which the head's
-the target's output rows over the draft vocabulary give the target's logits of x_{p+1} there.
-So the learner needs nothing but the rows the drafter already observes. A step trains on the newest `rows`
+token x_p, the target's hidden h_{p-1} (the head's inputs) and the target's hidden h_p, from which the
+target's output rows over the draft vocabulary give the target's logits of x_{p+1}. So the learner needs nothing but the rows the drafter already observes. A step trains on the newest `rows`
 certain rows, when a quarter of them are new since the last step and learning has used less than
 `share` of the time the drafter has spent in requests (bounded time; memory is the head's parameters, AdamW's
 two moments and one window). Every `refresh` steps the drafting head is rebuilt from the trained parameters;
@@ -27,7 +26,7 @@ import torch
 
 from outrider.io.gguf import GGUFFile
 from outrider.models.linear import torch_post_steps
-from outrider.plugins.drafters.mtp.head import TrainableHead, cpu_has_bf16_matmul, training_autocast
+from outrider.plugins.drafters.mtp.head import TrainableHead
 from outrider.plugins.drafters.mtp.sidecar import write_sidecar
 
 
@@ -74,7 +73,6 @@ class HeadLearner:
         self.optimizer = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=settings.lr,
                                            weight_decay=0.0)
         self.clock = TimeShare(settings.share)
-        self.autocast_bf16 = cpu_has_bf16_matmul()  # as distill trains by default
         self.steps, self.trained_to, self.refreshes, self.unsaved = 0, 0, 0, False
         self.staged = self.source.with_suffix(".learning.gguf")
         atexit.register(_save_at_exit, weakref.ref(self))  # a learner dropped before exit is not kept alive
@@ -98,13 +96,8 @@ class HeadLearner:
         h = hidden[start:certain].float()
         h_prev = torch.cat([hidden[start - 1:start].float() if start else torch.zeros_like(h[:1]), h[:-1]])
         want = torch.softmax(torch_post_steps(h @ self.target_rows.T, None, None, self.model.logit_softcap, 0.0), -1)
-        with training_autocast(self.autocast_bf16):
-            loss, _, _ = self.head.loss(torch.tensor(tokens[start:certain]), h_prev, h, want,
-                                        feature_weight=self.settings.feature_weight)
-        self.optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
-        self.optimizer.step()
+        self.head.train_step(self.optimizer, lambda: self.head.loss(torch.tensor(tokens[start:certain]), h_prev, h,
+                                                                    want, feature_weight=self.settings.feature_weight))
         self.steps, self.trained_to, self.unsaved = self.steps + 1, certain, True
         rebuilt = None
         if self.steps % self.settings.refresh == 0:
