@@ -2,14 +2,14 @@
 
 The head is one decoder block of the trunk's kind with the nextn tensors around it (see
 `outrider.plugins.drafters.mtp.drafter`), initialised from the trunk's last layer. Its row at position p sees the
-token x_p and the target's final-normed hidden h_{p-1} (EAGLE's inputs), and is trained to give the target's
-own distribution of x_{p+1} (soft cross-entropy to the target's top-K probabilities, i.e. the KL up to a
-constant) and, with a small weight, the target's own hidden h_p (EAGLE's feature term: chained drafts feed the
-head's h' where the target's h_p would be). With `depth` > 1, drafts 2..depth are trained too, as the drafter
-chains them (EAGLE-3's training-time test: the head's own h' in, the shallower drafts' keys in its attention);
-each depth adds to a step's time (when that pays: docs/bench/mtp.md). The text: what the target itself writes from a built-in prompt
-set (code, chat, prose), then as much of the Python standard library's sources as the budget lets the target
-read (a prefill gives every position's distribution at once).
+token x_p and the target's final-normed hidden h_{p-1} (EAGLE's inputs), and is trained to give the target's own
+distribution of x_{p+1} (soft cross-entropy to the target's top-K probabilities, i.e. the KL up to a constant)
+and, with a small weight, the target's own hidden h_p (EAGLE's feature term: chained drafts feed the head's h'
+where the target's h_p would be). With `depth` > 1, drafts 2..depth are trained too, as the drafter chains them
+(EAGLE-3's training-time test: the head's own h' in, the shallower drafts' keys in its attention); each depth adds
+to a step's time (when that pays: docs/bench/mtp.md). The text: what the target itself writes from a built-in
+prompt set (code, chat, prose), then as much of the Python standard library's sources as the budget lets the
+target read (a prefill gives every position's distribution at once).
 
 The head's output layer covers a reduced draft vocabulary (FR-Spec): the `draft_vocab` most frequent tokens
 of that text, mapped back to target ids in `blk.{n}.nextn.draft_vocab`; its rows are the target's own output
@@ -34,7 +34,7 @@ import torch
 
 from outrider.errors import ConfigError
 from outrider.io.chat import template_or_raw_ids
-from outrider.plugins.drafters.mtp.head import TrainableHead, shifted
+from outrider.plugins.drafters.mtp.head import PRECISIONS, TrainableHead, shifted
 from outrider.plugins.drafters.mtp.sidecar import write_sidecar
 
 PROMPTS = (
@@ -366,8 +366,9 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
 
     if settings.depth < 1:
         raise ConfigError(f"--depth {settings.depth}: the head trains at least its first draft; pass --depth 1 or more")
-    if settings.precision not in ("auto", "bf16", "fp32"):
-        raise ConfigError(f"--precision {settings.precision}: pass auto, bf16 or fp32")
+    if settings.precision not in PRECISIONS:
+        raise ConfigError(f"--precision {settings.precision}: pass {', '.join(PRECISIONS[:-1])} or "
+                          f"{PRECISIONS[-1]}")
     start = time.perf_counter()
     deadline = start + settings.minutes * 60
     rng, gen = random.Random(settings.seed), torch.Generator().manual_seed(settings.seed)
@@ -439,15 +440,14 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     # budget allows), along the same learning rate curve; a finished run run again trains further, for a new
     # budget. A run bound by --steps keeps no time budget.
     budget, spent = max(deadline - time.perf_counter() - 0.05 * settings.minutes * 60, 0), 0.0
-    if not settings.steps and state is not None and state.get("seconds", 0.0) < state.get("budget", 0.0):
-        budget, spent = min(state["budget"], state["seconds"] + budget), state["seconds"]
-        echo(f"{(budget - spent) / 60:.1f} of its {state['budget'] / 60:.1f} training minutes left")
-    elif not settings.steps and state is not None and (not out.is_file() or
-                                                        out.stat().st_mtime < files["distill"].stat().st_mtime):
-        budget = spent = state.get("seconds", 0.0)  # trained, stopped before the sidecar was written: write it
-        echo("training was done; writing the sidecar")
     if settings.steps:
         budget = 0.0
+    elif state is not None and state.get("seconds", 0.0) < state.get("budget", 0.0):
+        budget, spent = min(state["budget"], state["seconds"] + budget), state["seconds"]
+        echo(f"{(budget - spent) / 60:.1f} of its {state['budget'] / 60:.1f} training minutes left")
+    elif state is not None and (not out.is_file() or out.stat().st_mtime < files["distill"].stat().st_mtime):
+        budget = spent = state.get("seconds", 0.0)  # trained, stopped before the sidecar was written: write it
+        echo("training was done; writing the sidecar")
 
     def save(step: int, seconds: float) -> None:
         store("distill", {"step": step, "head": head.state_dict(), "optimizer": optimizer.state_dict(),

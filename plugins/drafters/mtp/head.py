@@ -34,6 +34,9 @@ def mtp_rows(embedded: torch.Tensor, hidden: torch.Tensor, enorm: torch.Tensor, 
     return rms_norm(block(eh_proj(x)), head_norm, eps)
 
 
+PRECISIONS = ("auto", "bf16", "fp32")  # of training's matrix products (`TrainableHead.train_step`)
+
+
 @functools.cache
 def cpu_has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX), where training under bfloat16

@@ -1,13 +1,13 @@
 """`-o drafter.learn true`: the mtp drafter keeps training a distilled head on the text it drafts for.
 
-Every row the target verified is a training example distill would have made, at no extra target forward: the
-token x_p, the target's hidden h_{p-1} (the head's inputs) and the target's hidden h_p, from which the
-target's output rows over the draft vocabulary give the target's logits of x_{p+1}. So the learner needs nothing but the rows the drafter already observes. A step trains on the newest `rows`
-certain rows, when a quarter of them are new since the last step and learning has used less than
-`share` of the time the drafter has spent in requests (bounded time; memory is the head's parameters, AdamW's
-two moments and one window). Every `refresh` steps the drafting head is rebuilt from the trained parameters;
-a draft is always made, and its q reported, by one fixed head, so the acceptors' law is untouched: what
-changes between rounds is only which proposal distribution a round uses.
+Every row the target verified is a training example distill would have made, at no extra target forward: the token
+x_p, the target's hidden h_{p-1} (the head's inputs) and the target's hidden h_p, from which the target's output
+rows over the draft vocabulary give the target's logits of x_{p+1}. So the learner needs nothing but the rows the
+drafter already observes. A step trains on the newest `rows` certain rows, when a quarter of them are new since
+the last step and learning has used less than `share` of the time the drafter has spent in requests (bounded time;
+memory is the head's parameters, AdamW's two moments and one window). Every `refresh` steps the drafting head is
+rebuilt from the trained parameters; a draft is always made, and its q reported, by one fixed head, so the
+acceptors' law is untouched: what changes between rounds is only which proposal distribution a round uses.
 
 The learned head replaces the sidecar it came from when the process exits (the distilled one is kept once,
 beside it, as `*.distilled.gguf`), so the next run starts where this one stopped.
