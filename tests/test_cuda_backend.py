@@ -180,3 +180,35 @@ def test_a_draft_model_on_the_gpu_is_first_priced_by_its_share_of_layers(outride
     drafter = DraftModelDrafter(model=str(outrider_contract_fixtures.tiny_draft_llama_path))
     drafter.setup(target)
     assert drafter.kind.cost == pytest.approx(1 / 2), drafter.kind
+
+
+@pytest.mark.parametrize("learn", [False, True], ids=["mtp", "mtp-learning"])
+@pytest.mark.parametrize("label", OPTION_SETS)
+def test_mtp_speculation_on_the_gpu_is_argmax_stable(cuda_models, outrider_contract_fixtures, tmp_path, label, learn):
+    """The `mtp` drafter over a GPU target (its head's block runs eagerly on the GPU beside the graphed trunk),
+    drafting and, with `learn`, training every round: greedy output as plain greedy under the argmax-stable
+    contract (a head of known random weights over the tiny llama: its drafts are mostly rejected, so every round
+    rolls back both caches)."""
+    from outrider.plugins.acceptors.greedy import GreedyAcceptor
+    from outrider.plugins.drafters.mtp.drafter import MTPDrafter
+    from outrider.testing.tiny_models import write_tiny_mtp_sidecar
+
+    model, path = cuda_models[label, "llama"], outrider_contract_fixtures.model_path("llama")
+    write_tiny_mtp_sidecar(tmp_path / "head.gguf", "llama", path, seed=11, reduced=True)
+    n = 48
+    plain, gaps = greedy_with_gaps(model, PROMPT, n)
+    full = model.forward(torch.tensor(PROMPT).cuda(), 0, model.new_cache(len(PROMPT))).float().cpu()
+    margin = logit_tolerance(model.dtype, "llama", full)
+    target = Target(model=model, tokenizer=None, gguf=GGUFFile(path), backend=None)
+    options = {"learn": True, "learn_share": 1.0, "learn_rows": 4, "learn_refresh": 1, "learn_lr": 3e-2} if learn else {}
+    drafter = MTPDrafter(model=str(tmp_path / "head.gguf"), **options)
+    drafter.setup(target)
+    for draft_max in (2, "auto"):
+        runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=draft_max), context=128)
+        got = list(runner.generate(list(PROMPT), n, SamplingParams(temperature=0.0)))
+        verdict = assert_argmax_stable(plain, got, gaps, margin, f"{label} mtp learn={learn} draft_max {draft_max}")
+        print(f"{label} mtp learn={learn} draft_max={draft_max}: first difference {verdict.first_difference}, "
+              f"accepted {runner.stats.accepted}/{runner.stats.drafted}")
+        assert runner.stats.drafted > 0
+    if learn:
+        assert drafter.learner.refreshes > 0

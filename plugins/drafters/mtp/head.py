@@ -123,7 +123,8 @@ class TrainableHead(torch.nn.Module):
         self.eps = cfg.eps
         last = cfg.n_layers - 1
         load = lambda name: g.load(f"blk.{last}.{name}.weight").float()
-        param = lambda t: torch.nn.Parameter(t.float().clone())
+        # on the target's device: the inputs (its hidden rows, embeddings, rotary tables) live there
+        param = lambda t: torch.nn.Parameter(t.float().to(model.device, copy=True))
         hidden = cfg.hidden_size
         q, k = load("attn_q"), load("attn_k")
         if self.arch == "llama":
@@ -226,7 +227,7 @@ class TrainableHead(torch.nn.Module):
         (x_p, h_{p-1}); depth d's row p is (x_p, depth d-1's h' of row p - 1): the d-th draft of a chain seeded
         at row p - d + 1 whose earlier drafts were right, as the drafter runs it (`Attention.over_chain`)."""
         with torch.no_grad():
-            e = self.model.embed(tokens).float()
+            e = self.model.embed(tokens.to(self.model.device)).float()
         l, attention, w = self.layer, self.model.attention, self.w
         depth_kv = []
         attend = lambda qkv: attention.over_chain(qkv, l.rotary, l.q_norm, l.k_norm, l.window, depth_kv)

@@ -46,7 +46,7 @@ def write_sidecar(path: Path, head: TrainableHead, g, vocab_ids: torch.Tensor, m
     w.add_uint32(f"{arch}.nextn_predict_layers", 1)
     p = f"blk.{b}."
     for name, param in head.w.items():
-        t = param.detach().float()
+        t = param.detach().float().cpu()
         if name == QKV_BIAS:  # the trunk's layout: a bias per projection
             q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
             for part, bias in zip("qkv", t.split([q, kv, kv])):
