@@ -397,14 +397,45 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
         assert want_logits.abs().max() < model.logit_softcap
 
 
+def test_a_bfloat16_step_follows_the_float32_step(fx):
+    """One training step of the tiny llama's head under `precision="bf16"` (autocast, forced on any CPU) and
+    one under fp32, from the same parameters and batch: the bf16 loss is the fp32 one within bfloat16's
+    rounding (2^-8 relative per product, a few percent over the block) and not equal to it (the autocast ran), the
+    parameters stay float32, and the update points the same way (cosine > 0.95 over every trained weight)."""
+    from outrider.plugins.drafters.mtp.head import TrainableHead, shifted
+
+    target = fx.target("llama")
+    model, g = target.model, target.gguf
+    vocab_ids = torch.arange(0, model.config.vocab_size, 3)
+    tokens = torch.tensor([5, 17, 42, 8, 99, 3, 64, 7, 21, 11, 5, 17])
+    hidden = _target_hidden(target, tokens.tolist()).float().clone()  # out of inference mode, as distill's are
+    want = torch.softmax(torch.randn(len(tokens), len(vocab_ids), generator=torch.Generator().manual_seed(3)), -1)
+    results = {}
+    for precision in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        head = TrainableHead(model, g, vocab_ids)
+        before = {n: p.detach().clone() for n, p in head.w.items()}
+        optimizer = torch.optim.SGD([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+        loss, = head.train_step(optimizer, lambda: (lambda l: (l[0], l[0].detach()))(
+            head.loss(tokens, shifted(hidden), hidden, want, feature_weight=0.1)), precision)
+        assert all(p.dtype == torch.float32 for p in head.w.values())
+        results[precision] = float(loss), torch.cat([(head.w[n].detach() - before[n]).flatten() for n in before])
+    (loss32, step32), (loss16, step16) = results["fp32"], results["bf16"]
+    assert loss16 != loss32 and abs(loss16 - loss32) <= 0.03 * abs(loss32), (loss16, loss32)
+    cosine = float(torch.nn.functional.cosine_similarity(step16, step32, dim=0))
+    assert cosine > 0.95, cosine
+
+
 def test_an_interrupted_distill_resumes_to_the_uninterrupted_head(fx, tmp_path):
     """Ctrl-C during training saves a checkpoint; the same command then finishes the run, and its head is the
     head of a run that was never stopped (same seed, same steps): the corpus and the target's distributions
-    come back from their files, the sample order is a function of the step, AdamW's state is saved."""
+    come back from their files, the sample order and the input noise are functions of the step, AdamW's state is
+    saved."""
     from outrider.plugins.drafters.mtp.distill import DistillSettings, distill
 
     settings = lambda: DistillSettings(steps=8, generate_tokens=12, stdlib_chunks=1, draft_vocab=64, eval_tokens=0,
-                                       lr=3e-3, prompts=("Hello there", "def f(x):"), seq_len=32, matrices="F16")
+                                       lr=3e-3, prompts=("Hello there", "def f(x):"), seq_len=32, matrices="F16",
+                                       noise=0.2, weight_decay=0.01)
 
     def interrupt(step):
         if step == 3:
@@ -495,13 +526,62 @@ def test_draft_chains_see_the_keys_the_drafter_caches():
 
 
 @pytest.mark.parametrize("bad, message", [(dict(depth=0), "--depth 1 or more"),
-                                          (dict(precision="fp8"), "auto, bf16 or fp32")])
+                                          (dict(precision="fp8"), "auto, bf16 or fp32"),
+                                          (dict(noise=-0.1), "values >= 0"), (dict(weight_decay=-1.0), "values >= 0")])
 def test_bad_distill_settings_are_refused_in_one_line_before_the_target_loads(tmp_path, bad, message):
     from outrider.errors import ConfigError
     from outrider.plugins.drafters.mtp.distill import DistillSettings, distill
 
     with pytest.raises(ConfigError, match=message):
         distill(str(tmp_path / "missing.gguf"), DistillSettings(**bad), echo=lambda line: None)
+
+
+def test_the_teacher_gives_the_targets_distribution_within_the_draft_vocabulary(fx):
+    """distill's teacher reads only the draft vocabulary's output rows: its top-k is the target's own forward's
+    (plain decoding logits) restricted to those tokens, renormalized there, then cut to k and renormalized. On the
+    dense float32 weights, so that the comparison sees the restriction and no kernel's rounding."""
+    from outrider.plugins.backends.cpu import CPUBackend
+    from outrider.plugins.drafters.mtp.distill import teacher
+
+    model = CPUBackend(weights="dense").load_model(GGUFFile(fx.model_path("llama")))
+    vocab_ids = torch.arange(1, model.config.vocab_size, 2)
+    tokens = [5, 17, 42, 8, 99, 3, 64, 7, 21, 11]
+    s = teacher(model, tokens, model.output.rows(vocab_ids).float(), top_k=8)
+    logits = model.forward(torch.tensor(tokens), 0, model.new_cache(len(tokens)))
+    top = torch.softmax(logits[:, vocab_ids].double(), -1).topk(8, dim=-1)
+    dense = lambda ids, p: torch.zeros(len(tokens), len(vocab_ids), dtype=torch.float64).scatter(1, ids, p.double())
+    # as distributions: near-equal probabilities may come in either order
+    torch.testing.assert_close(dense(s.top_ids, s.top_p), dense(top.indices, top.values / top.values.sum(-1, True)),
+                               atol=1e-5, rtol=0)
+
+
+def test_noise_perturbs_what_the_head_reads_not_what_it_is_taught():
+    """EAGLE's input noise: the hidden states the head reads (h_{p-1}) move by at most noise x their RMS, and by
+    a good part of it somewhere; the feature term's target (h_p) and the target distribution stay exact; the same
+    generator seed gives the same perturbation."""
+    from outrider.plugins.drafters.mtp.distill import Sample, sample_loss
+
+    class Recorder:
+        def loss(self, tokens, h_prev, hidden, want_p, want_ids, feature_weight, depth):
+            self.seen = (h_prev, hidden, want_p)
+            return torch.zeros(()), torch.zeros(()), torch.zeros(())
+
+    hidden = (3 * torch.randn(40, 16, generator=torch.Generator().manual_seed(0))).half()
+    s = Sample(torch.arange(40), hidden, torch.zeros(40, 4, dtype=torch.long), torch.full((40, 4), 0.25))
+    clean, rms = hidden.float(), float(hidden.float().pow(2).mean().sqrt())
+    seen = []
+    for seed in (1, 1):
+        r = Recorder()
+        sample_loss(r, s, noise=0.1, generator=torch.Generator().manual_seed(seed))
+        seen.append(r.seen)
+    h_prev, taught, want = seen[0]
+    moved = (h_prev[1:] - clean[:-1]).abs()
+    assert torch.equal(taught, clean) and torch.equal(want, s.top_p)
+    assert float(moved.max()) <= 0.1 * rms * (1 + 1e-6) and float(moved.max()) > 0.09 * rms
+    assert torch.equal(h_prev[0], torch.zeros(16)) and torch.equal(seen[1][0], h_prev)
+    r = Recorder()
+    sample_loss(r, s)
+    assert torch.equal(r.seen[0][1:], clean[:-1])
 
 
 def test_learning_moves_the_head_toward_the_target_and_is_saved(fx, tmp_path):

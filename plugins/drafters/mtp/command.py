@@ -19,6 +19,10 @@ from outrider.cli import friendly_errors
                    "hidden state, each later one from the head's own output); each adds to a step's time.")
 @click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]), default="auto", show_default=True,
               help="Of the training's matrix products; auto: bf16 where the CPU has AVX-512 BF16 or AMX.")
+@click.option("--noise", type=float, default=0.0, show_default=True,
+              help="Uniform noise on the hidden states the head reads in training, as a share of their RMS "
+                   "(EAGLE's regulariser; 0: none).")
+@click.option("--weight-decay", type=float, default=0.0, show_default=True, help="AdamW's weight decay.")
 @click.option("--tokens", "generate_tokens", type=int, default=192, show_default=True,
               help="Tokens the target writes per built-in prompt.")
 @click.option("--stdlib-chunks", type=int, default=400, show_default=True,
@@ -29,7 +33,8 @@ from outrider.cli import friendly_errors
 @click.option("--out", type=click.Path(dir_okay=False), help="Sidecar path [the cache, where --drafter mtp looks].")
 @click.option("--seed", type=int, default=0, show_default=True)
 @friendly_errors
-def distill(model, minutes, steps, draft_vocab, depth, precision, generate_tokens, stdlib_chunks, fresh, out, seed):
+def distill(model, minutes, steps, draft_vocab, depth, precision, noise, weight_decay, generate_tokens, stdlib_chunks,
+            fresh, out, seed):
     """Train an MTP head for MODEL (catalog name or .gguf) on the CPU and cache it for `--drafter mtp`."""
     from pathlib import Path
 
@@ -37,7 +42,7 @@ def distill(model, minutes, steps, draft_vocab, depth, precision, generate_token
     from outrider.plugins.drafters.mtp.distill import distill as run_distill
 
     settings = DistillSettings(minutes=minutes, steps=steps, draft_vocab=draft_vocab, depth=depth, precision=precision,
-                               generate_tokens=generate_tokens,
+                               noise=noise, weight_decay=weight_decay, generate_tokens=generate_tokens,
                                stdlib_chunks=stdlib_chunks, fresh=fresh, seed=seed)
     report = run_distill(model, settings, Path(out) if out else None, echo=lambda line: click.echo(line, err=True))
     click.echo(f"{report.sidecar} ({report.head_bytes / 1e6:.1f} MB) in {report.seconds / 60:.1f} min, "

@@ -34,7 +34,7 @@ import torch
 
 from outrider.errors import ConfigError
 from outrider.io.chat import template_or_raw_ids
-from outrider.plugins.drafters.mtp.head import PRECISIONS, TrainableHead, shifted
+from outrider.plugins.drafters.mtp.head import PRECISIONS, TrainableHead, shifted, target_logits
 from outrider.plugins.drafters.mtp.sidecar import write_sidecar
 
 PROMPTS = (
@@ -103,6 +103,8 @@ class DistillSettings:
     draft_vocab: int = 8192
     top_k: int = 16  # target probabilities kept per row
     feature_weight: float = 0.1  # of the feature term, beside the KL
+    noise: float = 0.0  # uniform noise on the head's input hidden states, U(-noise, noise) x their RMS (EAGLE)
+    weight_decay: float = 0.0  # AdamW's, on every trained parameter
     depth: int = 1  # draft positions trained at once, as the drafter chains them (`TrainableHead.chain`)
     precision: str = "auto"  # of the training's matrix products: bf16, fp32, or auto (`TrainableHead.train_step`)
     lr: float = 5e-4  # the peak of a cosine decay (`learning_rate`)
@@ -171,27 +173,30 @@ def generate(model, prompt: list[int], n: int, temperature: float, generator: to
 
 
 @torch.no_grad()  # not inference_mode: what it returns is trained against
-def teacher(model, tokens: list[int], vocab_index: torch.Tensor, top_k: int) -> Sample:
-    """The target's hidden states and top-k next-token probabilities (restricted to the draft vocabulary)."""
-    # a prompt-mode forward (every row's hidden kept): the fast summation order, as a prefill
+def teacher(model, tokens: list[int], rows: torch.Tensor, top_k: int) -> Sample:
+    """The target's hidden states and its top-k next-token probabilities within the draft vocabulary (`rows`: its
+    output rows there). The head drafts from no other tokens, and the whole output layer would be a sixth of a
+    1.5B target's prefill."""
+    # a prompt-mode forward (every row's hidden kept, no output layer): the fast summation order, as a prefill
     _, hidden = model.forward(torch.tensor(tokens), 0, model.new_cache(len(tokens)), hidden=True, last_only=True)
-    logits = model.output(hidden, softcap=model.logit_softcap, prompt=True)
-    probs = torch.softmax(logits.float().clone(), -1)
-    p, ids = probs.topk(top_k, dim=-1)
-    mapped = vocab_index[ids]
-    p = torch.where(mapped >= 0, p, torch.zeros_like(p))
-    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
-    return Sample(torch.tensor(tokens), hidden.half(), mapped.clamp_min(0), p)
+    p, ids = torch.softmax(target_logits(hidden, rows, model.logit_softcap), -1).topk(top_k, dim=-1)
+    return Sample(torch.tensor(tokens), hidden.half(), ids, p / p.sum(-1, keepdim=True))
 
 
 # ------------------------------------------------------------------------------------------------ the head
 
 
-def sample_loss(head: TrainableHead, s: Sample, feature_weight: float = 0.0, depth: int = 1
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`TrainableHead.loss` on a sample: (loss, the first draft's KL, its feature term)."""
+def sample_loss(head: TrainableHead, s: Sample, feature_weight: float = 0.0, depth: int = 1, noise: float = 0.0,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`TrainableHead.loss` on a sample: (loss, the first draft's KL, its feature term). With `noise`, the
+    target's hidden states the head reads are perturbed (EAGLE's regulariser against the drift of its own
+    chained features) while the feature term's target stays the clean hidden state."""
     hidden = s.hidden.float()
-    return head.loss(s.tokens, shifted(hidden), hidden, s.top_p, s.top_ids, feature_weight, depth)
+    inputs = hidden
+    if noise:
+        scale = noise * hidden.pow(2).mean().sqrt()
+        inputs = hidden + (2 * torch.rand(hidden.shape, generator=generator) - 1) * scale
+    return head.loss(s.tokens, shifted(inputs), hidden, s.top_p, s.top_ids, feature_weight, depth)
 
 
 def heldout_kl(head: TrainableHead, samples: list[Sample]) -> float:
@@ -275,8 +280,7 @@ def teacher_split(model, sequences: list[list[int]], vocab_ids: torch.Tensor, se
                   budget: float) -> tuple[list[Sample], list[Sample]]:
     """The target's distributions over the corpus cut into pieces, in the corpus' order, within `budget`
     seconds (pieces not reached are left out), split into (held-out, training) by a seeded draw."""
-    vocab_index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
-    vocab_index[vocab_ids] = torch.arange(len(vocab_ids))
+    rows = model.output.rows(vocab_ids).float()
     pieces = [s[j:j + settings.seq_len] for s in sequences for j in range(0, len(s), settings.seq_len)]
     pieces = [p for p in pieces if len(p) >= 8]
     samples, read, t0 = [], 0, time.perf_counter()
@@ -284,7 +288,7 @@ def teacher_split(model, sequences: list[list[int]], vocab_ids: torch.Tensor, se
     for piece in pieces:
         if samples and time.perf_counter() - t0 > budget:
             break
-        samples.append(teacher(model, piece, vocab_index, settings.top_k))
+        samples.append(teacher(model, piece, rows, settings.top_k))
         read += len(piece)
         bar.set_postfix_str(f"{len(samples)} sequences, {read} tokens")
         _advance(bar, t0)
@@ -336,8 +340,11 @@ def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[S
             done = step / settings.steps if settings.steps else (time.perf_counter() - t0) / max(budget, 1e-9)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(settings.lr, done)
+            # the noise drawn from the step alone, so a resumed run perturbs as an uninterrupted one would
+            noise = torch.Generator().manual_seed(settings.seed * 1_000_003 + step) if settings.noise else None
             kl, feature = head.train_step(optimizer, lambda: sample_loss(head, s, settings.feature_weight,
-                                                                         settings.depth), settings.precision)
+                                                                         settings.depth, settings.noise, noise),
+                                          settings.precision)
             step += 1
             if bar is not None:
                 bar.set_postfix_str(f"step {step} KL {kl.item():.3f} feature {feature.item():.3f}")
@@ -366,6 +373,9 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
 
     if settings.depth < 1:
         raise ConfigError(f"--depth {settings.depth}: the head trains at least its first draft; pass --depth 1 or more")
+    if settings.noise < 0 or settings.weight_decay < 0:
+        raise ConfigError(f"--noise {settings.noise} --weight-decay {settings.weight_decay}: pass values >= 0 "
+                          "(0 turns either off)")
     if settings.precision not in PRECISIONS:
         raise ConfigError(f"--precision {settings.precision}: pass {', '.join(PRECISIONS[:-1])} or "
                           f"{PRECISIONS[-1]}")
@@ -421,7 +431,7 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
 
     head = TrainableHead(model, g, vocab_ids)
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=settings.lr,
-                                  weight_decay=0.0)
+                                  weight_decay=settings.weight_decay)
     state, step = load("distill"), 0
     if state is not None:
         head.load_state_dict(state["head"])

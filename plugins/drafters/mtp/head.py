@@ -16,7 +16,7 @@ import torch
 from outrider.errors import ModelFileError
 from outrider.io.gguf import GGUFFile
 from outrider.models.gemma3 import local_layers
-from outrider.models.linear import StackedLinear, rms_norm
+from outrider.models.linear import StackedLinear, rms_norm, torch_post_steps
 from outrider.models.llama import unpermute_qk
 from outrider.models.stack import LayerStack, LayerWeights, decoder_layer
 from outrider.models.weight_forms import load_linear
@@ -47,6 +47,12 @@ def cpu_has_bf16_matmul() -> bool:
 # under bfloat16 autocast the norms meet bfloat16 rows and float32 weights and take torch's unfused path, which
 # is what is meant; set once here (not per call: the filters are process-wide, and the learner may run on any thread)
 warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+
+
+def target_logits(hidden: torch.Tensor, rows: torch.Tensor, softcap: float) -> torch.Tensor:
+    """The target's logits over the draft vocabulary: its final-normed hidden states through its own output rows
+    there (`model.output.rows(vocab_ids)`), softcapped as its head is."""
+    return torch_post_steps(hidden.float() @ rows.T, None, None, softcap, 0.0)
 
 
 def shifted(hidden: torch.Tensor) -> torch.Tensor:

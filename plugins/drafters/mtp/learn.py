@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 
 from outrider.io.gguf import GGUFFile
-from outrider.models.linear import torch_post_steps
-from outrider.plugins.drafters.mtp.head import TrainableHead
+from outrider.plugins.drafters.mtp.head import TrainableHead, target_logits
 from outrider.plugins.drafters.mtp.sidecar import write_sidecar
 
 
@@ -95,7 +94,7 @@ class HeadLearner:
         start = max(certain - self.settings.rows, 0)
         h = hidden[start:certain].float()
         h_prev = torch.cat([hidden[start - 1:start].float() if start else torch.zeros_like(h[:1]), h[:-1]])
-        want = torch.softmax(torch_post_steps(h @ self.target_rows.T, None, None, self.model.logit_softcap, 0.0), -1)
+        want = torch.softmax(target_logits(h, self.target_rows, self.model.logit_softcap), -1)
         self.head.train_step(self.optimizer, lambda: self.head.loss(torch.tensor(tokens[start:certain]), h_prev, h,
                                                                     want, feature_weight=self.settings.feature_weight))
         self.steps, self.trained_to, self.unsaved = self.steps + 1, certain, True
