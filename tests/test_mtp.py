@@ -555,6 +555,20 @@ def test_the_teacher_gives_the_targets_distribution_within_the_draft_vocabulary(
                                atol=1e-5, rtol=0)
 
 
+def test_the_learning_rate_warms_up_then_decays():
+    """By hand: a linear rise over the first 5% of the run (from 2% of the peak), the peak there, cosine decay to a
+    tenth of it at the end, halfway down (0.55) halfway through the decay."""
+    from outrider.plugins.drafters.mtp.distill import learning_rate
+
+    assert learning_rate(1.0, 0.0) == pytest.approx(0.02)
+    assert learning_rate(1.0, 0.025) == pytest.approx(0.52)
+    assert learning_rate(1.0, 0.05) == pytest.approx(1.0)
+    assert learning_rate(1.0, 0.525) == pytest.approx(0.55)
+    assert learning_rate(1.0, 1.0) == pytest.approx(0.1) and learning_rate(1.0, 2.0) == pytest.approx(0.1)
+    rates = [learning_rate(1.0, i / 100) for i in range(101)]
+    assert rates[:5] == sorted(rates[:5]) and rates[5:] == sorted(rates[5:], reverse=True)
+
+
 def test_noise_perturbs_what_the_head_reads_not_what_it_is_taught():
     """EAGLE's input noise: the hidden states the head reads (h_{p-1}) move by at most noise x their RMS, and by
     a good part of it somewhere; the feature term's target (h_p) and the target distribution stay exact; the same

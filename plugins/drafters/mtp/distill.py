@@ -96,7 +96,9 @@ DISTILLABLE = ("llama", "gemma3", "qwen2", "qwen3")  # trunks whose block Traina
 class DistillSettings:
     minutes: float = 30.0  # wall-clock budget for the whole run
     generate_share: float = 0.2  # of the budget, at most, for the target writing its own text
-    teacher_share: float = 0.25  # of the budget, at most, for the target's distributions over the corpus
+    # of the budget, at most, for the target's distributions over the corpus: more text paid more than more passes
+    # over less (docs/bench/mtp.md), and at 30 minutes this leaves training about two passes over what was read
+    teacher_share: float = 0.45
     generate_tokens: int = 192  # per built-in prompt
     stdlib_chunks: int = 400  # passages offered; the teacher's share of the budget decides how many are read
     seq_len: int = 256
@@ -315,11 +317,19 @@ def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
     return order
 
 
+WARMUP = 0.05  # of the run, a linear rise to the peak learning rate
+
+
 def learning_rate(peak: float, done: float) -> float:
-    """Cosine decay from `peak` to a tenth of it over the run (`done` from 0 to 1: by steps when a step count
-    is set, else by the training seconds of the budget; a resumed run goes on along the same curve, compressed
-    when its --minutes leave less than the rest)."""
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(max(done, 0.0), 1.0))))
+    """A linear warm-up over the first `WARMUP` of the run, then cosine decay from `peak` to a tenth of it (`done`
+    from 0 to 1: by steps when a step count is set, else by the training seconds of the budget; a resumed run goes
+    on along the same curve, compressed when its --minutes leave less than the rest). Without the warm-up, Adam's
+    first steps at the peak moved every weight of the block by about the learning rate at once, and how well a run
+    ended depended on which samples came first."""
+    done = min(max(done, 0.0), 1.0)
+    if done < WARMUP:
+        return peak * (done + 1e-3) / WARMUP
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * (done - WARMUP) / (1 - WARMUP))))
 
 
 def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[Sample], step: int,
