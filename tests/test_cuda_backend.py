@@ -200,7 +200,8 @@ def test_mtp_speculation_on_the_gpu_is_argmax_stable(cuda_models, outrider_contr
     full = model.forward(torch.tensor(PROMPT).cuda(), 0, model.new_cache(len(PROMPT))).float().cpu()
     margin = logit_tolerance(model.dtype, "llama", full)
     target = Target(model=model, tokenizer=None, gguf=GGUFFile(path), backend=None)
-    options = {"learn": True, "learn_share": 1.0, "learn_rows": 4, "learn_refresh": 1, "learn_lr": 3e-2} if learn else {}
+    learning = {"learn": True, "learn_share": 1.0, "learn_rows": 4, "learn_refresh": 1, "learn_lr": 3e-2}
+    options = learning if learn else {}
     drafter = MTPDrafter(model=str(tmp_path / "head.gguf"), **options)
     drafter.setup(target)
     for draft_max in (2, "auto"):

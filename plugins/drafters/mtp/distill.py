@@ -3,7 +3,8 @@
 The head is one decoder block of the trunk's kind with the nextn tensors around it (see
 `outrider.plugins.drafters.mtp.drafter`), initialised from the trunk's last layer. Its row at position p sees the
 token x_p and the target's final-normed hidden h_{p-1} (EAGLE's inputs), and is trained to give the target's own
-distribution of x_{p+1} (soft cross-entropy to the target's top-K probabilities, i.e. the KL up to a constant)
+distribution of x_{p+1} (soft cross-entropy to the target's top-K probabilities within the draft vocabulary,
+renormalized there, i.e. the KL up to a constant)
 and, with a small weight, the target's own hidden h_p (EAGLE's feature term: chained drafts feed the head's h'
 where the target's h_p would be). With `depth` > 1, drafts 2..depth are trained too, as the drafter chains them
 (EAGLE-3's training-time test: the head's own h' in, the shallower drafts' keys in its attention); each depth adds
@@ -106,10 +107,10 @@ class DistillSettings:
     top_k: int = 16  # target probabilities kept per row
     feature_weight: float = 0.1  # of the feature term, beside the KL
     noise: float = 0.0  # uniform noise on the head's input hidden states, U(-noise, noise) x their RMS (EAGLE)
-    weight_decay: float = 0.0  # AdamW's, on every trained parameter
+    weight_decay: float = 0.0  # AdamW's, on every trained parameter (norm gains too, as EAGLE's training has it)
     depth: int = 1  # draft positions trained at once, as the drafter chains them (`TrainableHead.chain`)
     precision: str = "auto"  # of the training's matrix products: bf16, fp32, or auto (`TrainableHead.train_step`)
-    lr: float = 5e-4  # the peak of a cosine decay (`learning_rate`)
+    lr: float = 5e-4  # the peak, after a linear warm-up, of a cosine decay (`learning_rate`)
     steps: int = 0  # total training steps; 0: train until the budget is spent
     held_out: float = 0.1
     max_held_out: int = 16
@@ -175,13 +176,13 @@ def generate(model, prompt: list[int], n: int, temperature: float, generator: to
 
 
 @torch.no_grad()  # not inference_mode: what it returns is trained against
-def teacher(model, tokens: list[int], rows: torch.Tensor, top_k: int) -> Sample:
-    """The target's hidden states and its top-k next-token probabilities within the draft vocabulary (`rows`: its
-    output rows there). The head drafts from no other tokens, and the whole output layer would be a sixth of a
-    1.5B target's prefill."""
+def teacher(model, tokens: list[int], draft_rows: torch.Tensor, top_k: int) -> Sample:
+    """The target's hidden states and its top-k next-token probabilities within the draft vocabulary (`draft_rows`:
+    its output rows there). The head drafts no other token, and skipping the rest of the output layer makes the
+    teacher markedly faster (docs/bench/mtp.md). `top_ids` index the draft vocabulary, as the loss gathers them."""
     # a prompt-mode forward (every row's hidden kept, no output layer): the fast summation order, as a prefill
     _, hidden = model.forward(torch.tensor(tokens), 0, model.new_cache(len(tokens)), hidden=True, last_only=True)
-    p, ids = torch.softmax(target_logits(hidden, rows, model.logit_softcap), -1).topk(top_k, dim=-1)
+    p, ids = torch.softmax(target_logits(hidden, draft_rows, model.logit_softcap), -1).topk(top_k, dim=-1)
     return Sample(torch.tensor(tokens), hidden.half(), ids, p / p.sum(-1, keepdim=True))
 
 
@@ -282,7 +283,7 @@ def teacher_split(model, sequences: list[list[int]], vocab_ids: torch.Tensor, se
                   budget: float) -> tuple[list[Sample], list[Sample]]:
     """The target's distributions over the corpus cut into pieces, in the corpus' order, within `budget`
     seconds (pieces not reached are left out), split into (held-out, training) by a seeded draw."""
-    rows = model.output.rows(vocab_ids).float()
+    draft_rows = model.output.rows(vocab_ids).float()
     pieces = [s[j:j + settings.seq_len] for s in sequences for j in range(0, len(s), settings.seq_len)]
     pieces = [p for p in pieces if len(p) >= 8]
     samples, read, t0 = [], 0, time.perf_counter()
@@ -290,7 +291,7 @@ def teacher_split(model, sequences: list[list[int]], vocab_ids: torch.Tensor, se
     for piece in pieces:
         if samples and time.perf_counter() - t0 > budget:
             break
-        samples.append(teacher(model, piece, rows, settings.top_k))
+        samples.append(teacher(model, piece, draft_rows, settings.top_k))
         read += len(piece)
         bar.set_postfix_str(f"{len(samples)} sequences, {read} tokens")
         _advance(bar, t0)
@@ -300,7 +301,9 @@ def teacher_split(model, sequences: list[list[int]], vocab_ids: torch.Tensor, se
     return samples[:n_held], samples[n_held:] or samples[:1]
 
 
-STAGE_FORM = 2  # of the stage files; a file of another form is made again
+# of the stage files; a file of another form is made again. Teacher files from before the teacher kept to the draft
+# vocabulary stay valid on purpose: their top-k, mapped into it, differs little and trains the same head
+STAGE_FORM = 2
 
 
 def corpus_key(settings: DistillSettings) -> tuple:
@@ -323,12 +326,12 @@ WARMUP = 0.05  # of the run, a linear rise to the peak learning rate
 def learning_rate(peak: float, done: float) -> float:
     """A linear warm-up over the first `WARMUP` of the run, then cosine decay from `peak` to a tenth of it (`done`
     from 0 to 1: by steps when a step count is set, else by the training seconds of the budget; a resumed run goes
-    on along the same curve, compressed when its --minutes leave less than the rest). Without the warm-up, Adam's
-    first steps at the peak moved every weight of the block by about the learning rate at once, and how well a run
-    ended depended on which samples came first."""
+    on along the same curve, compressed when its --minutes leave less than the rest). Adam's first steps move every
+    weight of the initialised block by about the rate: rising to the peak keeps the result from hanging on which
+    samples come first (docs/bench/mtp.md)."""
     done = min(max(done, 0.0), 1.0)
     if done < WARMUP:
-        return peak * (done + 1e-3) / WARMUP
+        return peak * (0.02 + 0.98 * done / WARMUP)
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * (done - WARMUP) / (1 - WARMUP))))
 
 
@@ -351,9 +354,9 @@ def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[S
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(settings.lr, done)
             # the noise drawn from the step alone, so a resumed run perturbs as an uninterrupted one would
-            noise = torch.Generator().manual_seed(settings.seed * 1_000_003 + step) if settings.noise else None
+            noise_rng = torch.Generator().manual_seed(settings.seed * 1_000_003 + step) if settings.noise else None
             kl, feature = head.train_step(optimizer, lambda: sample_loss(head, s, settings.feature_weight,
-                                                                         settings.depth, settings.noise, noise),
+                                                                         settings.depth, settings.noise, noise_rng),
                                           settings.precision)
             step += 1
             if bar is not None:
@@ -446,6 +449,8 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     if state is not None:
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
+        for group in optimizer.param_groups:  # the saved groups carry the earlier run's decay: this run's holds
+            group["weight_decay"] = settings.weight_decay
         step = state["step"]
         echo(f"resuming training at step {step}")
     kl_now = heldout_kl(head, held)

@@ -194,10 +194,11 @@ class TrainableHead(torch.nn.Module):
     def train_step(self, optimizer: torch.optim.Optimizer, loss_of: Callable[[], tuple], precision: str = "auto"
                    ) -> tuple:
         """One optimizer step on the loss `loss_of()` returns first (the rest of what it returns is returned): its
-        matrix products under bfloat16 autocast with `precision` bf16, or auto where the CPU multiplies bfloat16
-        (`cpu_has_bf16_matmul`), the parameters float32 either way; gradients clipped to norm 1."""
-        bf16 = precision == "bf16" or (precision == "auto" and cpu_has_bf16_matmul())
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        matrix products under bfloat16 autocast with `precision` bf16, or auto where the head trains on a CPU that
+        multiplies bfloat16 (`cpu_has_bf16_matmul`), the parameters float32 either way; gradients clipped to norm 1."""
+        device = self.w["eh_proj"].device.type  # the target's: on a GPU, auto trains in float32
+        bf16 = precision == "bf16" or (precision == "auto" and device == "cpu" and cpu_has_bf16_matmul())
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
             loss, *rest = loss_of()
         optimizer.zero_grad()
         loss.backward()
