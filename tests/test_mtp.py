@@ -412,10 +412,10 @@ def test_a_bfloat16_step_follows_the_float32_step(fx):
     want = torch.softmax(torch.randn(len(tokens), len(vocab_ids), generator=torch.Generator().manual_seed(3)), -1)
     results = {}
     for precision in ("fp32", "bf16"):
-        torch.manual_seed(0)
-        head = TrainableHead(model, g, vocab_ids)
+        head = TrainableHead(model, g, vocab_ids)  # from the trunk's weights: the same start both times
         before = {n: p.detach().clone() for n, p in head.w.items()}
         optimizer = torch.optim.SGD([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+
         def loss_and_value():
             loss = head.loss(tokens, shifted(hidden), hidden, want, feature_weight=0.1)[0]
             return loss, loss.detach()
@@ -460,6 +460,32 @@ def test_an_interrupted_distill_resumes_to_the_uninterrupted_head(fx, tmp_path):
             assert bytes(a.raw(name)) == bytes(b.raw(name))
         else:
             torch.testing.assert_close(b.load(name), a.load(name), atol=1e-5, rtol=1e-4)
+
+
+def test_a_resumed_distill_takes_this_runs_weight_decay(fx, tmp_path, monkeypatch):
+    """AdamW's saved state carries the stopped run's param groups, its weight decay among them; the run that goes
+    on trains with the decay it was given."""
+    from outrider.plugins.drafters.mtp import distill as module
+
+    seen, real_train = [], module.train
+
+    def spy(head, optimizer, *args, **kwargs):
+        seen.append([group["weight_decay"] for group in optimizer.param_groups])
+        return real_train(head, optimizer, *args, **kwargs)
+
+    def interrupt(step):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "train", spy)
+    settings = lambda decay: module.DistillSettings(steps=4, generate_tokens=12, stdlib_chunks=1, draft_vocab=64,
+                                                    eval_tokens=0, prompts=("Hello there",), seq_len=32,
+                                                    matrices="F16", weight_decay=decay)
+    out = tmp_path / "head.mtp.gguf"
+    with pytest.raises(KeyboardInterrupt):
+        module.distill(str(fx.model_path("llama")), settings(0.5), out, echo=lambda line: None, on_step=interrupt)
+    module.distill(str(fx.model_path("llama")), settings(0.0), out, echo=lambda line: None)
+    assert seen == [[0.5], [0.0]]
 
 
 def test_a_stopped_distill_goes_on_with_the_rest_of_its_time(fx, tmp_path, monkeypatch):

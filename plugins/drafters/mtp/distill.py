@@ -4,13 +4,13 @@ The head is one decoder block of the trunk's kind with the nextn tensors around 
 `outrider.plugins.drafters.mtp.drafter`), initialised from the trunk's last layer. Its row at position p sees the
 token x_p and the target's final-normed hidden h_{p-1} (EAGLE's inputs), and is trained to give the target's own
 distribution of x_{p+1} (soft cross-entropy to the target's top-K probabilities within the draft vocabulary,
-renormalized there, i.e. the KL up to a constant)
-and, with a small weight, the target's own hidden h_p (EAGLE's feature term: chained drafts feed the head's h'
-where the target's h_p would be). With `depth` > 1, drafts 2..depth are trained too, as the drafter chains them
-(EAGLE-3's training-time test: the head's own h' in, the shallower drafts' keys in its attention); each depth adds
-to a step's time (when that pays: docs/bench/mtp.md). The text: what the target itself writes from a built-in
-prompt set (code, chat, prose), then as much of the Python standard library's sources as the budget lets the
-target read (a prefill gives every position's distribution at once).
+renormalized there, i.e. the KL up to a constant) and, with a small weight, the target's own hidden h_p (EAGLE's
+feature term: chained drafts feed the head's h' where the target's h_p would be). With `depth` > 1, drafts
+2..depth are trained too, as the drafter chains them (EAGLE-3's training-time test: the head's own h' in, the
+shallower drafts' keys in its attention); each depth adds to a step's time (when that pays: docs/bench/mtp.md).
+The text: what the target itself writes from a built-in prompt set (code, chat, prose), then as much of the
+Python standard library's sources as the budget lets the target read (a prefill gives every position's
+distribution at once).
 
 The head's output layer covers a reduced draft vocabulary (FR-Spec): the `draft_vocab` most frequent tokens
 of that text, mapped back to target ids in `blk.{n}.nextn.draft_vocab`; its rows are the target's own output
