@@ -305,6 +305,21 @@ def distilled(fx, tmp_path_factory):
     return distill(str(fx.model_path("llama")), settings, out, echo=lambda line: None)
 
 
+def test_distill_writes_its_answers_side_by_side_as_each_would_be_written_alone(fx):
+    """distill's `generate` (several answers per step) at T=0 against plain greedy decoding of each prompt: the
+    same tokens, and a stop token ends only its own answer."""
+    from outrider.plugins.drafters.mtp.distill import generate
+
+    model, gen = fx.target("qwen2").model, torch.Generator().manual_seed(0)
+    prompts = [[1, 5, 9], [2, 4, 6, 8, 10, 12, 14], [3]]
+    expected = [fx.plain_greedy("qwen2", p, 6) for p in prompts]
+    assert generate(model, prompts, 6, [0.0] * 3, gen, set()) == expected
+    stop = expected[1][2]
+    ended = [e[:e.index(stop) + 1] if stop in e else e for e in expected]
+    assert generate(model, prompts, 6, [0.0] * 3, gen, {stop}) == ended
+    assert len(ended[1]) == 3
+
+
 def test_distill_reduces_the_held_out_kl(distilled):
     assert distilled.steps == 15
     assert distilled.heldout_kl_end < 0.8 * distilled.heldout_kl_start, distilled

@@ -62,6 +62,15 @@ class Decoder:
         logits = self.output(h[-1:] if last_only else h, softcap=self.logit_softcap).float()
         return (logits, h) if hidden else logits
 
+    @torch.inference_mode()
+    def step_sequences(self, tokens: torch.Tensor, starts: list[int], caches: list[KVCache]) -> torch.Tensor:
+        """Logits [B, vocab] (float32) of one decode step of B independent sequences at once: tokens[b] at
+        position starts[b] of caches[b], each cache's length set to starts[b] + 1."""
+        x = self.stack.run_sequences(self._embedded(tokens), starts, caches)
+        for cache, start in zip(caches, starts):
+            cache.length = start + 1
+        return self.output(rms_norm(x, self.output_norm, self.config.eps), softcap=self.logit_softcap).float()
+
     def _embedded(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens)
 

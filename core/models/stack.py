@@ -85,6 +85,17 @@ class LayerStack:
             x = decoder_layer(l, x, attend, self.eps, self.act, prompt)
         return x
 
+    def run_sequences(self, x: torch.Tensor, starts: list[int], caches: list[KVCache]) -> torch.Tensor:
+        """One new row per independent sequence: x [B, hidden], row b at position starts[b] of caches[b]. The
+        linears read their weights once for all B rows (what makes it pay: a decode step is bound by reading
+        them); each row attends over its own cache. The Python loop, since the native stack holds one cache."""
+        for i, l in enumerate(self.layers):
+            def attend(qkv: torch.Tensor) -> torch.Tensor:
+                return torch.cat([self.attention(qkv[b:b + 1], i, starts[b], caches[b], l.rotary, l.q_norm,
+                                                 l.k_norm, l.window) for b in range(len(caches))])
+            x = decoder_layer(l, x, attend, self.eps, self.act)
+        return x
+
 
 def add_layer(native_stack, l, rotary: Rotary) -> None:
     """Append layer `l` (a `LayerWeights`, or any layer with its fields and PackedLinear weights) to the

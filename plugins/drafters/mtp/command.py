@@ -23,7 +23,7 @@ from outrider.cli import friendly_errors
               help="Uniform noise on the hidden states the head reads in training, as a share of their RMS "
                    "(EAGLE's regulariser; 0: none).")
 @click.option("--weight-decay", type=float, default=0.0, show_default=True, help="AdamW's weight decay.")
-@click.option("--tokens", "generate_tokens", type=int, default=192, show_default=True,
+@click.option("--tokens", "generate_tokens", type=int, default=256, show_default=True,
               help="Tokens the target writes per built-in prompt.")
 @click.option("--stdlib-chunks", type=int, default=400, show_default=True,
               help="Passages of the Python standard library's sources offered as training text (the time budget "

@@ -36,60 +36,9 @@ import torch
 from outrider.errors import ConfigError
 from outrider.io.chat import template_or_raw_ids
 from outrider.plugins.drafters.mtp.head import PRECISIONS, TrainableHead, shifted, target_logits
+from outrider.plugins.drafters.mtp.prompts import HELD_OUT_PROMPTS, PROMPTS
 from outrider.plugins.drafters.mtp.sidecar import write_sidecar
 
-PROMPTS = (
-    "Explain how a hash table works, with a short example in Python.",
-    "Write a friendly email to a colleague asking to move our meeting to Thursday.",
-    "Write a short story about a fox who learns to read.",
-    "What are the main causes of the French Revolution? Answer in a few paragraphs.",
-    "Write a Python function that returns the n-th Fibonacci number, then explain it.",
-    "Translate to French: 'The weather is lovely today, let us go for a walk in the park.'",
-    "Summarize the plot of Romeo and Juliet, quoting one famous line word for word.",
-    "List five tips for keeping houseplants healthy.",
-    "Write a bash one-liner that counts the lines of every .py file in a folder, and explain it.",
-    "Describe the water cycle to a ten-year-old.",
-    "Write a haiku about autumn, then a limerick about a cat.",
-    "Repeat this sentence exactly, then rephrase it: 'Small steps every day add up to big results.'",
-    "Write a SQL query that finds the ten customers with the highest total order value.",
-    "Give me a recipe for a simple tomato soup.",
-    "What is the difference between a list and a tuple in Python?",
-    "Write a dialogue between a teacher and a student about why the sky is blue.",
-) + tuple(f"Write a Python {what}. Include type hints and a docstring." for what in (
-    "function that parses an ISO 8601 date string into a datetime without using dateutil",
-    "class for a bank account with deposit, withdraw and a transaction history",
-    "function that flattens an arbitrarily nested list",
-    "script that reads a CSV file and prints the average of each numeric column",
-    "function that checks whether a string of brackets is balanced",
-    "implementation of binary search over a sorted list, with tests using pytest",
-    "dataclass for a 2D vector with addition, scaling, dot product and length",
-    "function that groups words by their anagram signature",
-    "context manager that times the block it wraps and logs the duration",
-    "generator that yields the prime numbers below n with a sieve",
-    "function that retries a callable with exponential backoff",
-    "command-line tool with argparse that renames files by a regular expression",
-    "function that computes the Levenshtein distance between two strings",
-    "class implementing a min-heap with push, pop and peek",
-    "function that converts a Roman numeral to an integer and back",
-    "async function that fetches several URLs concurrently with asyncio and aiohttp",
-)) + (
-    "Refactor this code to use a dictionary comprehension and explain the change:\n\n```python\nresult = {}\n"
-    "for key in keys:\n    if key in data:\n        result[key] = data[key] * 2\n```",
-    "Add error handling and logging to this function and return the whole code:\n\n```python\ndef load(path):\n"
-    "    with open(path) as f:\n        return json.load(f)\n```",
-    "Write unit tests with unittest for a function `slugify(text)` that lowercases text and joins words with '-'.",
-    "Explain what this code does, line by line:\n\n```python\nfrom collections import Counter\n"
-    "def top(words, n=3):\n    return [w for w, _ in Counter(words).most_common(n)]\n```",
-)
-# code generation the head never trains on: distill's own check and benchmarks/mtp_heads.py
-HELD_OUT_PROMPTS = (
-    "Write a Python class `LRUCache` with `get` and `put` methods, both O(1), using only the standard library. "
-    "Include type hints and a docstring.",
-    "Write a Python function `merge_intervals(intervals)` that takes a list of (start, end) pairs and returns "
-    "the list of merged, non-overlapping intervals sorted by start. Include a docstring and type hints.",
-    "Write a Python function that reads a text file and returns the ten most common words with their counts, "
-    "ignoring case and punctuation, and a short example of its use.",
-)
 DISTILLABLE = ("llama", "gemma3", "qwen2", "qwen3")  # trunks whose block TrainableHead copies
 
 
@@ -100,7 +49,8 @@ class DistillSettings:
     # of the budget, at most, for the target's distributions over the corpus: more text paid more than more passes
     # over less (docs/bench/mtp.md), and at 30 minutes this leaves training about two passes over what was read
     teacher_share: float = 0.45
-    generate_tokens: int = 192  # per built-in prompt
+    generate_tokens: int = 256  # per built-in prompt
+    generate_batch: int = 16  # answers written side by side
     stdlib_chunks: int = 400  # passages offered; the teacher's share of the budget decides how many are read
     seq_len: int = 256
     draft_vocab: int = 8192
@@ -157,22 +107,31 @@ def stdlib_texts(n: int, rng: random.Random, chars: int = 4000) -> list[str]:
 
 
 @torch.inference_mode()
-def generate(model, prompt: list[int], n: int, temperature: float, generator: torch.Generator,
-             stop: set[int]) -> list[int]:
-    """The target's own continuation of `prompt` (sampled at `temperature`; greedy at 0)."""
-    cache = model.new_cache(len(prompt) + n + 1)
-    logits = model.forward(torch.tensor(prompt), 0, cache, last_only=True)[-1]
-    out = []
-    for i in range(n):
-        if temperature > 0:
-            token = int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator))
-        else:
-            token = int(logits.argmax())
-        out.append(token)
-        if token in stop:
+def generate(model, prompts: list[list[int]], n: int, temperatures: list[float], generator: torch.Generator,
+             stop: set[int]) -> list[list[int]]:
+    """The target's own continuations of `prompts`, written side by side (`step_sequences`: a step of several
+    sequences costs little more than a step of one), each sampled at its temperature (greedy at 0) and ending
+    at a stop token or after `n` tokens."""
+    caches = [model.new_cache(len(p) + n + 1) for p in prompts]
+    logits = torch.stack([model.forward(torch.tensor(p), 0, c, last_only=True)[-1] for p, c in zip(prompts, caches)])
+    outs: list[list[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    for _ in range(n):
+        tokens = []
+        for row, b in zip(logits, active):
+            if temperatures[b] > 0:
+                token = int(torch.multinomial(torch.softmax(row.float() / temperatures[b], -1), 1, generator=generator))
+            else:
+                token = int(row.argmax())
+            outs[b].append(token)
+            tokens.append(token)
+        keep = [j for j, token in enumerate(tokens) if token not in stop and len(outs[active[j]]) < n]
+        if not keep:
             break
-        logits = model.forward(torch.tensor([token]), len(prompt) + i, cache)[-1]
-    return out
+        active = [active[j] for j in keep]
+        logits = model.step_sequences(torch.tensor([tokens[j] for j in keep]),
+                                      [len(prompts[b]) + len(outs[b]) - 1 for b in active], [caches[b] for b in active])
+    return outs
 
 
 @torch.no_grad()  # not inference_mode: what it returns is trained against
@@ -255,12 +214,14 @@ def training_text(model, g, tokenizer, settings: DistillSettings, budget: float,
     t0 = time.perf_counter()
     prompts = list(settings.prompts)
     rng.shuffle(prompts)
-    for i, text in enumerate(prompts):
+    for first in range(0, len(prompts), settings.generate_batch):
         if time.perf_counter() - t0 > budget:
             break
-        prompt, _ = template_or_raw_ids(g, tokenizer, text)
-        temperature = settings.temperature if i % 2 else 0.0
-        sequences.append(prompt + generate(model, prompt, settings.generate_tokens, temperature, gen, stop))
+        group = [template_or_raw_ids(g, tokenizer, text)[0] for text in prompts[first:first + settings.generate_batch]]
+        temperatures = [settings.temperature if (first + j) % 2 else 0.0 for j in range(len(group))]
+        outs = generate(model, group, settings.generate_tokens, temperatures, gen, stop)
+        sequences += [prompt + out for prompt, out in zip(group, outs)]
+        bar.set_postfix_str(f"{len(sequences)} answers, {sum(map(len, outs))} tokens in the last batch")
         _advance(bar, t0)
     bar.close()
     stdlib = []
