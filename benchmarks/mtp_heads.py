@@ -2,7 +2,7 @@
 
 The target is the catalog's Qwen2.5-Coder-1.5B (Q4_K_M); the head is the one `outrider distill` cached for it
 (or `--head`). The prompts are the three code-generation prompts distill never trains on
-(`distill.HELD_OUT_PROMPTS`) and qwen_pair's code edit (where lookup has text to copy), each through the file's
+(`prompts.HELD_OUT_PROMPTS`) and qwen_pair's code edit (where lookup has text to copy), each through the file's
 chat template. Every configuration runs at T=0 (greedy acceptor) and at T=0.7 (no other warper; the
 sampled acceptor with the head's q), the same seed per round for every configuration; rounds interleave the
 configurations, a warm-up round first. Printed: decode tok/s (medians), the speed-up over plain as the median
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from outrider.io.gguf import GGUFFile
     from outrider.io.tokenizer import Tokenizer
     from outrider.native import cflags, vector_extensions
-    from outrider.plugins.drafters.mtp.distill import HELD_OUT_PROMPTS
+    from outrider.plugins.drafters.mtp.prompts import HELD_OUT_PROMPTS
     from outrider.plugins.drafters.mtp.drafter import mtp_sidecar_path
 
     target_path = resolve_model(args.target)

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from outrider.io.chat import template_or_raw_ids
     from outrider.native import cflags, vector_extensions
     from outrider.plugins.acceptors.greedy import GreedyAcceptor
-    from outrider.plugins.drafters.mtp.distill import HELD_OUT_PROMPTS
+    from outrider.plugins.drafters.mtp.prompts import HELD_OUT_PROMPTS
     from outrider.plugins.drafters.mtp.drafter import MTPDrafter, mtp_sidecar_path
     from outrider.plugins.drafters.none import NoDrafter
     from outrider.spec.drafter_traits import DrafterTraits

@@ -159,12 +159,12 @@ def test_tiny_batched_forward_equals_single_forwards(tiny_paths, arch, k):
     _check_batched_equals_single(model, prefix, block)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 @pytest.mark.parametrize("weights", ["dense", "compact"])
 def test_steps_of_several_sequences_equal_each_ones_own_steps(tmp_path, tiny_paths, arch, weights):
     """`step_sequences` (what distill writes its answers with) against each sequence stepped alone through
     `forward`: the torch path and the CPU kernels, prompts of different lengths, across gemma3's window."""
-    path = tiny_paths.get(arch) or write_tiny_llama(tmp_path / "qwen2.gguf", arch="qwen2")
+    path = tiny_paths.get(arch) or write_tiny_llama(tmp_path / f"{arch}.gguf", arch=arch)
     model = load_model(GGUFFile(path), weights=weights)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in (3, 9, 6)]

@@ -306,18 +306,20 @@ def distilled(fx, tmp_path_factory):
 
 
 def test_distill_writes_its_answers_side_by_side_as_each_would_be_written_alone(fx):
-    """distill's `generate` (several answers per step) at T=0 against plain greedy decoding of each prompt: the
-    same tokens, and a stop token ends only its own answer."""
+    """distill's `generate` (several answers per step) against plain greedy decoding of each prompt: the same
+    tokens for the greedy rows beside a sampled one, and a stop token ends only its own answer."""
     from outrider.plugins.drafters.mtp.distill import generate
 
     model, gen = fx.target("qwen2").model, torch.Generator().manual_seed(0)
     prompts = [[1, 5, 9], [2, 4, 6, 8, 10, 12, 14], [3]]
     expected = [fx.plain_greedy("qwen2", p, 6) for p in prompts]
-    assert generate(model, prompts, 6, [0.0] * 3, gen, set()) == expected
-    stop = expected[1][2]
+    outs = generate(model, prompts, 6, [0.0, 0.7, 0.0], gen, set())
+    assert [outs[0], outs[2]] == [expected[0], expected[2]] and len(outs[1]) == 6
+    stop = next(t for i, t in enumerate(expected[0]) if i and expected[0].index(t) == i)  # not the first token
     ended = [e[:e.index(stop) + 1] if stop in e else e for e in expected]
-    assert generate(model, prompts, 6, [0.0] * 3, gen, {stop}) == ended
-    assert len(ended[1]) == 3
+    assert 1 < len(ended[0]) < 6
+    outs = generate(model, prompts, 6, [0.0, 0.7, 0.0], gen, {stop})  # row 2 keeps its temperature after row 0 ends
+    assert [outs[0], outs[2]] == [ended[0], ended[2]]
 
 
 def test_distill_reduces_the_held_out_kl(distilled):

@@ -65,7 +65,8 @@ class Decoder:
     @torch.inference_mode()
     def step_sequences(self, tokens: torch.Tensor, starts: list[int], caches: list[KVCache]) -> torch.Tensor:
         """Logits [B, vocab] (float32) of one decode step of B independent sequences at once: tokens[b] at
-        position starts[b] of caches[b], each cache's length set to starts[b] + 1."""
+        position starts[b] of caches[b], each cache's length set to starts[b] + 1. Gemma 4, whose layers are its
+        own, has none."""
         x = self.stack.run_sequences(self._embedded(tokens), starts, caches)
         for cache, start in zip(caches, starts):
             cache.length = start + 1

@@ -63,7 +63,8 @@ def decoder_layer(l, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Ten
 class LayerStack:
     """`run(x, start, cache, prompt)`: x [T, hidden] at positions start..start+T-1 through every layer,
     writing the cache. Native (one call per forward) when the attention and every linear run on the CPU
-    kernels; a Python loop otherwise, or with `native=False`."""
+    kernels; a Python loop otherwise, or with `native=False`. `run_sequences`: one row of each of several
+    sequences, each with its own cache (the Python loop)."""
 
     def __init__(self, layers: list[LayerWeights], attention: Attention, eps: float, act: str,
                  native: bool = True):

@@ -50,7 +50,9 @@ class DistillSettings:
     # over less (docs/bench/mtp.md), and at 30 minutes this leaves training about two passes over what was read
     teacher_share: float = 0.45
     generate_tokens: int = 256  # per built-in prompt
-    generate_batch: int = 16  # answers written side by side
+    # answers written side by side, at most: a decode step reads every weight once for all its rows, so up to
+    # where the rows' own arithmetic takes over, more rows cost little more time (docs/bench/mtp.md)
+    generate_batch: int = 16
     stdlib_chunks: int = 400  # passages offered; the teacher's share of the budget decides how many are read
     seq_len: int = 256
     draft_vocab: int = 8192
@@ -108,10 +110,10 @@ def stdlib_texts(n: int, rng: random.Random, chars: int = 4000) -> list[str]:
 
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], n: int, temperatures: list[float], generator: torch.Generator,
-             stop: set[int]) -> list[list[int]]:
+             stop: set[int], deadline: float = math.inf) -> list[list[int]]:
     """The target's own continuations of `prompts`, written side by side (`step_sequences`: a step of several
     sequences costs little more than a step of one), each sampled at its temperature (greedy at 0) and ending
-    at a stop token or after `n` tokens."""
+    at a stop token, after `n` tokens, or where `perf_counter()` passes `deadline` (what is written so far)."""
     caches = [model.new_cache(len(p) + n + 1) for p in prompts]
     logits = torch.stack([model.forward(torch.tensor(p), 0, c, last_only=True)[-1] for p, c in zip(prompts, caches)])
     outs: list[list[int]] = [[] for _ in prompts]
@@ -126,7 +128,7 @@ def generate(model, prompts: list[list[int]], n: int, temperatures: list[float],
             outs[b].append(token)
             tokens.append(token)
         keep = [j for j, token in enumerate(tokens) if token not in stop and len(outs[active[j]]) < n]
-        if not keep:
+        if not keep or time.perf_counter() > deadline:
             break
         active = [active[j] for j in keep]
         logits = model.step_sequences(torch.tensor([tokens[j] for j in keep]),
@@ -214,12 +216,13 @@ def training_text(model, g, tokenizer, settings: DistillSettings, budget: float,
     t0 = time.perf_counter()
     prompts = list(settings.prompts)
     rng.shuffle(prompts)
-    for first in range(0, len(prompts), settings.generate_batch):
+    size = math.ceil(len(prompts) / math.ceil(len(prompts) / settings.generate_batch))  # groups of even size
+    for first in range(0, len(prompts), size):
         if time.perf_counter() - t0 > budget:
             break
-        group = [template_or_raw_ids(g, tokenizer, text)[0] for text in prompts[first:first + settings.generate_batch]]
+        group = [template_or_raw_ids(g, tokenizer, text)[0] for text in prompts[first:first + size]]
         temperatures = [settings.temperature if (first + j) % 2 else 0.0 for j in range(len(group))]
-        outs = generate(model, group, settings.generate_tokens, temperatures, gen, stop)
+        outs = generate(model, group, settings.generate_tokens, temperatures, gen, stop, t0 + budget)
         sequences += [prompt + out for prompt, out in zip(group, outs)]
         bar.set_postfix_str(f"{len(sequences)} answers, {sum(map(len, outs))} tokens in the last batch")
         _advance(bar, t0)
@@ -270,7 +273,7 @@ STAGE_FORM = 2
 def corpus_key(settings: DistillSettings) -> tuple:
     """What the stage files depend on: a file made with other values of these is made again."""
     return (settings.generate_tokens, settings.stdlib_chunks, settings.seq_len, settings.draft_vocab, settings.top_k,
-            settings.seed, settings.temperature, settings.prompts)
+            settings.seed, settings.temperature, settings.prompts, settings.generate_batch)
 
 
 def epoch_order(n: int, epoch: int, seed: int) -> list[int]:

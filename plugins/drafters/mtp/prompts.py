@@ -148,7 +148,7 @@ CODE_TASKS = (
 CODE_PROMPTS = tuple(FORMS[i % len(FORMS)].format(task) for i, task in enumerate(CODE_TASKS))
 PROMPTS = BASE_PROMPTS + CODE_PROMPTS
 
-# code generation the head never trains on: distill's own check and benchmarks/mtp_heads.py
+# code generation the head never trains on: distill's own check, benchmarks/mtp_heads.py and mtp_learn.py
 HELD_OUT_PROMPTS = (
     "Write a Python class `LRUCache` with `get` and `put` methods, both O(1), using only the standard library. "
     "Include type hints and a docstring.",
