@@ -407,8 +407,7 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
         held, train_samples = data["held"], data["train"]
 
     head = TrainableHead(model, g, vocab_ids)
-    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=settings.lr,
-                                  weight_decay=settings.weight_decay)
+    optimizer = head.optimizer(settings.lr, settings.weight_decay)
     state, step = load("distill"), 0
     if state is not None:
         head.load_state_dict(state["head"])

@@ -69,8 +69,7 @@ class HeadLearner:
         # the target's output rows over the draft vocabulary (a distilled head's own rows are these; another's
         # need not be): they turn a verified hidden state into the target's logits there
         self.target_rows = model.output.rows(self.head.vocab_ids).float()
-        self.optimizer = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=settings.lr,
-                                           weight_decay=0.0)
+        self.optimizer = self.head.optimizer(settings.lr)
         self.clock = TimeShare(settings.share)
         self.steps, self.trained_to, self.refreshes, self.unsaved = 0, 0, 0, False
         self.staged = self.source.with_suffix(".learning.gguf")
