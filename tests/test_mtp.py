@@ -8,6 +8,7 @@ each step (no cache); plain decoding written as the obvious loop; exact target d
 from __future__ import annotations
 
 import math
+import random
 
 import gguf
 import numpy as np
@@ -320,6 +321,30 @@ def test_distill_writes_its_answers_side_by_side_as_each_would_be_written_alone(
     assert 1 < len(ended[0]) < 6
     outs = generate(model, prompts, 6, [0.0, 0.7, 0.0], gen, {stop})  # row 2 keeps its temperature after row 0 ends
     assert [outs[0], outs[2]] == [ended[0], ended[2]]
+
+
+def test_distill_goes_round_its_prompts_again_while_the_writing_time_lasts(fx):
+    """Every prompt answered and time left, the prompts are answered again, up to `generate_rounds` times, every
+    later answer sampled (a greedy one would only repeat); at temperature 0 they are answered once."""
+    from outrider.io.chat import template_or_raw_ids
+    from outrider.plugins.drafters.mtp.distill import DistillSettings, load_trunk, training_text
+
+    _, g, model, tokenizer = load_trunk(str(fx.model_path("qwen2")))
+    prompts = ("Hello there", "def f(x):", "a b c")
+
+    def corpus(**kw):
+        settings = DistillSettings(generate_tokens=6, stdlib_chunks=0, prompts=prompts, **kw)
+        return training_text(model, g, tokenizer, settings, 1e6, random.Random(0), torch.Generator().manual_seed(0))
+
+    rounds = corpus(generate_rounds=3)
+    ids = [template_or_raw_ids(g, tokenizer, text)[0] for text in prompts]
+    which = [next(i for i, p in enumerate(ids) if seq[:len(p)] == p) for seq in rounds]
+    assert len(rounds) == 3 * len(prompts) and which == which[:len(prompts)] * 3  # the same order every round
+    answers = [seq[len(ids[i]):] for i, seq in zip(which, rounds)]
+    for j in range(0, len(prompts), 2):  # the first round's greedy rows
+        assert answers[j] == fx.plain_greedy("qwen2", ids[which[j]], 6)[:len(answers[j])]
+    assert any(answers[r * len(prompts) + j] != answers[j] for r in (1, 2) for j in range(0, len(prompts), 2))
+    assert len(corpus(generate_rounds=3, temperature=0.0)) == len(prompts)
 
 
 def test_distill_reduces_the_held_out_kl(distilled):

@@ -67,6 +67,8 @@ class Decoder:
         """Logits [B, vocab] (float32) of one decode step of B independent sequences at once: tokens[b] at
         position starts[b] of caches[b], each cache's length set to starts[b] + 1. Gemma 4, whose layers are its
         own, has none."""
+        if len(caches) == 1:  # the native stack's one call, which the loop of layers over several caches is not
+            return self.forward(tokens, starts[0], caches[0])
         x = self.stack.run_sequences(self._embedded(tokens), starts, caches)
         for cache, start in zip(caches, starts):
             cache.length = start + 1

@@ -25,6 +25,9 @@ from outrider.cli import friendly_errors
 @click.option("--weight-decay", type=float, default=0.0, show_default=True, help="AdamW's weight decay.")
 @click.option("--tokens", "generate_tokens", type=int, default=256, show_default=True,
               help="Tokens the target writes per built-in prompt.")
+@click.option("--rounds", "generate_rounds", type=int, default=4, show_default=True,
+              help="Times the built-in prompts are answered at most while the writing share of the budget lasts "
+                   "(rounds after the first sample every answer at T=0.7).")
 @click.option("--stdlib-chunks", type=int, default=400, show_default=True,
               help="Passages of the Python standard library's sources offered as training text (the time budget "
                    "decides how many the target reads).")
@@ -33,8 +36,8 @@ from outrider.cli import friendly_errors
 @click.option("--out", type=click.Path(dir_okay=False), help="Sidecar path [the cache, where --drafter mtp looks].")
 @click.option("--seed", type=int, default=0, show_default=True)
 @friendly_errors
-def distill(model, minutes, steps, draft_vocab, depth, precision, noise, weight_decay, generate_tokens, stdlib_chunks,
-            fresh, out, seed):
+def distill(model, minutes, steps, draft_vocab, depth, precision, noise, weight_decay, generate_tokens,
+            generate_rounds, stdlib_chunks, fresh, out, seed):
     """Train an MTP head for MODEL (catalog name or .gguf) on the CPU and cache it for `--drafter mtp`."""
     from pathlib import Path
 
@@ -43,7 +46,7 @@ def distill(model, minutes, steps, draft_vocab, depth, precision, noise, weight_
 
     settings = DistillSettings(minutes=minutes, steps=steps, draft_vocab=draft_vocab, depth=depth, precision=precision,
                                noise=noise, weight_decay=weight_decay, generate_tokens=generate_tokens,
-                               stdlib_chunks=stdlib_chunks, fresh=fresh, seed=seed)
+                               generate_rounds=generate_rounds, stdlib_chunks=stdlib_chunks, fresh=fresh, seed=seed)
     report = run_distill(model, settings, Path(out) if out else None, echo=lambda line: click.echo(line, err=True))
     click.echo(f"{report.sidecar} ({report.head_bytes / 1e6:.1f} MB) in {report.seconds / 60:.1f} min, "
                f"{report.steps} steps")

@@ -53,6 +53,9 @@ class DistillSettings:
     # answers written side by side, at most: a decode step reads every weight once for all its rows, so up to
     # where the rows' own arithmetic takes over, more rows cost little more time (docs/bench/mtp.md)
     generate_batch: int = 16
+    # times the prompts are answered at most, while the writing share lasts (a long run answers them all in the
+    # first part of it): rounds after the first sample every answer at `temperature`, for new text
+    generate_rounds: int = 4
     stdlib_chunks: int = 400  # passages offered; the teacher's share of the budget decides how many are read
     seq_len: int = 256
     draft_vocab: int = 8192
@@ -208,7 +211,8 @@ def load_trunk(model_name: str):
 def training_text(model, g, tokenizer, settings: DistillSettings, budget: float, rng: random.Random,
                   gen: torch.Generator) -> list[list[int]]:
     """The corpus, as token sequences: what the target writes from the built-in prompts, in a seeded order,
-    within `budget` seconds (every other one greedily, the rest at the settings' temperature), then
+    within `budget` seconds (every other one greedily, the rest at the settings' temperature; with every prompt
+    answered and time left, they go round again, all at the temperature, up to `generate_rounds` times), then
     standard-library chunks. The teacher reads them in this order, so its own text always goes in."""
     stop = set(tokenizer.eog_ids)
     sequences = []
@@ -217,11 +221,15 @@ def training_text(model, g, tokenizer, settings: DistillSettings, budget: float,
     prompts = list(settings.prompts)
     rng.shuffle(prompts)
     size = math.ceil(len(prompts) / math.ceil(len(prompts) / settings.generate_batch))  # groups of even size
-    for first in range(0, len(prompts), size):
+    ids = [template_or_raw_ids(g, tokenizer, text)[0] for text in prompts]
+    # a greedy answer is the same every round: only the first round writes them
+    rounds = settings.generate_rounds if settings.temperature else 1
+    groups = ((first, round_) for round_ in range(rounds) for first in range(0, len(prompts), size))
+    for first, round_ in groups:
         if time.perf_counter() - t0 > budget:
             break
-        group = [template_or_raw_ids(g, tokenizer, text)[0] for text in prompts[first:first + size]]
-        temperatures = [settings.temperature if (first + j) % 2 else 0.0 for j in range(len(group))]
+        group = ids[first:first + size]
+        temperatures = [settings.temperature if round_ or (first + j) % 2 else 0.0 for j in range(len(group))]
         outs = generate(model, group, settings.generate_tokens, temperatures, gen, stop, t0 + budget)
         sequences += [prompt + out for prompt, out in zip(group, outs)]
         bar.set_postfix_str(f"{len(sequences)} answers, {sum(map(len, outs))} tokens in the last batch")
@@ -273,7 +281,7 @@ STAGE_FORM = 2
 def corpus_key(settings: DistillSettings) -> tuple:
     """What the stage files depend on: a file made with other values of these is made again."""
     return (settings.generate_tokens, settings.stdlib_chunks, settings.seq_len, settings.draft_vocab, settings.top_k,
-            settings.seed, settings.temperature, settings.prompts, settings.generate_batch)
+            settings.seed, settings.temperature, settings.prompts, settings.generate_batch, settings.generate_rounds)
 
 
 def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
