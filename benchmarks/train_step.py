@@ -25,7 +25,7 @@ import torch
 from outrider.models.linear import DenseLinear, StackedLinear
 from outrider.native import cpu_flags
 from outrider.plugins.drafters.mtp.distill import Sample, load_trunk, sample_loss
-from outrider.plugins.drafters.mtp.head import TrainableHead
+from outrider.plugins.drafters.mtp.head import TrainableHead, cpu_has_bf16_matmul
 
 FORMS = ("unfused", "fused", "now")
 
@@ -53,10 +53,10 @@ def main() -> None:
     optimizers = {"unfused": torch.optim.AdamW([p for p in heads["unfused"].parameters() if p.requires_grad],
                                                lr=1e-4),
                   "fused": heads["fused"].optimizer(1e-4), "now": heads["now"].optimizer(1e-4)}
-    stacked_call = StackedLinear.__call__
+    per_part_call = StackedLinear.__call__
 
     def run(form: str, n: int) -> float:
-        StackedLinear.__call__ = DenseLinear.__call__ if form != "now" else stacked_call  # the stacked weight
+        StackedLinear.__call__ = DenseLinear.__call__ if form != "now" else per_part_call
         head, opt = heads[form], optimizers[form]
         t = time.perf_counter()
         for _ in range(n):
@@ -71,9 +71,11 @@ def main() -> None:
             for form in FORMS:
                 times[form].append(run(form, args.steps))
     finally:
-        StackedLinear.__call__ = stacked_call
+        StackedLinear.__call__ = per_part_call
     flags = " ".join(f for f in cpu_flags().split() if f.startswith(("avx", "amx", "fma", "f16c")))
-    print(f"{args.model}, {args.rows} rows, depth {args.depth}, precision {args.precision}, {args.threads} threads")
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and cpu_has_bf16_matmul())
+    print(f"{args.model}, {args.rows} rows, depth {args.depth}, {'bfloat16 autocast' if bf16 else 'float32'} "
+          f"(--precision {args.precision}), {args.threads} threads")
     print(f"CPU: {flags}")
     base = statistics.median(times["unfused"])
     for form in FORMS:

@@ -162,12 +162,15 @@ def test_tiny_batched_forward_equals_single_forwards(tiny_paths, arch, k):
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
 @pytest.mark.parametrize("weights", ["dense", "compact"])
 @pytest.mark.parametrize("n_sequences", [1, 3])
-def test_steps_of_several_sequences_equal_each_ones_own_steps(tmp_path, tiny_paths, arch, weights, n_sequences):
+def test_steps_of_several_sequences_equal_each_ones_own_steps(tmp_path, tiny_paths, arch, weights, n_sequences,
+                                                             monkeypatch):
     """`step_sequences` (what distill writes its answers with) against each sequence stepped alone through
     `forward`: the torch path and the CPU kernels, prompts of different lengths, across gemma3's window; one
-    sequence (the last answer of a batch) too."""
+    sequence (the last answer of a batch) takes `forward` itself, not the loop of layers over several caches."""
     path = tiny_paths.get(arch) or write_tiny_llama(tmp_path / f"{arch}.gguf", arch=arch)
     model = load_model(GGUFFile(path), weights=weights)
+    if n_sequences == 1:
+        monkeypatch.setattr(model.stack, "run_sequences", lambda *a: pytest.fail("one sequence took the loop"))
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in (3, 9, 6)[:n_sequences]]
     steps = torch.randint(0, model.config.vocab_size, (4, len(prompts)), generator=gen)

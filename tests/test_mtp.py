@@ -323,6 +323,35 @@ def test_distill_writes_its_answers_side_by_side_as_each_would_be_written_alone(
     assert [outs[0], outs[2]] == [ended[0], ended[2]]
 
 
+@pytest.mark.parametrize("n_parts", [1, 3])
+@pytest.mark.parametrize("options", [{}, {"act": "silu"}, {"in_norm": True, "out_norm": True, "residual": True,
+                                                           "softcap": 5.0}])
+def test_trained_projections_run_apart_as_their_stacked_weight_would(n_parts, options):
+    """`StackedLinear` (the head's q/k/v and gate/up, a product per part) against one product with the parts'
+    weights stacked: the same outputs and the same gradients for every part."""
+    from outrider.models.linear import DenseLinear, StackedLinear
+
+    gen = torch.Generator().manual_seed(n_parts)
+    k = 8 if options.get("act") else 4  # act halves the input: gate, up
+    parts = [torch.randn(n, k, generator=gen, requires_grad=True) for n in (5, 3, 2)[:n_parts]]
+    x = torch.randn(6, 2 * k if options.get("act") else k, generator=gen)
+    out = sum(p.shape[0] for p in parts)
+    kw = {"eps": 1e-6, "act": options.get("act"), "softcap": options.get("softcap", 0.0),
+          "in_norm": torch.rand(x.shape[1], generator=gen) + 0.5 if options.get("in_norm") else None,
+          "out_norm": torch.rand(out, generator=gen) + 0.5 if options.get("out_norm") else None,
+          "residual": torch.randn(6, out, generator=gen) if options.get("residual") else None}
+    apart = StackedLinear(*parts)(x, **kw)
+    (apart * torch.arange(out)).sum().backward()
+    grads = [p.grad.clone() for p in parts]
+    for p in parts:
+        p.grad = None
+    stacked = DenseLinear(torch.cat(parts))(x, **kw)
+    (stacked * torch.arange(out)).sum().backward()
+    torch.testing.assert_close(apart, stacked)
+    for got, p in zip(grads, parts):
+        torch.testing.assert_close(got, p.grad)
+
+
 def test_distill_goes_round_its_prompts_again_while_the_writing_time_lasts(fx):
     """Every prompt answered and time left, the prompts are answered again, up to `generate_rounds` times, every
     later answer sampled (a greedy one would only repeat); at temperature 0 they are answered once."""

@@ -100,8 +100,8 @@ class DenseLinear:
 
 
 class StackedLinear(DenseLinear):
-    """A DenseLinear whose rows are the given tensors stacked at each call (q, k and v as one projection):
-    they stay apart, e.g. as trainable parameters, while the layer runs fused."""
+    """A DenseLinear whose rows are the given tensors (q, k and v as one projection): they stay apart, e.g. as
+    trainable parameters, each part its own product and the outputs joined; `weight` stacks them when asked."""
 
     def __init__(self, *parts: torch.Tensor):
         self.parts = parts
@@ -116,7 +116,7 @@ class StackedLinear(DenseLinear):
         # a product per part and their outputs joined: stacking the weights instead copies them at every call
         # (and back again in a backward pass), where the outputs of a few hundred rows are far smaller
         x = torch_pre_steps(x, in_norm, act, eps)
-        y = torch.cat([F.linear(x, part) for part in self.parts], -1)
+        y = F.linear(x, self.parts[0]) if len(self.parts) == 1 else torch.cat([F.linear(x, p) for p in self.parts], -1)
         return torch_post_steps(y, out_norm, residual, softcap, eps)
 
     def tensors(self) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ from outrider.cli import friendly_errors
 @click.option("--weight-decay", type=float, default=0.0, show_default=True, help="AdamW's weight decay.")
 @click.option("--tokens", "generate_tokens", type=int, default=256, show_default=True,
               help="Tokens the target writes per built-in prompt.")
-@click.option("--rounds", "generate_rounds", type=int, default=4, show_default=True,
+@click.option("--rounds", "generate_rounds", type=click.IntRange(min=1), default=4, show_default=True,
               help="Times the built-in prompts are answered at most while the writing share of the budget lasts "
                    "(rounds after the first sample every answer at T=0.7).")
 @click.option("--stdlib-chunks", type=int, default=400, show_default=True,

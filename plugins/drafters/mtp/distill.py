@@ -221,14 +221,14 @@ def training_text(model, g, tokenizer, settings: DistillSettings, budget: float,
     prompts = list(settings.prompts)
     rng.shuffle(prompts)
     size = math.ceil(len(prompts) / math.ceil(len(prompts) / settings.generate_batch))  # groups of even size
-    ids = [template_or_raw_ids(g, tokenizer, text)[0] for text in prompts]
+    prompt_ids = [template_or_raw_ids(g, tokenizer, text)[0] for text in prompts]
     # a greedy answer is the same every round: only the first round writes them
     rounds = settings.generate_rounds if settings.temperature else 1
     groups = ((first, round_) for round_ in range(rounds) for first in range(0, len(prompts), size))
     for first, round_ in groups:
         if time.perf_counter() - t0 > budget:
             break
-        group = ids[first:first + size]
+        group = prompt_ids[first:first + size]
         temperatures = [settings.temperature if round_ or (first + j) % 2 else 0.0 for j in range(len(group))]
         outs = generate(model, group, settings.generate_tokens, temperatures, gen, stop, t0 + budget)
         sequences += [prompt + out for prompt, out in zip(group, outs)]
@@ -281,7 +281,8 @@ STAGE_FORM = 2
 def corpus_key(settings: DistillSettings) -> tuple:
     """What the stage files depend on: a file made with other values of these is made again."""
     return (settings.generate_tokens, settings.stdlib_chunks, settings.seq_len, settings.draft_vocab, settings.top_k,
-            settings.seed, settings.temperature, settings.prompts, settings.generate_batch, settings.generate_rounds)
+            settings.seed, settings.temperature, settings.prompts, settings.generate_batch,
+            settings.generate_rounds if settings.temperature else 1)
 
 
 def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
