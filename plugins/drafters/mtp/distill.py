@@ -45,10 +45,13 @@ DISTILLABLE = ("llama", "gemma3", "qwen2", "qwen3")  # trunks whose block Traina
 @dataclass
 class DistillSettings:
     minutes: float = 30.0  # wall-clock budget for the whole run
-    generate_share: float = 0.2  # of the budget, at most, for the target writing its own text
+    # of the budget, at most, for the target writing its own text: its answers are what the head drafts in use,
+    # and a share that goes round the prompts a second time paid more than text from the standard library
+    # (docs/bench/mtp.md)
+    generate_share: float = 0.3
     # of the budget, at most, for the target's distributions over the corpus: more text paid more than more passes
-    # over less (docs/bench/mtp.md), and at 30 minutes this leaves training about two passes over what was read
-    teacher_share: float = 0.45
+    # over less (docs/bench/mtp.md), and at 30 minutes this leaves training two or three passes over what was read
+    teacher_share: float = 0.4
     generate_tokens: int = 256  # per built-in prompt
     # answers written side by side, at most: a decode step reads every weight once for all its rows, so up to
     # where the rows' own arithmetic takes over, more rows cost little more time (docs/bench/mtp.md)
