@@ -53,10 +53,10 @@ def main() -> None:
     optimizers = {"unfused": torch.optim.AdamW([p for p in heads["unfused"].parameters() if p.requires_grad],
                                                lr=1e-4),
                   "fused": heads["fused"].optimizer(1e-4), "now": heads["now"].optimizer(1e-4)}
-    per_part_call = StackedLinear.__call__
+    per_part = StackedLinear.product
 
     def run(form: str, n: int) -> float:
-        StackedLinear.__call__ = DenseLinear.__call__ if form != "now" else per_part_call
+        StackedLinear.product = DenseLinear.product if form != "now" else per_part  # the weights stacked, or not
         head, opt = heads[form], optimizers[form]
         t = time.perf_counter()
         for _ in range(n):
@@ -71,7 +71,7 @@ def main() -> None:
             for form in FORMS:
                 times[form].append(run(form, args.steps))
     finally:
-        StackedLinear.__call__ = per_part_call
+        StackedLinear.product = per_part
     flags = " ".join(f for f in cpu_flags().split() if f.startswith(("avx", "amx", "fma", "f16c")))
     bf16 = args.precision == "bf16" or (args.precision == "auto" and cpu_has_bf16_matmul())
     print(f"{args.model}, {args.rows} rows, depth {args.depth}, {'bfloat16 autocast' if bf16 else 'float32'} "

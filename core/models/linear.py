@@ -89,8 +89,11 @@ class DenseLinear:
     def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
                  act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                  softcap: float = 0.0, prompt: bool = False) -> torch.Tensor:
-        y = F.linear(torch_pre_steps(x, in_norm, act, eps), self.weight)
+        y = self.product(torch_pre_steps(x, in_norm, act, eps))
         return torch_post_steps(y, out_norm, residual, softcap, eps)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight[ids]
@@ -110,14 +113,12 @@ class StackedLinear(DenseLinear):
     def weight(self) -> torch.Tensor:
         return torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
 
-    def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
-                 act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                 softcap: float = 0.0, prompt: bool = False) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
         # a product per part and their outputs joined: stacking the weights instead copies them at every call
         # (and back again in a backward pass), where the outputs of a few hundred rows are far smaller
-        x = torch_pre_steps(x, in_norm, act, eps)
-        y = F.linear(x, self.parts[0]) if len(self.parts) == 1 else torch.cat([F.linear(x, p) for p in self.parts], -1)
-        return torch_post_steps(y, out_norm, residual, softcap, eps)
+        if len(self.parts) == 1:
+            return F.linear(x, self.parts[0])
+        return torch.cat([F.linear(x, part) for part in self.parts], -1)
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self.parts)

@@ -79,6 +79,12 @@ class DistillSettings:
     eval_tokens: int = 64
     matrices: str = "Q8_0"  # the sidecar's matrices (`write_sidecar`)
 
+    @property
+    def answer_rounds(self) -> int:
+        """Times the prompts are answered at most: a greedy answer is the same every round, so at temperature 0
+        only the first is written."""
+        return self.generate_rounds if self.temperature else 1
+
 
 @dataclass
 class Sample:
@@ -225,9 +231,7 @@ def training_text(model, g, tokenizer, settings: DistillSettings, budget: float,
     rng.shuffle(prompts)
     size = math.ceil(len(prompts) / math.ceil(len(prompts) / settings.generate_batch))  # groups of even size
     prompt_ids = [template_or_raw_ids(g, tokenizer, text)[0] for text in prompts]
-    # a greedy answer is the same every round: only the first round writes them
-    rounds = settings.generate_rounds if settings.temperature else 1
-    groups = ((first, round_) for round_ in range(rounds) for first in range(0, len(prompts), size))
+    groups = ((first, round_) for round_ in range(settings.answer_rounds) for first in range(0, len(prompts), size))
     for first, round_ in groups:
         if time.perf_counter() - t0 > budget:
             break
@@ -285,7 +289,7 @@ def corpus_key(settings: DistillSettings) -> tuple:
     """What the stage files depend on: a file made with other values of these is made again."""
     return (settings.generate_tokens, settings.stdlib_chunks, settings.seq_len, settings.draft_vocab, settings.top_k,
             settings.seed, settings.temperature, settings.prompts, settings.generate_batch,
-            settings.generate_rounds if settings.temperature else 1)
+            settings.answer_rounds)
 
 
 def epoch_order(n: int, epoch: int, seed: int) -> list[int]:
