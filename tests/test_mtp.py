@@ -323,6 +323,32 @@ def test_distill_writes_its_answers_side_by_side_as_each_would_be_written_alone(
     assert [outs[0], outs[2]] == [ended[0], ended[2]]
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_the_hidden_states_read_while_writing_are_those_a_forward_over_the_text_gives(fx, arch):
+    """`generate(hidden=True)` keeps one row per token the target read (the prompt's, every answer token's but the
+    last): a forward over prompt + answer, the teacher's other way to them, gives the same rows, and the teacher
+    gives the same distributions from either. Answers that stop at a stop token and at the length both."""
+    from outrider.plugins.drafters.mtp.distill import generate, teacher
+
+    model, gen = fx.target(arch).model, torch.Generator().manual_seed(0)
+    prompts = [[1, 5, 9], [2, 4, 6, 8, 10, 12, 14], [3]]
+    greedy = fx.plain_greedy(arch, prompts[0], 6)
+    stop = {greedy[3]} - set(greedy[:3])  # the first answer ends early where it can
+    outs, rows = generate(model, prompts, 6, [0.0, 0.7, 0.0], gen, stop, hidden=True)
+    assert outs[0] == greedy[:4] if stop else len(outs[0]) == 6
+    vocab_ids = torch.arange(0, model.config.vocab_size, 3)
+    draft_rows = model.output.rows(vocab_ids).float()
+    for prompt, out, h in zip(prompts, outs, rows):
+        tokens = prompt + out[:-1]
+        assert h.dtype == torch.float16 and h.shape == (len(tokens), model.config.hidden_size)
+        read = teacher(model, tokens, draft_rows, top_k=4)
+        kept = teacher(model, tokens, draft_rows, top_k=4, hidden=h)
+        scale = read.hidden.float().abs().max()
+        torch.testing.assert_close(kept.hidden.float(), read.hidden.float(), atol=0.02 * scale, rtol=0)
+        dense = lambda s: torch.zeros(len(tokens), len(vocab_ids)).scatter(1, s.top_ids, s.top_p)
+        torch.testing.assert_close(dense(kept), dense(read), atol=0.02, rtol=0)
+
+
 @pytest.mark.parametrize("n_parts", [1, 3])
 @pytest.mark.parametrize("options", [{}, {"act": "silu"}, {"in_norm": True, "out_norm": True, "residual": True,
                                                            "softcap": 5.0}])
@@ -363,7 +389,7 @@ def test_distill_goes_round_its_prompts_again_while_the_writing_time_lasts(fx):
 
     def corpus(**kw):
         settings = DistillSettings(generate_tokens=6, stdlib_chunks=0, prompts=prompts, **kw)
-        return training_text(model, g, tokenizer, settings, 1e6, random.Random(0), torch.Generator().manual_seed(0))
+        return training_text(model, g, tokenizer, settings, 1e6, random.Random(0), torch.Generator().manual_seed(0))[0]
 
     rounds = corpus(generate_rounds=3)
     ids = [template_or_raw_ids(g, tokenizer, text)[0] for text in prompts]

@@ -63,16 +63,18 @@ class Decoder:
         return (logits, h) if hidden else logits
 
     @torch.inference_mode()
-    def step_sequences(self, tokens: torch.Tensor, starts: list[int], caches: list[KVCache]) -> torch.Tensor:
+    def step_sequences(self, tokens: torch.Tensor, starts: list[int], caches: list[KVCache], hidden: bool = False):
         """Logits [B, vocab] (float32) of one decode step of B independent sequences at once: tokens[b] at
-        position starts[b] of caches[b], each cache's length set to starts[b] + 1. Gemma 4, whose layers are its
-        own, has none."""
+        position starts[b] of caches[b], each cache's length set to starts[b] + 1; with `hidden`, also the
+        final-normed hidden states [B, hidden_size]. Gemma 4, whose layers are its own, has none."""
         if len(caches) == 1:  # the native stack's one call, which the loop of layers over several caches is not
-            return self.forward(tokens, starts[0], caches[0])
+            return self.forward(tokens, starts[0], caches[0], hidden=hidden)
         x = self.stack.run_sequences(self._embedded(tokens), starts, caches)
         for cache, start in zip(caches, starts):
             cache.length = start + 1
-        return self.output(rms_norm(x, self.output_norm, self.config.eps), softcap=self.logit_softcap).float()
+        h = rms_norm(x, self.output_norm, self.config.eps)
+        logits = self.output(h, softcap=self.logit_softcap).float()
+        return (logits, h) if hidden else logits
 
     def _embedded(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens)

@@ -320,7 +320,7 @@ class Gemma4(Decoder):
         layer of its kind. `new_cache` holds `config.n_kv_layers` layers, indexed by these numbers."""
         return self.config.kv_source_layer
 
-    def step_sequences(self, tokens: torch.Tensor, starts: list[int], caches: list[KVCache]) -> torch.Tensor:
+    def step_sequences(self, tokens: torch.Tensor, starts: list[int], caches: list[KVCache], hidden: bool = False):
         raise NotImplementedError("Gemma 4 steps one sequence at a time (its layers share K/V across layers)")
 
     def new_cache(self, max_len: int | None = None) -> KVCache:

@@ -10,7 +10,8 @@ feature term: chained drafts feed the head's h' where the target's h_p would be)
 shallower drafts' keys in its attention); each depth adds to a step's time (when that pays: docs/bench/mtp.md).
 The text: what the target itself writes from a built-in prompt set (code, chat, prose), then as much of the
 Python standard library's sources as the budget lets the target read (a prefill gives every position's
-distribution at once).
+distribution at once). The target's hidden states over its own answers are kept as it writes them, so the teacher
+reads only the library's text again.
 
 The head's output layer covers a reduced draft vocabulary (FR-Spec): the `draft_vocab` most frequent tokens
 of that text, mapped back to target ids in `blk.{n}.nextn.draft_vocab`; its rows are the target's own output
@@ -122,12 +123,16 @@ def stdlib_texts(n: int, rng: random.Random, chars: int = 4000) -> list[str]:
 
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], n: int, temperatures: list[float], generator: torch.Generator,
-             stop: set[int], deadline: float = math.inf) -> list[list[int]]:
+             stop: set[int], deadline: float = math.inf, hidden: bool = False):
     """The target's own continuations of `prompts`, written side by side (`step_sequences`: a step of several
     sequences costs little more than a step of one), each sampled at its temperature (greedy at 0) and ending
-    at a stop token, after `n` tokens, or where `perf_counter()` passes `deadline` (what is written so far)."""
+    at a stop token, after `n` tokens, or where `perf_counter()` passes `deadline` (what is written so far).
+    With `hidden`, also each sequence's final-normed hidden states (float16), one row per token the target read:
+    the prompt's and every answer token's but the last, which it never reads."""
     caches = [model.new_cache(len(p) + n + 1) for p in prompts]
-    logits = torch.stack([model.forward(torch.tensor(p), 0, c, last_only=True)[-1] for p, c in zip(prompts, caches)])
+    firsts = [model.forward(torch.tensor(p), 0, c, hidden=True, last_only=True) for p, c in zip(prompts, caches)]
+    logits = torch.stack([first[0][-1] for first in firsts])
+    rows: list[list[torch.Tensor]] = [[h.half()] for _, h in firsts] if hidden else [[] for _ in prompts]
     outs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
     for _ in range(n):
@@ -143,19 +148,24 @@ def generate(model, prompts: list[list[int]], n: int, temperatures: list[float],
         if not keep or time.perf_counter() > deadline:
             break
         active = [active[j] for j in keep]
-        logits = model.step_sequences(torch.tensor([tokens[j] for j in keep]),
-                                      [len(prompts[b]) + len(outs[b]) - 1 for b in active], [caches[b] for b in active])
-    return outs
+        logits, h = model.step_sequences(torch.tensor([tokens[j] for j in keep]),
+                                         [len(prompts[b]) + len(outs[b]) - 1 for b in active],
+                                         [caches[b] for b in active], hidden=True)
+        if hidden:
+            for b, row in zip(active, h.half()):
+                rows[b].append(row[None])
+    return (outs, [torch.cat(r) for r in rows]) if hidden else outs
 
 
 @torch.no_grad()  # not inference_mode: what it returns is trained against
-def teacher(model, tokens: list[int], draft_rows: torch.Tensor, top_k: int) -> Sample:
+def teacher(model, tokens: list[int], draft_rows: torch.Tensor, top_k: int, hidden: torch.Tensor | None = None) -> Sample:
     """The target's hidden states and its top-k next-token probabilities within the draft vocabulary (`draft_rows`:
     its output rows there). The head drafts no other token, and skipping the rest of the output layer makes the
-    teacher markedly faster (docs/bench/mtp.md). `top_ids` index the draft vocabulary, as the loss gathers them."""
-    # a prompt-mode forward (every row's hidden kept, no output layer): the fast summation order, as a prefill
-    _, hidden = model.forward(torch.tensor(tokens), 0, model.new_cache(len(tokens)), hidden=True, last_only=True)
-    p, ids = torch.softmax(target_logits(hidden, draft_rows, model.logit_softcap), -1).topk(top_k, dim=-1)
+    teacher markedly faster (docs/bench/mtp.md). `top_ids` index the draft vocabulary, as the loss gathers them.
+    `hidden`: the target's hidden states of `tokens`, read while it wrote them; without them, a forward."""
+    if hidden is None:  # a prompt-mode forward (every row's hidden kept, no output layer): the fast summation order
+        _, hidden = model.forward(torch.tensor(tokens), 0, model.new_cache(len(tokens)), hidden=True, last_only=True)
+    p, ids = torch.softmax(target_logits(hidden.float(), draft_rows, model.logit_softcap), -1).topk(top_k, dim=-1)
     return Sample(torch.tensor(tokens), hidden.half(), ids, p / p.sum(-1, keepdim=True))
 
 
@@ -218,13 +228,15 @@ def load_trunk(model_name: str):
 
 
 def training_text(model, g, tokenizer, settings: DistillSettings, budget: float, rng: random.Random,
-                  gen: torch.Generator) -> list[list[int]]:
+                  gen: torch.Generator) -> tuple[list[list[int]], list[torch.Tensor | None]]:
     """The corpus, as token sequences: what the target writes from the built-in prompts, in a seeded order,
     within `budget` seconds (every other one greedily, the rest at the settings' temperature; with every prompt
     answered and time left, they go round again, all at the temperature, up to `generate_rounds` times), then
-    standard-library chunks. The teacher reads them in this order, so its own text always goes in."""
+    standard-library chunks. The teacher reads them in this order, so its own text always goes in. Beside each
+    sequence, the target's hidden states of it where it wrote it (its answers; `generate`), else None: the teacher
+    need not read those again."""
     stop = set(tokenizer.eog_ids)
-    sequences = []
+    sequences, rows = [], []
     bar = _bar(budget, "target writes training text")
     t0 = time.perf_counter()
     prompts = list(settings.prompts)
@@ -237,8 +249,9 @@ def training_text(model, g, tokenizer, settings: DistillSettings, budget: float,
             break
         group = prompt_ids[first:first + size]
         temperatures = [settings.temperature if round_ or (first + j) % 2 else 0.0 for j in range(len(group))]
-        outs = generate(model, group, settings.generate_tokens, temperatures, gen, stop, t0 + budget)
+        outs, hidden = generate(model, group, settings.generate_tokens, temperatures, gen, stop, t0 + budget, True)
         sequences += [prompt + out for prompt, out in zip(group, outs)]
+        rows += hidden
         bar.set_postfix_str(f"{len(sequences)} answers, {sum(map(len, outs))} tokens in the last batch")
         _advance(bar, t0)
     bar.close()
@@ -248,7 +261,7 @@ def training_text(model, g, tokenizer, settings: DistillSettings, budget: float,
         for j in range(0, max(1, len(ids) - settings.seq_len // 2), settings.seq_len):
             stdlib.append(ids[j:j + settings.seq_len])
     rng.shuffle(stdlib)
-    return sequences + stdlib
+    return sequences + stdlib, rows + [None] * len(stdlib)
 
 
 def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int) -> torch.Tensor:
@@ -258,19 +271,24 @@ def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int) -> 
     return torch.from_numpy(np.sort(frequent).astype(np.int64))
 
 
-def teacher_split(model, sequences: list[list[int]], vocab_ids: torch.Tensor, settings: DistillSettings,
-                  budget: float) -> tuple[list[Sample], list[Sample]]:
+def teacher_split(model, sequences: list[list[int]], rows: list[torch.Tensor | None], vocab_ids: torch.Tensor,
+                  settings: DistillSettings, budget: float) -> tuple[list[Sample], list[Sample]]:
     """The target's distributions over the corpus cut into pieces, in the corpus' order, within `budget`
-    seconds (pieces not reached are left out), split into (held-out, training) by a seeded draw."""
+    seconds (pieces not reached are left out), split into (held-out, training) by a seeded draw. A sequence with
+    its hidden states (`rows`, one per token but its last) costs only the draft vocabulary's output rows."""
     draft_rows = model.output.rows(vocab_ids).float()
-    pieces = [s[j:j + settings.seq_len] for s in sequences for j in range(0, len(s), settings.seq_len)]
-    pieces = [p for p in pieces if len(p) >= 8]
+    pieces = []
+    for s, h in zip(sequences, rows):
+        s = s if h is None else s[:len(h)]
+        pieces += [(s[j:j + settings.seq_len], None if h is None else h[j:j + settings.seq_len])
+                   for j in range(0, len(s), settings.seq_len)]
+    pieces = [(p, h) for p, h in pieces if len(p) >= 8]
     samples, read, t0 = [], 0, time.perf_counter()
     bar = _bar(budget, "the target's distributions")
-    for piece in pieces:
+    for piece, hidden in pieces:
         if samples and time.perf_counter() - t0 > budget:
             break
-        samples.append(teacher(model, piece, draft_rows, settings.top_k))
+        samples.append(teacher(model, piece, draft_rows, settings.top_k, hidden))
         read += len(piece)
         bar.set_postfix_str(f"{len(samples)} sequences, {read} tokens")
         _advance(bar, t0)
@@ -280,9 +298,9 @@ def teacher_split(model, sequences: list[list[int]], vocab_ids: torch.Tensor, se
     return samples[:n_held], samples[n_held:] or samples[:1]
 
 
-# of the stage files; a file of another form is made again. Teacher files from before the teacher kept to the draft
-# vocabulary stay valid on purpose: their top-k, mapped into it, differs little and trains the same head
-STAGE_FORM = 2
+# of the stage files; a file of another form is made again (3: the corpus holds the hidden states of the target's
+# answers, which the teacher reads instead of running the target over them again)
+STAGE_FORM = 3
 
 
 def corpus_key(settings: DistillSettings) -> tuple:
@@ -404,9 +422,9 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
 
     corpus = load("corpus")
     if corpus is None:
-        sequences = training_text(model, g, tokenizer, settings, settings.generate_share * settings.minutes * 60,
-                                  rng, gen)
-        corpus = {"sequences": sequences,
+        sequences, rows = training_text(model, g, tokenizer, settings,
+                                        settings.generate_share * settings.minutes * 60, rng, gen)
+        corpus = {"sequences": sequences, "rows": rows,
                   "vocab_ids": draft_vocabulary(sequences, model.config.vocab_size, settings.draft_vocab)}
         store("corpus", corpus)
     else:
@@ -414,7 +432,7 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     vocab_ids = corpus["vocab_ids"]
     data = load("teacher")
     if data is None:
-        held, train_samples = teacher_split(model, corpus["sequences"], vocab_ids, settings,
+        held, train_samples = teacher_split(model, corpus["sequences"], corpus["rows"], vocab_ids, settings,
                                             min(settings.teacher_share * settings.minutes * 60,
                                                 max(deadline - time.perf_counter(), 0)))
         store("teacher", {"held": held, "train": train_samples})
