@@ -327,26 +327,50 @@ def test_distill_writes_its_answers_side_by_side_as_each_would_be_written_alone(
 def test_the_hidden_states_read_while_writing_are_those_a_forward_over_the_text_gives(fx, arch):
     """`generate(hidden=True)` keeps one row per token the target read (the prompt's, every answer token's but the
     last): a forward over prompt + answer, the teacher's other way to them, gives the same rows, and the teacher
-    gives the same distributions from either. Answers that stop at a stop token and at the length both."""
+    gives the same distributions from either. Answers that stop at a stop token and at the length both, several side
+    by side and one alone (`step_sequences`' two paths)."""
     from outrider.plugins.drafters.mtp.distill import generate, teacher
 
     model, gen = fx.target(arch).model, torch.Generator().manual_seed(0)
     prompts = [[1, 5, 9], [2, 4, 6, 8, 10, 12, 14], [3]]
     greedy = fx.plain_greedy(arch, prompts[0], 6)
     stop = {greedy[3]} - set(greedy[:3])  # the first answer ends early where it can
-    outs, rows = generate(model, prompts, 6, [0.0, 0.7, 0.0], gen, stop, hidden=True)
-    assert outs[0] == greedy[:4] if stop else len(outs[0]) == 6
     vocab_ids = torch.arange(0, model.config.vocab_size, 3)
     draft_rows = model.output.rows(vocab_ids).float()
-    for prompt, out, h in zip(prompts, outs, rows):
-        tokens = prompt + out[:-1]
-        assert h.dtype == torch.float16 and h.shape == (len(tokens), model.config.hidden_size)
-        read = teacher(model, tokens, draft_rows, top_k=4)
-        kept = teacher(model, tokens, draft_rows, top_k=4, hidden=h)
-        scale = read.hidden.float().abs().max()
-        torch.testing.assert_close(kept.hidden.float(), read.hidden.float(), atol=0.02 * scale, rtol=0)
-        dense = lambda s: torch.zeros(len(tokens), len(vocab_ids)).scatter(1, s.top_ids, s.top_p)
-        torch.testing.assert_close(dense(kept), dense(read), atol=0.02, rtol=0)
+    for group, temperatures in ((prompts, [0.0, 0.7, 0.0]), (prompts[1:2], [0.0])):
+        outs, rows = generate(model, group, 6, temperatures, gen, stop, hidden=True)
+        if group is prompts:
+            assert outs[0] == greedy[:4] if stop else len(outs[0]) == 6
+        for prompt, out, h in zip(group, outs, rows):
+            tokens = prompt + out[:-1]
+            assert h.dtype == torch.float16 and h.shape == (len(tokens), model.config.hidden_size)
+            read = teacher(model, tokens, draft_rows, top_k=4)
+            kept = teacher(model, tokens, draft_rows, top_k=4, hidden=h)
+            scale = read.hidden.float().abs().amax(-1, keepdim=True)  # per row: the norm's gains differ by channel
+            assert ((kept.hidden.float() - read.hidden.float()).abs() <= 0.02 * scale).all()
+            dense = lambda s: torch.zeros(len(tokens), len(vocab_ids)).scatter(1, s.top_ids, s.top_p)
+            torch.testing.assert_close(dense(kept), dense(read), atol=0.02, rtol=0)
+
+
+def test_the_teacher_cuts_kept_states_into_the_pieces_of_their_text(fx):
+    """`teacher_split` over an answer with its kept states and a text without: every piece of the answer carries the
+    very rows of its tokens (the answer cut to the rows it has: its last token was never read), the text's pieces
+    a forward's, pieces under 8 tokens left out."""
+    from outrider.plugins.drafters.mtp.distill import DistillSettings, generate, teacher_split
+
+    model = fx.target("qwen2").model
+    prompt = [2, 4, 6, 8, 10, 12, 14]
+    outs, rows = generate(model, [prompt], 12, [0.0], torch.Generator(), set(), hidden=True)
+    answer, text = prompt + outs[0], list(range(20, 37))  # 19 tokens and 18 rows; 17 tokens
+    settings = DistillSettings(seq_len=8, top_k=4, held_out=0.5)
+    held, train = teacher_split(model, [answer, text], [rows[0], None], torch.arange(0, model.config.vocab_size, 3),
+                                settings, budget=1e6)
+    samples = {tuple(s.tokens.tolist()): s for s in held + train}
+    assert sorted(samples) == sorted([tuple(answer[0:8]), tuple(answer[8:16]), tuple(text[0:8]), tuple(text[8:16])])
+    for j in (0, 8):
+        assert torch.equal(samples[tuple(answer[j:j + 8])].hidden, rows[0][j:j + 8])
+    _, forward = model.forward(torch.tensor(text[8:16]), 0, model.new_cache(8), hidden=True, last_only=True)
+    torch.testing.assert_close(samples[tuple(text[8:16])].hidden, forward.half())
 
 
 @pytest.mark.parametrize("n_parts", [1, 3])

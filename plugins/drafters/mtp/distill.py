@@ -128,11 +128,12 @@ def generate(model, prompts: list[list[int]], n: int, temperatures: list[float],
     sequences costs little more than a step of one), each sampled at its temperature (greedy at 0) and ending
     at a stop token, after `n` tokens, or where `perf_counter()` passes `deadline` (what is written so far).
     With `hidden`, also each sequence's final-normed hidden states (float16), one row per token the target read:
-    the prompt's and every answer token's but the last, which it never reads."""
+    the prompt's and those of the answer but its last token, which it never reads."""
     caches = [model.new_cache(len(p) + n + 1) for p in prompts]
-    firsts = [model.forward(torch.tensor(p), 0, c, hidden=True, last_only=True) for p, c in zip(prompts, caches)]
-    logits = torch.stack([first[0][-1] for first in firsts])
+    firsts = [model.forward(torch.tensor(p), 0, c, hidden=hidden, last_only=True) for p, c in zip(prompts, caches)]
+    logits = torch.stack([(first[0] if hidden else first)[-1] for first in firsts])
     rows: list[list[torch.Tensor]] = [[h.half()] for _, h in firsts] if hidden else [[] for _ in prompts]
+    del firsts
     outs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
     for _ in range(n):
@@ -275,7 +276,8 @@ def teacher_split(model, sequences: list[list[int]], rows: list[torch.Tensor | N
                   settings: DistillSettings, budget: float) -> tuple[list[Sample], list[Sample]]:
     """The target's distributions over the corpus cut into pieces, in the corpus' order, within `budget`
     seconds (pieces not reached are left out), split into (held-out, training) by a seeded draw. A sequence with
-    its hidden states (`rows`, one per token but its last) costs only the draft vocabulary's output rows."""
+    its hidden states (`rows`, one per token but its last) costs only the draft vocabulary's output rows; a piece
+    of it past the first keeps the states of the whole answer before it, as the target has them when it drafts."""
     draft_rows = model.output.rows(vocab_ids).float()
     pieces = []
     for s, h in zip(sequences, rows):
@@ -298,9 +300,10 @@ def teacher_split(model, sequences: list[list[int]], rows: list[torch.Tensor | N
     return samples[:n_held], samples[n_held:] or samples[:1]
 
 
-# of the stage files; a file of another form is made again (3: the corpus holds the hidden states of the target's
-# answers, which the teacher reads instead of running the target over them again)
-STAGE_FORM = 3
+# of the stage files; a file of another form is made again. Teacher files from before the teacher kept to the draft
+# vocabulary stay valid on purpose: their top-k, mapped into it, differs little and trains the same head; so do
+# corpus files from before the target's states of its answers were kept (the teacher reads those answers again)
+STAGE_FORM = 2
 
 
 def corpus_key(settings: DistillSettings) -> tuple:
@@ -432,7 +435,8 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     vocab_ids = corpus["vocab_ids"]
     data = load("teacher")
     if data is None:
-        held, train_samples = teacher_split(model, corpus["sequences"], corpus["rows"], vocab_ids, settings,
+        rows = corpus.get("rows") or [None] * len(corpus["sequences"])  # a corpus from before rows were kept
+        held, train_samples = teacher_split(model, corpus["sequences"], rows, vocab_ids, settings,
                                             min(settings.teacher_share * settings.minutes * 60,
                                                 max(deadline - time.perf_counter(), 0)))
         store("teacher", {"held": held, "train": train_samples})
