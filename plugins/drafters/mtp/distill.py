@@ -130,10 +130,14 @@ def generate(model, prompts: list[list[int]], n: int, temperatures: list[float],
     With `hidden`, also each sequence's final-normed hidden states (float16), one row per token the target read:
     the prompt's and those of the answer but its last token, which it never reads."""
     caches = [model.new_cache(len(p) + n + 1) for p in prompts]
-    firsts = [model.forward(torch.tensor(p), 0, c, hidden=hidden, last_only=True) for p, c in zip(prompts, caches)]
-    logits = torch.stack([(first[0] if hidden else first)[-1] for first in firsts])
-    rows: list[list[torch.Tensor]] = [[h.half()] for _, h in firsts] if hidden else [[] for _ in prompts]
-    del firsts
+    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+    last = []
+    for p, c, kept in zip(prompts, caches, rows):
+        logits, h = model.forward(torch.tensor(p), 0, c, hidden=True, last_only=True)
+        last.append(logits[-1])
+        if hidden:
+            kept.append(h.half())
+    logits = torch.stack(last)
     outs: list[list[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
     for _ in range(n):
@@ -250,7 +254,8 @@ def training_text(model, g, tokenizer, settings: DistillSettings, budget: float,
             break
         group = prompt_ids[first:first + size]
         temperatures = [settings.temperature if round_ or (first + j) % 2 else 0.0 for j in range(len(group))]
-        outs, hidden = generate(model, group, settings.generate_tokens, temperatures, gen, stop, t0 + budget, True)
+        outs, hidden = generate(model, group, settings.generate_tokens, temperatures, gen, stop, t0 + budget,
+                               hidden=True)
         sequences += [prompt + out for prompt, out in zip(group, outs)]
         rows += hidden
         bar.set_postfix_str(f"{len(sequences)} answers, {sum(map(len, outs))} tokens in the last batch")
