@@ -373,6 +373,57 @@ def test_the_teacher_cuts_kept_states_into_the_pieces_of_their_text(fx):
     torch.testing.assert_close(samples[tuple(text[8:16])].hidden, forward.half())
 
 
+def test_the_teacher_stops_where_it_has_read_enough(fx):
+    """With `enough`, `teacher_split` reads pieces in the corpus' order until it says the tokens read are enough:
+    the piece that crossed the line is kept, none after it."""
+    from outrider.plugins.drafters.mtp.distill import DistillSettings, teacher_split
+
+    model = fx.target("qwen2").model
+    texts = [list(range(20 + 10 * i, 28 + 10 * i)) for i in range(5)]  # five pieces of 8 tokens
+    asked = []
+
+    def enough(read):
+        asked.append(read)
+        return read >= 20
+
+    held, train = teacher_split(model, texts, [None] * 5, torch.arange(0, model.config.vocab_size, 3),
+                                DistillSettings(seq_len=8, top_k=4, held_out=0.5), budget=1e6, enough=enough)
+    assert sorted(tuple(s.tokens.tolist()) for s in held + train) == [tuple(t) for t in texts[:3]]
+    assert asked == [8, 16, 24]
+
+
+def test_distill_reads_no_more_text_than_its_training_can_pass_over(fx, tmp_path, monkeypatch):
+    """Bound by time, distill times a training step first; the teacher stops once the training the rest of the
+    budget buys would pass over what it read fewer than `passes` times: a machine that trains slowly reads less
+    (here one piece), a quick one reads what its share of the time allows. distill's clock is a counter here (every
+    reading 0.05 s later), so the run is the same on a loaded machine."""
+    from outrider.plugins.drafters.mtp import distill as module
+
+    _, g, model, _ = module.load_trunk(str(fx.model_path("llama")))
+    settings = lambda: module.DistillSettings(minutes=0.5, generate_tokens=12, stdlib_chunks=2, draft_vocab=64,
+                                              eval_tokens=0, prompts=("Hello there", "def f(x):"), seq_len=16,
+                                              matrices="F16", fresh=True)
+    assert module.training_tokens_per_second(model, g, torch.arange(64), settings()) > 0
+
+    class Clock:
+        now = 0.0
+
+        def perf_counter(self):
+            self.now += 0.05
+            return self.now
+
+    def read(rate):
+        monkeypatch.setattr(module, "training_tokens_per_second", lambda *args: rate)
+        monkeypatch.setattr(module, "time", Clock())
+        out = tmp_path / f"{rate}" / "head.mtp.gguf"
+        module.distill(str(fx.model_path("llama")), settings(), out, echo=lambda line: None)
+        data = torch.load(out.with_suffix(".teacher.pt"), weights_only=False)
+        return {tuple(s.tokens.tolist()) for s in data["held"] + data["train"]}
+
+    slow, quick = read(1e-6), read(1e9)
+    assert len(slow) == 1 and len(quick) > 4 and slow <= quick
+
+
 @pytest.mark.parametrize("n_parts", [1, 3])
 @pytest.mark.parametrize("options", [{}, {"act": "silu"}, {"in_norm": True, "out_norm": True, "residual": True,
                                                            "softcap": 5.0}])

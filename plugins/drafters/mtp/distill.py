@@ -51,8 +51,12 @@ class DistillSettings:
     # (docs/bench/mtp.md)
     generate_share: float = 0.3
     # of the budget, at most, for the target's distributions over the corpus: more text paid more than more passes
-    # over less (docs/bench/mtp.md), and at 30 minutes this leaves training two or three passes over what was read
+    # over less where steps are quick (docs/bench/mtp.md)
     teacher_share: float = 0.4
+    # the teacher stops reading once the training the rest of the budget buys (at a step time measured before it)
+    # would pass over its text fewer times than this: where steps are slow (float32 training on a CPU without
+    # bfloat16 arithmetic) more text than the steps can reach buys nothing, and its time goes to training instead
+    passes: float = 3.0
     generate_tokens: int = 256  # per built-in prompt
     # answers written side by side, at most: a decode step reads every weight once for all its rows, so up to
     # where the rows' own arithmetic takes over, more rows cost little more time (docs/bench/mtp.md)
@@ -278,9 +282,11 @@ def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int) -> 
 
 
 def teacher_split(model, sequences: list[list[int]], rows: list[torch.Tensor | None], vocab_ids: torch.Tensor,
-                  settings: DistillSettings, budget: float) -> tuple[list[Sample], list[Sample]]:
+                  settings: DistillSettings, budget: float, enough: Callable[[int], bool] | None = None
+                  ) -> tuple[list[Sample], list[Sample]]:
     """The target's distributions over the corpus cut into pieces, in the corpus' order, within `budget`
-    seconds (pieces not reached are left out), split into (held-out, training) by a seeded draw. A sequence with
+    seconds or until `enough(tokens read)` (pieces not reached are left out), split into (held-out, training) by a
+    seeded draw. A sequence with
     its hidden states (`rows`, one per token but its last) costs only the draft vocabulary's output rows; a piece
     of it past the first keeps the states of the whole answer before it, as the target has them when it drafts."""
     draft_rows = model.output.rows(vocab_ids).float()
@@ -293,7 +299,7 @@ def teacher_split(model, sequences: list[list[int]], rows: list[torch.Tensor | N
     samples, read, t0 = [], 0, time.perf_counter()
     bar = _bar(budget, "the target's distributions")
     for piece, hidden in pieces:
-        if samples and time.perf_counter() - t0 > budget:
+        if samples and (time.perf_counter() - t0 > budget or (enough is not None and enough(read))):
             break
         samples.append(teacher(model, piece, draft_rows, settings.top_k, hidden))
         read += len(piece)
@@ -303,6 +309,25 @@ def teacher_split(model, sequences: list[list[int]], rows: list[torch.Tensor | N
     random.Random(settings.seed + 1).shuffle(samples)
     n_held = min(max(1, int(len(samples) * settings.held_out)), settings.max_held_out)
     return samples[:n_held], samples[n_held:] or samples[:1]
+
+
+def training_tokens_per_second(model, g, vocab_ids: torch.Tensor, settings: DistillSettings) -> float:
+    """The tokens a training step passes over per second here, timed on a throwaway head and a made-up sample of
+    full length (the quicker of two steps after one that warms up); what the head learns does not depend on it."""
+    head = TrainableHead(model, g, vocab_ids)
+    optimizer = head.optimizer(settings.lr, settings.weight_decay)
+    gen = torch.Generator().manual_seed(settings.seed)
+    n = settings.seq_len
+    tokens = torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()
+    hidden = torch.randn(n, model.config.hidden_size, generator=gen).to(model.device)
+    s = teacher(model, tokens, model.output.rows(vocab_ids).float(), settings.top_k, hidden)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        head.train_step(optimizer, lambda: sample_loss(head, s, settings.feature_weight, settings.depth),
+                        settings.precision)
+        times.append(time.perf_counter() - t0)
+    return n / max(min(times[1:]), 1e-9)
 
 
 # of the stage files; a file of another form is made again. Teacher files from before the teacher kept to the draft
@@ -386,8 +411,8 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
             echo: Callable[[str], None] = print, on_step: Callable[[int], None] | None = None) -> DistillReport:
     """The whole run, resumable at every stage: the trunk; the corpus and draft vocabulary; the target's
     distributions; training (checkpointed); the sidecar; the held-out evaluation. The budget goes at most
-    `generate_share` to writing text and `teacher_share` to the distributions, and training ends with 5%
-    left for the sidecar and the check. An interrupt (Ctrl-C) during training saves where it stood."""
+    `generate_share` to writing text and `teacher_share` to the distributions (less where training could not pass
+    over more text `passes` times), and training ends with 5% left for the sidecar and the check. An interrupt (Ctrl-C) during training saves where it stood."""
     from outrider.plugins.drafters.mtp.drafter import mtp_sidecar_path
 
     if settings.depth < 1:
@@ -400,6 +425,7 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
                           f"{PRECISIONS[-1]}")
     start = time.perf_counter()
     deadline = start + settings.minutes * 60
+    reserve = 0.05 * settings.minutes * 60  # of the budget, after training: the sidecar and the check
     rng, gen = random.Random(settings.seed), torch.Generator().manual_seed(settings.seed)
     torch.manual_seed(settings.seed)
     path, g, model, tokenizer = load_trunk(model_name)
@@ -441,9 +467,15 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     data = load("teacher")
     if data is None:
         rows = corpus.get("rows") or [None] * len(corpus["sequences"])  # a corpus from before rows were kept
+        enough = None
+        if not settings.steps:
+            rate, train_end = training_tokens_per_second(model, g, vocab_ids, settings), deadline - reserve
+            echo(f"a training step passes over {rate:.0f} tokens/s here: the target reads no more text than the "
+                 f"training left can pass over {settings.passes:g} times")
+            enough = lambda read: read * settings.passes >= (train_end - time.perf_counter()) * rate
         held, train_samples = teacher_split(model, corpus["sequences"], rows, vocab_ids, settings,
                                             min(settings.teacher_share * settings.minutes * 60,
-                                                max(deadline - time.perf_counter(), 0)))
+                                                max(deadline - time.perf_counter(), 0)), enough)
         store("teacher", {"held": held, "train": train_samples})
     else:
         echo(f"reading the target's distributions from {files['teacher']}")
@@ -470,7 +502,7 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     # a run stopped before its training budget was spent goes on with the rest of it (no more than this run's
     # budget allows), along the same learning rate curve; a finished run run again trains further, for a new
     # budget. A run bound by --steps keeps no time budget.
-    budget, spent = max(deadline - time.perf_counter() - 0.05 * settings.minutes * 60, 0), 0.0
+    budget, spent = max(deadline - time.perf_counter() - reserve, 0), 0.0
     if settings.steps:
         budget = 0.0
     elif state is not None and state.get("seconds", 0.0) < state.get("budget", 0.0):
