@@ -374,36 +374,39 @@ def test_the_teacher_cuts_kept_states_into_the_pieces_of_their_text(fx):
 
 
 def test_the_teacher_stops_where_it_has_read_enough(fx):
-    """With `enough`, `teacher_split` reads pieces in the corpus' order until it says the tokens read are enough:
-    the piece that crossed the line is kept, none after it."""
+    """With `enough`, `teacher_split` reads pieces in the corpus' order until it says the training pieces read (the
+    held-out ones left out of the count) are enough: the piece that crossed the line is kept, none after it."""
     from outrider.plugins.drafters.mtp.distill import DistillSettings, teacher_split
 
     model = fx.target("qwen2").model
-    texts = [list(range(20 + 10 * i, 28 + 10 * i)) for i in range(5)]  # five pieces of 8 tokens
+    texts = [list(range(20 + 10 * i, 28 + 10 * i)) for i in range(6)]  # six pieces of 8 tokens
     asked = []
 
-    def enough(read):
-        asked.append(read)
-        return read >= 20
+    def enough(pieces):
+        asked.append(pieces)
+        return pieces >= 2
 
-    held, train = teacher_split(model, texts, [None] * 5, torch.arange(0, model.config.vocab_size, 3),
-                                DistillSettings(seq_len=8, top_k=4, held_out=0.5), budget=1e6, enough=enough)
+    held, train = teacher_split(model, texts, [None] * 6, torch.arange(0, model.config.vocab_size, 3),
+                                DistillSettings(seq_len=8, top_k=4), budget=1e6, enough=enough)
     assert sorted(tuple(s.tokens.tolist()) for s in held + train) == [tuple(t) for t in texts[:3]]
-    assert asked == [8, 16, 24]
+    assert asked == [0, 1, 2] and len(held) == 1
 
 
 def test_distill_reads_no_more_text_than_its_training_can_pass_over(fx, tmp_path, monkeypatch):
-    """Bound by time, distill times a training step first; the teacher stops once the training the rest of the
-    budget buys would pass over what it read fewer than `passes` times: a machine that trains slowly reads less
-    (here one piece), a quick one reads what its share of the time allows. distill's clock is a counter here (every
-    reading 0.05 s later), so the run is the same on a loaded machine."""
+    """Bound by time, distill times a training step first (on a head of its own: the run's random state and the
+    trunk are untouched); the teacher stops once the steps the rest of the budget buys would pass over its training
+    pieces fewer than `passes` times: a machine that trains slowly reads one training piece, a quick one what its share of
+    the time allows, and one in between as many as the training it is left with passes over `passes` times.
+    distill's clock is a counter here (every reading 0.05 s later), so the run is the same on a loaded machine."""
     from outrider.plugins.drafters.mtp import distill as module
 
     _, g, model, _ = module.load_trunk(str(fx.model_path("llama")))
     settings = lambda: module.DistillSettings(minutes=0.5, generate_tokens=12, stdlib_chunks=2, draft_vocab=64,
                                               eval_tokens=0, prompts=("Hello there", "def f(x):"), seq_len=16,
-                                              matrices="F16", fresh=True)
-    assert module.training_tokens_per_second(model, g, torch.arange(64), settings()) > 0
+                                              matrices="F16", fresh=True, passes=2.0)
+    rng, norm = torch.get_rng_state(), model.output_norm.clone()
+    assert module.step_seconds(model, g, torch.arange(64), settings()) > 0
+    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(model.output_norm, norm)
 
     class Clock:
         now = 0.0
@@ -412,16 +415,27 @@ def test_distill_reads_no_more_text_than_its_training_can_pass_over(fx, tmp_path
             self.now += 0.05
             return self.now
 
-    def read(rate):
-        monkeypatch.setattr(module, "training_tokens_per_second", lambda *args: rate)
+    budgets, real_train = [], module.train
+
+    def spy(head, optimizer, samples, step, settings, budget, *args, **kwargs):
+        budgets.append(budget)
+        return real_train(head, optimizer, samples, step, settings, budget, *args, **kwargs)
+
+    monkeypatch.setattr(module, "train", spy)
+
+    def read(seconds):
+        monkeypatch.setattr(module, "step_seconds", lambda *args: seconds)
         monkeypatch.setattr(module, "time", Clock())
-        out = tmp_path / f"{rate}" / "head.mtp.gguf"
+        out = tmp_path / f"{seconds}" / "head.mtp.gguf"
         module.distill(str(fx.model_path("llama")), settings(), out, echo=lambda line: None)
         data = torch.load(out.with_suffix(".teacher.pt"), weights_only=False)
-        return {tuple(s.tokens.tolist()) for s in data["held"] + data["train"]}
+        return len(data["train"]), {tuple(s.tokens.tolist()) for s in data["held"] + data["train"]}
 
-    slow, quick = read(1e-6), read(1e9)
-    assert len(slow) == 1 and len(quick) > 4 and slow <= quick
+    (n_slow, slow), (_, quick) = read(1e6), read(1e-6)
+    assert (n_slow, len(slow)) == (1, 2) and len(quick) > 20 and slow <= quick  # one piece held out, one trained on
+    n, _ = read(2.0)
+    steps = budgets[-1] / 2.0  # what the training left after the teacher buys
+    assert 2 < n < 20 and (n - 1) * 2.0 < steps + 0.5 and n * 2.0 >= steps - 0.5, (n, steps)
 
 
 @pytest.mark.parametrize("n_parts", [1, 3])

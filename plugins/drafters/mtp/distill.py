@@ -53,9 +53,11 @@ class DistillSettings:
     # of the budget, at most, for the target's distributions over the corpus: more text paid more than more passes
     # over less where steps are quick (docs/bench/mtp.md)
     teacher_share: float = 0.4
-    # the teacher stops reading once the training the rest of the budget buys (at a step time measured before it)
-    # would pass over its text fewer times than this: where steps are slow (float32 training on a CPU without
-    # bfloat16 arithmetic) more text than the steps can reach buys nothing, and its time goes to training instead
+    # the teacher stops reading once the steps the rest of the budget buys (at a step time measured before it, one
+    # piece of text a step) would pass over its training pieces fewer times than this: where steps are slow (float32
+    # on a CPU without bfloat16 arithmetic) text the steps cannot reach buys nothing, and its time goes to training;
+    # two 30-minute heads, one trained on 1.6 passes over its text and one on 2.3, came out alike there
+    # (docs/bench/mtp.md), so 3 leaves the steps room
     passes: float = 3.0
     generate_tokens: int = 256  # per built-in prompt
     # answers written side by side, at most: a decode step reads every weight once for all its rows, so up to
@@ -285,10 +287,10 @@ def teacher_split(model, sequences: list[list[int]], rows: list[torch.Tensor | N
                   settings: DistillSettings, budget: float, enough: Callable[[int], bool] | None = None
                   ) -> tuple[list[Sample], list[Sample]]:
     """The target's distributions over the corpus cut into pieces, in the corpus' order, within `budget`
-    seconds or until `enough(tokens read)` (pieces not reached are left out), split into (held-out, training) by a
-    seeded draw. A sequence with
-    its hidden states (`rows`, one per token but its last) costs only the draft vocabulary's output rows; a piece
-    of it past the first keeps the states of the whole answer before it, as the target has them when it drafts."""
+    seconds or until `enough(training pieces read)` (pieces not reached are left out), split into (held-out,
+    training) by a seeded draw. A sequence with its hidden states (`rows`, one per token but its last) costs only
+    the draft vocabulary's output rows; a piece of it past the first keeps the states of the whole answer before
+    it, as the target has them when it drafts."""
     draft_rows = model.output.rows(vocab_ids).float()
     pieces = []
     for s, h in zip(sequences, rows):
@@ -299,7 +301,8 @@ def teacher_split(model, sequences: list[list[int]], rows: list[torch.Tensor | N
     samples, read, t0 = [], 0, time.perf_counter()
     bar = _bar(budget, "the target's distributions")
     for piece, hidden in pieces:
-        if samples and (time.perf_counter() - t0 > budget or (enough is not None and enough(read))):
+        if samples and (time.perf_counter() - t0 > budget or
+                        (enough is not None and enough(len(samples) - held_out_count(len(samples), settings)))):
             break
         samples.append(teacher(model, piece, draft_rows, settings.top_k, hidden))
         read += len(piece)
@@ -307,13 +310,19 @@ def teacher_split(model, sequences: list[list[int]], rows: list[torch.Tensor | N
         _advance(bar, t0)
     bar.close()
     random.Random(settings.seed + 1).shuffle(samples)
-    n_held = min(max(1, int(len(samples) * settings.held_out)), settings.max_held_out)
+    n_held = held_out_count(len(samples), settings)
     return samples[:n_held], samples[n_held:] or samples[:1]
 
 
-def training_tokens_per_second(model, g, vocab_ids: torch.Tensor, settings: DistillSettings) -> float:
-    """The tokens a training step passes over per second here, timed on a throwaway head and a made-up sample of
-    full length (the quicker of two steps after one that warms up); what the head learns does not depend on it."""
+def held_out_count(n: int, settings: DistillSettings) -> int:
+    """Of `n` pieces of text, how many are held out from training (at least one: the KL is reported on them)."""
+    return min(max(1, int(n * settings.held_out)), settings.max_held_out)
+
+
+def step_seconds(model, g, vocab_ids: torch.Tensor, settings: DistillSettings) -> float:
+    """The seconds a training step on a full-length piece takes here, timed on a throwaway head (copies of the
+    trunk's weights, its own optimizer and generator: the run's head and random draws are untouched) and a made-up
+    sample (the mean of two steps after one that warms up)."""
     head = TrainableHead(model, g, vocab_ids)
     optimizer = head.optimizer(settings.lr, settings.weight_decay)
     gen = torch.Generator().manual_seed(settings.seed)
@@ -327,7 +336,7 @@ def training_tokens_per_second(model, g, vocab_ids: torch.Tensor, settings: Dist
         head.train_step(optimizer, lambda: sample_loss(head, s, settings.feature_weight, settings.depth),
                         settings.precision)
         times.append(time.perf_counter() - t0)
-    return n / max(min(times[1:]), 1e-9)
+    return max(sum(times[1:]) / 2, 1e-9)
 
 
 # of the stage files; a file of another form is made again. Teacher files from before the teacher kept to the draft
@@ -412,7 +421,8 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     """The whole run, resumable at every stage: the trunk; the corpus and draft vocabulary; the target's
     distributions; training (checkpointed); the sidecar; the held-out evaluation. The budget goes at most
     `generate_share` to writing text and `teacher_share` to the distributions (less where training could not pass
-    over more text `passes` times), and training ends with 5% left for the sidecar and the check. An interrupt (Ctrl-C) during training saves where it stood."""
+    over more text `passes` times), and training ends with 5% left for the sidecar and the check. An interrupt
+    (Ctrl-C) during training saves where it stood."""
     from outrider.plugins.drafters.mtp.drafter import mtp_sidecar_path
 
     if settings.depth < 1:
@@ -469,10 +479,10 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
         rows = corpus.get("rows") or [None] * len(corpus["sequences"])  # a corpus from before rows were kept
         enough = None
         if not settings.steps:
-            rate, train_end = training_tokens_per_second(model, g, vocab_ids, settings), deadline - reserve
-            echo(f"a training step passes over {rate:.0f} tokens/s here: the target reads no more text than the "
-                 f"training left can pass over {settings.passes:g} times")
-            enough = lambda read: read * settings.passes >= (train_end - time.perf_counter()) * rate
+            seconds, train_end = step_seconds(model, g, vocab_ids, settings), deadline - reserve
+            echo(f"a training step takes {seconds:.2f} s here: the target reads no more text than the training left "
+                 f"can pass over {settings.passes:g} times")
+            enough = lambda pieces: pieces * settings.passes >= (train_end - time.perf_counter()) / seconds
         held, train_samples = teacher_split(model, corpus["sequences"], rows, vocab_ids, settings,
                                             min(settings.teacher_share * settings.minutes * 60,
                                                 max(deadline - time.perf_counter(), 0)), enough)
