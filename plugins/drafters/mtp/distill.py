@@ -55,9 +55,8 @@ class DistillSettings:
     teacher_share: float = 0.4
     # the teacher stops reading once the steps the rest of the budget buys (at a step time measured before it, one
     # piece of text a step) would pass over its training pieces fewer times than this: where steps are slow (float32
-    # on a CPU without bfloat16 arithmetic) text the steps cannot reach buys nothing, and its time goes to training;
-    # two 30-minute heads, one trained on 1.6 passes over its text and one on 2.3, came out alike there
-    # (docs/bench/mtp.md), so 3 leaves the steps room
+    # on a CPU without bfloat16 arithmetic) more text at the same steps did not pay, and three times the steps on
+    # about the same text did (docs/bench/mtp.md)
     passes: float = 3.0
     generate_tokens: int = 256  # per built-in prompt
     # answers written side by side, at most: a decode step reads every weight once for all its rows, so up to
