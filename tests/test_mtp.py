@@ -395,15 +395,16 @@ def test_the_teacher_stops_where_it_has_read_enough(fx):
 def test_distill_reads_no_more_text_than_its_training_can_pass_over(fx, tmp_path, monkeypatch):
     """Bound by time, distill times a training step first (on a head of its own: the run's random state and the
     trunk are untouched); the teacher stops once the steps the rest of the budget buys would pass over its training
-    pieces fewer than `passes` times: a machine that trains slowly reads one training piece, a quick one what its share of
-    the time allows, and one in between as many as the training it is left with passes over `passes` times.
+    pieces fewer than `min_passes` times: a machine that trains slowly reads one training piece, a quick one what
+    its share of the time allows, and one in between as many as the training it is left with passes over
+    `min_passes` times.
     distill's clock is a counter here (every reading 0.05 s later), so the run is the same on a loaded machine."""
     from outrider.plugins.drafters.mtp import distill as module
 
     _, g, model, _ = module.load_trunk(str(fx.model_path("llama")))
     settings = lambda: module.DistillSettings(minutes=0.5, generate_tokens=12, stdlib_chunks=2, draft_vocab=64,
                                               eval_tokens=0, prompts=("Hello there", "def f(x):"), seq_len=16,
-                                              matrices="F16", fresh=True, passes=2.0)
+                                              matrices="F16", fresh=True, min_passes=2.0)
     rng, norm = torch.get_rng_state(), model.output_norm.clone()
     assert module.step_seconds(model, g, torch.arange(64), settings()) > 0
     assert torch.equal(torch.get_rng_state(), rng) and torch.equal(model.output_norm, norm)

@@ -55,9 +55,9 @@ class DistillSettings:
     teacher_share: float = 0.4
     # the teacher stops reading once the steps the rest of the budget buys (at a step time measured before it, one
     # piece of text a step) would pass over its training pieces fewer times than this: where steps are slow (float32
-    # on a CPU without bfloat16 arithmetic) more text at the same steps did not pay, and three times the steps on
+    # on a CPU without bfloat16 arithmetic) more text at the same steps did not pay, and more steps on
     # about the same text did (docs/bench/mtp.md)
-    passes: float = 3.0
+    min_passes: float = 3.0
     generate_tokens: int = 256  # per built-in prompt
     # answers written side by side, at most: a decode step reads every weight once for all its rows, so up to
     # where the rows' own arithmetic takes over, more rows cost little more time (docs/bench/mtp.md)
@@ -420,7 +420,7 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     """The whole run, resumable at every stage: the trunk; the corpus and draft vocabulary; the target's
     distributions; training (checkpointed); the sidecar; the held-out evaluation. The budget goes at most
     `generate_share` to writing text and `teacher_share` to the distributions (less where training could not pass
-    over more text `passes` times), and training ends with 5% left for the sidecar and the check. An interrupt
+    over more text `min_passes` times), and training ends with 5% left for the sidecar and the check. An interrupt
     (Ctrl-C) during training saves where it stood."""
     from outrider.plugins.drafters.mtp.drafter import mtp_sidecar_path
 
@@ -480,8 +480,8 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
         if not settings.steps:
             seconds, train_end = step_seconds(model, g, vocab_ids, settings), deadline - reserve
             echo(f"a training step takes {seconds:.2f} s here: the target reads no more text than the training left "
-                 f"can pass over {settings.passes:g} times")
-            enough = lambda pieces: pieces * settings.passes >= (train_end - time.perf_counter()) / seconds
+                 f"can pass over {settings.min_passes:g} times")
+            enough = lambda pieces: pieces * settings.min_passes >= (train_end - time.perf_counter()) / seconds
         held, train_samples = teacher_split(model, corpus["sequences"], rows, vocab_ids, settings,
                                             min(settings.teacher_share * settings.minutes * 60,
                                                 max(deadline - time.perf_counter(), 0)), enough)
