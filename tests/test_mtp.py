@@ -397,16 +397,17 @@ def test_distill_reads_no_more_text_than_its_training_can_pass_over(fx, tmp_path
     trunk are untouched); the teacher stops once the steps the rest of the budget buys would pass over its training
     pieces fewer than `min_passes` times: a machine that trains slowly reads one training piece, a quick one what
     its share of the time allows, and one in between as many as the training it is left with passes over
-    `min_passes` times.
-    distill's clock is a counter here (every reading 0.05 s later), so the run is the same on a loaded machine."""
+    `min_passes` times. distill's clock is a counter here (every reading 0.05 s later), so the run is the same on a
+    loaded machine."""
     from outrider.plugins.drafters.mtp import distill as module
 
     _, g, model, _ = module.load_trunk(str(fx.model_path("llama")))
-    settings = lambda: module.DistillSettings(minutes=0.5, generate_tokens=12, stdlib_chunks=2, draft_vocab=64,
-                                              eval_tokens=0, prompts=("Hello there", "def f(x):"), seq_len=16,
-                                              matrices="F16", fresh=True, min_passes=2.0)
+    passes = 2.0
+    make_settings = lambda: module.DistillSettings(minutes=0.5, generate_tokens=12, stdlib_chunks=2, draft_vocab=64,
+                                                   eval_tokens=0, prompts=("Hello there", "def f(x):"), seq_len=16,
+                                                   matrices="F16", fresh=True, min_passes=passes)
     rng, norm = torch.get_rng_state(), model.output_norm.clone()
-    assert module.step_seconds(model, g, torch.arange(64), settings()) > 0
+    assert module.step_seconds(model, g, torch.arange(64), make_settings()) > 0
     assert torch.equal(torch.get_rng_state(), rng) and torch.equal(model.output_norm, norm)
 
     class Clock:
@@ -428,15 +429,16 @@ def test_distill_reads_no_more_text_than_its_training_can_pass_over(fx, tmp_path
         monkeypatch.setattr(module, "step_seconds", lambda *args: seconds)
         monkeypatch.setattr(module, "time", Clock())
         out = tmp_path / f"{seconds}" / "head.mtp.gguf"
-        module.distill(str(fx.model_path("llama")), settings(), out, echo=lambda line: None)
+        module.distill(str(fx.model_path("llama")), make_settings(), out, echo=lambda line: None)
         data = torch.load(out.with_suffix(".teacher.pt"), weights_only=False)
         return len(data["train"]), {tuple(s.tokens.tolist()) for s in data["held"] + data["train"]}
 
     (n_slow, slow), (_, quick) = read(1e6), read(1e-6)
     assert (n_slow, len(slow)) == (1, 2) and len(quick) > 20 and slow <= quick  # one piece held out, one trained on
-    n, _ = read(2.0)
-    steps = budgets[-1] / 2.0  # what the training left after the teacher buys
-    assert 2 < n < 20 and (n - 1) * 2.0 < steps + 0.5 and n * 2.0 >= steps - 0.5, (n, steps)
+    seconds = 1.5
+    n, _ = read(seconds)
+    steps = budgets[-1] / seconds  # what the training left after the teacher buys
+    assert 2 < n < 20 and (n - 1) * passes < steps + 0.5 and n * passes >= steps - 0.5, (n, steps)
 
 
 @pytest.mark.parametrize("n_parts", [1, 3])

@@ -330,10 +330,9 @@ def step_seconds(model, g, vocab_ids: torch.Tensor, settings: DistillSettings) -
     hidden = torch.randn(n, model.config.hidden_size, generator=gen).to(model.device)
     s = teacher(model, tokens, model.output.rows(vocab_ids).float(), settings.top_k, hidden)
     times = []
-    for _ in range(3):
+    for step in range(3):
         t0 = time.perf_counter()
-        head.train_step(optimizer, lambda: sample_loss(head, s, settings.feature_weight, settings.depth),
-                        settings.precision)
+        train_step(head, optimizer, s, step, settings)
         times.append(time.perf_counter() - t0)
     return max(sum(times[1:]) / 2, 1e-9)
 
@@ -374,6 +373,15 @@ def learning_rate(peak: float, done: float) -> float:
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * (done - WARMUP) / (1 - WARMUP))))
 
 
+def train_step(head: TrainableHead, optimizer: torch.optim.Optimizer, s: Sample, step: int,
+               settings: DistillSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on sample `s` as training step number `step`: (the first draft's KL, its feature term)."""
+    # the noise drawn from the step alone, so a resumed run perturbs as an uninterrupted one would
+    noise_rng = torch.Generator().manual_seed(settings.seed * 1_000_003 + step) if settings.noise else None
+    return head.train_step(optimizer, lambda: sample_loss(head, s, settings.feature_weight, settings.depth,
+                                                          settings.noise, noise_rng), settings.precision)
+
+
 def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[Sample], step: int,
           settings: DistillSettings, budget: float, spent: float, save: Callable[[int, float], None],
           on_step: Callable[[int], None] | None = None) -> int:
@@ -392,11 +400,7 @@ def train(head: TrainableHead, optimizer: torch.optim.Optimizer, samples: list[S
             done = step / settings.steps if settings.steps else (time.perf_counter() - t0) / max(budget, 1e-9)
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(settings.lr, done)
-            # the noise drawn from the step alone, so a resumed run perturbs as an uninterrupted one would
-            noise_rng = torch.Generator().manual_seed(settings.seed * 1_000_003 + step) if settings.noise else None
-            kl, feature = head.train_step(optimizer, lambda: sample_loss(head, s, settings.feature_weight,
-                                                                         settings.depth, settings.noise, noise_rng),
-                                          settings.precision)
+            kl, feature = train_step(head, optimizer, s, step, settings)
             step += 1
             if bar is not None:
                 bar.set_postfix_str(f"step {step} KL {kl.item():.3f} feature {feature.item():.3f}")
