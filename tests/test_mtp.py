@@ -390,6 +390,13 @@ def test_the_teacher_stops_where_it_has_read_enough(fx):
                                 DistillSettings(seq_len=8, top_k=4), budget=1e6, enough=enough)
     assert sorted(tuple(s.tokens.tolist()) for s in held + train) == [tuple(t) for t in texts[:3]]
     assert asked == [0, 1, 2] and len(held) == 1
+    # with sources, whole ones held out: three of six pieces to hold, sources of two pieces each, so one source
+    held, train = teacher_split(model, texts, [None] * 6, torch.arange(0, model.config.vocab_size, 3),
+                                DistillSettings(seq_len=8, top_k=4, held_out=0.5), budget=1e6,
+                                sources=["a", "a", "b", "b", "c", "c"])
+    index = {tuple(t): i // 2 for i, t in enumerate(texts)}
+    held_from = {index[tuple(s.tokens.tolist())] for s in held}
+    assert len(held) == 2 and len(held_from) == 1 and not held_from & {index[tuple(s.tokens.tolist())] for s in train}
 
 
 def test_distill_reads_no_more_text_than_its_training_can_pass_over(fx, tmp_path, monkeypatch):
@@ -435,10 +442,17 @@ def test_distill_reads_no_more_text_than_its_training_can_pass_over(fx, tmp_path
 
     (n_slow, slow), (_, quick) = read(1e6), read(1e-6)
     assert (n_slow, len(slow)) == (1, 2) and len(quick) > 20 and slow <= quick  # one piece held out, one trained on
+    # held out by whole sources, the training pieces need not grow by one a piece: the count the teacher asked
+    # about before each piece, as the split it would stop with gives it
+    training, split = [], module.held_out_indices
+    monkeypatch.setattr(module, "held_out_indices",
+                        lambda sources, settings: training.append(len(sources) - len(split(sources, settings)))
+                        or split(sources, settings))
     seconds = 1.5
     n, _ = read(seconds)
     steps = budgets[-1] / seconds  # what the training left after the teacher buys
-    assert 2 < n < 20 and (n - 1) * passes < steps + 0.5 and n * passes >= steps - 0.5, (n, steps)
+    assert training[-1] == training[-2] == n  # the split it stopped on is the one it trains on
+    assert 2 < n < 20 and training[-3] * passes < steps + 0.5 and n * passes >= steps - 0.5, (training, steps)
 
 
 @pytest.mark.parametrize("n_parts", [1, 3])
@@ -480,18 +494,49 @@ def test_distill_goes_round_its_prompts_again_while_the_writing_time_lasts(fx):
     prompts = ("Hello there", "def f(x):", "a b c")
 
     def corpus(**kw):
-        settings = DistillSettings(generate_tokens=6, stdlib_chunks=0, prompts=prompts, **kw)
-        return training_text(model, g, tokenizer, settings, 1e6, random.Random(0), torch.Generator().manual_seed(0))[0]
+        settings = DistillSettings(**{"generate_tokens": 6, "stdlib_chunks": 0, "prompts": prompts, **kw})
+        return training_text(model, g, tokenizer, settings, 1e6, random.Random(0), torch.Generator().manual_seed(0))
 
-    rounds = corpus(generate_rounds=3)
+    rounds, _, sources = corpus(generate_rounds=3)
     ids = [template_or_raw_ids(g, tokenizer, text)[0] for text in prompts]
     which = [next(i for i, p in enumerate(ids) if seq[:len(p)] == p) for seq in rounds]
     assert len(rounds) == 3 * len(prompts) and which == which[:len(prompts)] * 3  # the same order every round
+    assert sources == [prompts[i] for i in which]  # each answer's source: the prompt it answers
     answers = [seq[len(ids[i]):] for i, seq in zip(which, rounds)]
     for j in range(0, len(prompts), 2):  # the first round's greedy rows
         assert answers[j] == fx.plain_greedy("qwen2", ids[which[j]], 6)[:len(answers[j])]
     assert any(answers[r * len(prompts) + j] != answers[j] for r in (1, 2) for j in range(0, len(prompts), 2))
-    assert len(corpus(generate_rounds=3, temperature=0.0)) == len(prompts)
+    assert len(corpus(generate_rounds=3, temperature=0.0)[0]) == len(prompts)
+    library, _, sources = corpus(generate_rounds=1, stdlib_chunks=2, seq_len=16)
+    passages = sources[len(prompts):]  # each piece of the library labelled with the passage it was cut from
+    assert len(passages) == len(library) - len(prompts) and len(set(passages)) == 2 and len(passages) > 2
+
+
+def test_the_held_out_pieces_come_from_sources_training_never_sees():
+    """`held_out_indices` holds out whole sources (all answers to a prompt): no source on both sides, at most
+    `held_out_count` pieces unless no source fits (then the smallest), never every source, the same split for the
+    same seed; a corpus of one source is split by its pieces."""
+    from outrider.plugins.drafters.mtp.distill import DistillSettings, held_out_count, held_out_indices
+
+    sources = [f"prompt {i % 7}" for i in range(40)] + [f"passage {i // 3}" for i in range(30)]  # 5-6 and 3 pieces
+    splits = set()
+    for seed in range(6):
+        settings = DistillSettings(seed=seed, held_out=0.1, max_held_out=16)
+        held = held_out_indices(sources, settings)
+        assert held == held_out_indices(sources, settings)
+        splits.add(tuple(held))
+        held_from = {sources[i] for i in held}
+        train_from = {source for i, source in enumerate(sources) if i not in held}
+        assert not held_from & train_from and train_from
+        assert 1 <= len(held) <= held_out_count(len(sources), settings) == 7
+        assert [i for i, source in enumerate(sources) if source in held_from] == held  # whole sources
+    assert len(splits) > 1  # the draw follows the seed
+    everything = DistillSettings(held_out=1.0)
+    assert len({["a", "a", "b", "b"][i] for i in held_out_indices(["a", "a", "b", "b"], everything)}) == 1
+    big = ["a"] * 5 + ["b"] * 3 + ["c"] * 4  # every source larger than the one piece to hold out: the smallest
+    assert held_out_indices(big, DistillSettings(held_out=0.1)) == [5, 6, 7]
+    one = held_out_indices(["one answer"] * 10, DistillSettings(held_out=0.2))
+    assert len(one) == 2 and held_out_indices(["one answer"], DistillSettings()) == [0]
 
 
 def test_distill_reduces_the_held_out_kl(distilled):

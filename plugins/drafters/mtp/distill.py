@@ -27,6 +27,7 @@ import pickle
 import random
 import sysconfig
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -238,15 +239,16 @@ def load_trunk(model_name: str):
 
 
 def training_text(model, g, tokenizer, settings: DistillSettings, budget: float, rng: random.Random,
-                  gen: torch.Generator) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+                  gen: torch.Generator) -> tuple[list[list[int]], list[torch.Tensor | None], list[str]]:
     """The corpus, as token sequences: what the target writes from the built-in prompts, in a seeded order,
     within `budget` seconds (every other one greedily, the rest at the settings' temperature; with every prompt
     answered and time left, they go round again, all at the temperature, up to `generate_rounds` times), then
     standard-library chunks. The teacher reads them in this order, so its own text always goes in. Beside each
     sequence, the target's hidden states of it where it wrote it (its answers; `generate`), else None: the teacher
-    need not read those again."""
+    need not read those again; and its source (the prompt it answers, the library passage it was cut from), which
+    the held-out split keeps on one side."""
     stop = set(tokenizer.eog_ids)
-    sequences, rows = [], []
+    sequences, rows, sources = [], [], []
     bar = _bar(budget, "target writes training text")
     t0 = time.perf_counter()
     prompts = list(settings.prompts)
@@ -263,16 +265,18 @@ def training_text(model, g, tokenizer, settings: DistillSettings, budget: float,
                                hidden=True)
         sequences += [prompt + out for prompt, out in zip(group, outs)]
         rows += hidden
+        sources += prompts[first:first + size]
         bar.set_postfix_str(f"{len(sequences)} answers, {sum(map(len, outs))} tokens in the last batch")
         _advance(bar, t0)
     bar.close()
     stdlib = []
-    for text in stdlib_texts(settings.stdlib_chunks, rng):
+    for passage, text in enumerate(stdlib_texts(settings.stdlib_chunks, rng)):
         ids = tokenizer.encode(text)
         for j in range(0, max(1, len(ids) - settings.seq_len // 2), settings.seq_len):
-            stdlib.append(ids[j:j + settings.seq_len])
+            stdlib.append((ids[j:j + settings.seq_len], f"standard library passage {passage}"))
     rng.shuffle(stdlib)
-    return sequences + stdlib, rows + [None] * len(stdlib)
+    return (sequences + [ids for ids, _ in stdlib], rows + [None] * len(stdlib),
+            sources + [source for _, source in stdlib])
 
 
 def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int) -> torch.Tensor:
@@ -283,34 +287,62 @@ def draft_vocabulary(sequences: list[list[int]], vocab_size: int, size: int) -> 
 
 
 def teacher_split(model, sequences: list[list[int]], rows: list[torch.Tensor | None], vocab_ids: torch.Tensor,
-                  settings: DistillSettings, budget: float, enough: Callable[[int], bool] | None = None
-                  ) -> tuple[list[Sample], list[Sample]]:
+                  settings: DistillSettings, budget: float, enough: Callable[[int], bool] | None = None,
+                  sources: list | None = None) -> tuple[list[Sample], list[Sample]]:
     """The target's distributions over the corpus cut into pieces, in the corpus' order, within `budget`
     seconds or until `enough(training pieces read)` (pieces not reached are left out), split into (held-out,
-    training) by a seeded draw. A sequence with its hidden states (`rows`, one per token but its last) costs only
-    the draft vocabulary's output rows; a piece of it past the first keeps the states of the whole answer before
-    it, as the target has them when it drafts."""
+    training) by whole sources (`held_out_indices`; the sequences' `sources`, else each sequence its own). A
+    sequence with its hidden states (`rows`, one per token but its last) costs only the draft vocabulary's output
+    rows; a piece of it past the first keeps the states of the whole answer before it, as the target has them when
+    it drafts."""
     draft_rows = model.output.rows(vocab_ids).float()
     pieces = []
-    for s, h in zip(sequences, rows):
+    for i, (s, h) in enumerate(zip(sequences, rows)):
         s = s if h is None else s[:len(h)]
-        pieces += [(s[j:j + settings.seq_len], None if h is None else h[j:j + settings.seq_len])
+        source = sources[i] if sources is not None else i
+        pieces += [(s[j:j + settings.seq_len], None if h is None else h[j:j + settings.seq_len], source)
                    for j in range(0, len(s), settings.seq_len)]
-    pieces = [(p, h) for p, h in pieces if len(p) >= 8]
-    samples, read, t0 = [], 0, time.perf_counter()
+    pieces = [(p, h, source) for p, h, source in pieces if len(p) >= 8]
+    samples, piece_sources, read, t0 = [], [], 0, time.perf_counter()
     bar = _bar(budget, "the target's distributions")
-    for piece, hidden in pieces:
-        if samples and (time.perf_counter() - t0 > budget or
-                        (enough is not None and enough(len(samples) - held_out_count(len(samples), settings)))):
+    for piece, hidden, source in pieces:
+        if samples and (time.perf_counter() - t0 > budget or (enough is not None and enough(
+                len(samples) - len(held_out_indices(piece_sources, settings))))):
             break
         samples.append(teacher(model, piece, draft_rows, settings.top_k, hidden))
+        piece_sources.append(source)
         read += len(piece)
         bar.set_postfix_str(f"{len(samples)} sequences, {read} tokens")
         _advance(bar, t0)
     bar.close()
-    random.Random(settings.seed + 1).shuffle(samples)
-    n_held = held_out_count(len(samples), settings)
-    return samples[:n_held], samples[n_held:] or samples[:1]
+    held_at = set(held_out_indices(piece_sources, settings))
+    held = [s for i, s in enumerate(samples) if i in held_at]
+    train = [s for i, s in enumerate(samples) if i not in held_at]
+    return held, train or held  # one piece read: trained on and held out both
+
+
+def held_out_indices(piece_sources: list, settings: DistillSettings) -> list[int]:
+    """Which pieces (given by their sources: the prompt an answer came from, the passage a piece of the library was
+    cut from) are held out: whole sources, so the held-out KL is measured on prompts training never saw. Sources
+    drawn in a seeded order join while the pieces held stay within `held_out_count` (the smallest source if none
+    fits), never every source; a single source is split by its pieces."""
+    n, n_held = len(piece_sources), held_out_count(len(piece_sources), settings)
+    sizes = Counter(piece_sources)
+    draw = random.Random(settings.seed + 1)
+    if len(sizes) < 2:
+        order = list(range(n))
+        draw.shuffle(order)
+        return sorted(order[:min(n_held, max(n - 1, 1))])
+    order = list(sizes)
+    draw.shuffle(order)
+    held, count = set(), 0
+    for source in order:
+        if count + sizes[source] <= n_held and len(held) + 1 < len(sizes):
+            held.add(source)
+            count += sizes[source]
+    if not held:
+        held.add(min(order, key=sizes.__getitem__))
+    return [i for i, source in enumerate(piece_sources) if source in held]
 
 
 def held_out_count(n: int, settings: DistillSettings) -> int:
@@ -339,7 +371,9 @@ def step_seconds(model, g, vocab_ids: torch.Tensor, settings: DistillSettings) -
 
 # of the stage files; a file of another form is made again. Teacher files from before the teacher kept to the draft
 # vocabulary stay valid on purpose: their top-k, mapped into it, differs little and trains the same head; so do
-# corpus files from before the target's states of its answers were kept (the teacher reads those answers again)
+# corpus files from before the target's states of its answers were kept (the teacher reads those answers again),
+# and those from before sources were kept (each sequence its own source: answers to one prompt, and pieces of one
+# library passage, may then fall on both sides of the held-out split, as teacher files made before keep them)
 STAGE_FORM = 2
 
 
@@ -469,9 +503,9 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
 
     corpus = load("corpus")
     if corpus is None:
-        sequences, rows = training_text(model, g, tokenizer, settings,
-                                        settings.generate_share * settings.minutes * 60, rng, gen)
-        corpus = {"sequences": sequences, "rows": rows,
+        sequences, rows, sources = training_text(model, g, tokenizer, settings,
+                                                 settings.generate_share * settings.minutes * 60, rng, gen)
+        corpus = {"sequences": sequences, "rows": rows, "sources": sources,
                   "vocab_ids": draft_vocabulary(sequences, model.config.vocab_size, settings.draft_vocab)}
         store("corpus", corpus)
     else:
@@ -488,7 +522,8 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
             enough = lambda pieces: pieces * settings.min_passes >= (train_end - time.perf_counter()) / seconds
         held, train_samples = teacher_split(model, corpus["sequences"], rows, vocab_ids, settings,
                                             min(settings.teacher_share * settings.minutes * 60,
-                                                max(deadline - time.perf_counter(), 0)), enough)
+                                                max(deadline - time.perf_counter(), 0)), enough,
+                                            corpus.get("sources"))  # none in a corpus from before sources
         store("teacher", {"held": held, "train": train_samples})
     else:
         echo(f"reading the target's distributions from {files['teacher']}")
