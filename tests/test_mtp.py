@@ -488,7 +488,7 @@ def test_distill_goes_round_its_prompts_again_while_the_writing_time_lasts(fx):
     """Every prompt answered and time left, the prompts are answered again, up to `generate_rounds` times, every
     later answer sampled (a greedy one would only repeat); at temperature 0 they are answered once."""
     from outrider.io.chat import template_or_raw_ids
-    from outrider.plugins.drafters.mtp.distill import DistillSettings, load_trunk, training_text
+    from outrider.plugins.drafters.mtp.distill import DistillSettings, load_trunk, stdlib_texts, training_text
 
     _, g, model, tokenizer = load_trunk(str(fx.model_path("qwen2")))
     prompts = ("Hello there", "def f(x):", "a b c")
@@ -501,21 +501,28 @@ def test_distill_goes_round_its_prompts_again_while_the_writing_time_lasts(fx):
     ids = [template_or_raw_ids(g, tokenizer, text)[0] for text in prompts]
     which = [next(i for i, p in enumerate(ids) if seq[:len(p)] == p) for seq in rounds]
     assert len(rounds) == 3 * len(prompts) and which == which[:len(prompts)] * 3  # the same order every round
-    assert sources == [prompts[i] for i in which]  # each answer's source: the prompt it answers
+    assert sources == [("prompt", prompts[i]) for i in which]  # each answer's source: the prompt it answers
     answers = [seq[len(ids[i]):] for i, seq in zip(which, rounds)]
     for j in range(0, len(prompts), 2):  # the first round's greedy rows
         assert answers[j] == fx.plain_greedy("qwen2", ids[which[j]], 6)[:len(answers[j])]
     assert any(answers[r * len(prompts) + j] != answers[j] for r in (1, 2) for j in range(0, len(prompts), 2))
     assert len(corpus(generate_rounds=3, temperature=0.0)[0]) == len(prompts)
     library, _, sources = corpus(generate_rounds=1, stdlib_chunks=2, seq_len=16)
-    passages = sources[len(prompts):]  # each piece of the library labelled with the passage it was cut from
-    assert len(passages) == len(library) - len(prompts) and len(set(passages)) == 2 and len(passages) > 2
+    rng = random.Random(0)  # the draws training_text makes: the prompts' order, then the passages
+    rng.shuffle(list(prompts))
+    texts = [tokenizer.encode(text) for text in stdlib_texts(2, rng)]
+    labels = sources[len(prompts):]
+    assert len(labels) == len(library) - len(prompts) > 2 and {label for label in labels} == {
+        ("library passage", 0), ("library passage", 1)}
+    for piece, (_, passage) in zip(library[len(prompts):], labels):  # each piece from the passage it is labelled with
+        ids = texts[passage]
+        assert any(ids[j:j + len(piece)] == piece for j in range(len(ids))), passage
 
 
 def test_the_held_out_pieces_come_from_sources_training_never_sees():
     """`held_out_indices` holds out whole sources (all answers to a prompt): no source on both sides, at most
-    `held_out_count` pieces unless no source fits (then the smallest), never every source, the same split for the
-    same seed; a corpus of one source is split by its pieces."""
+    `held_out_count` pieces, a source too large passed over for those after it, never every source, the same split
+    for the same seed; where no whole source fits, or there is one, that many pieces of the smallest."""
     from outrider.plugins.drafters.mtp.distill import DistillSettings, held_out_count, held_out_indices
 
     sources = [f"prompt {i % 7}" for i in range(40)] + [f"passage {i // 3}" for i in range(30)]  # 5-6 and 3 pieces
@@ -533,8 +540,12 @@ def test_the_held_out_pieces_come_from_sources_training_never_sees():
     assert len(splits) > 1  # the draw follows the seed
     everything = DistillSettings(held_out=1.0)
     assert len({["a", "a", "b", "b"][i] for i in held_out_indices(["a", "a", "b", "b"], everything)}) == 1
-    big = ["a"] * 5 + ["b"] * 3 + ["c"] * 4  # every source larger than the one piece to hold out: the smallest
-    assert held_out_indices(big, DistillSettings(held_out=0.1)) == [5, 6, 7]
+    big = ["a"] * 5 + ["b"] * 3 + ["c"] * 4  # every source larger than the one piece to hold out: one of the smallest
+    assert held_out_indices(big, DistillSettings(held_out=0.1)) == [5]
+    for seed in range(6):  # two pieces to hold: "c" never fits, "a" and "b" always do, whichever is drawn first
+        assert held_out_indices(["a", "b"] + ["c"] * 8, DistillSettings(seed=seed, held_out=0.2)) == [0, 1]
+    tie = held_out_indices(["a", "a", "b", "b"], DistillSettings(held_out=0.1))
+    assert tie in ([0], [2]) and tie == held_out_indices(["a", "a", "b", "b"], DistillSettings(held_out=0.1))
     one = held_out_indices(["one answer"] * 10, DistillSettings(held_out=0.2))
     assert len(one) == 2 and held_out_indices(["one answer"], DistillSettings()) == [0]
 

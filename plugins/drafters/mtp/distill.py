@@ -239,7 +239,7 @@ def load_trunk(model_name: str):
 
 
 def training_text(model, g, tokenizer, settings: DistillSettings, budget: float, rng: random.Random,
-                  gen: torch.Generator) -> tuple[list[list[int]], list[torch.Tensor | None], list[str]]:
+                  gen: torch.Generator) -> tuple[list[list[int]], list[torch.Tensor | None], list[tuple]]:
     """The corpus, as token sequences: what the target writes from the built-in prompts, in a seeded order,
     within `budget` seconds (every other one greedily, the rest at the settings' temperature; with every prompt
     answered and time left, they go round again, all at the temperature, up to `generate_rounds` times), then
@@ -265,7 +265,7 @@ def training_text(model, g, tokenizer, settings: DistillSettings, budget: float,
                                hidden=True)
         sequences += [prompt + out for prompt, out in zip(group, outs)]
         rows += hidden
-        sources += prompts[first:first + size]
+        sources += [("prompt", text) for text in prompts[first:first + size]]
         bar.set_postfix_str(f"{len(sequences)} answers, {sum(map(len, outs))} tokens in the last batch")
         _advance(bar, t0)
     bar.close()
@@ -273,7 +273,7 @@ def training_text(model, g, tokenizer, settings: DistillSettings, budget: float,
     for passage, text in enumerate(stdlib_texts(settings.stdlib_chunks, rng)):
         ids = tokenizer.encode(text)
         for j in range(0, max(1, len(ids) - settings.seq_len // 2), settings.seq_len):
-            stdlib.append((ids[j:j + settings.seq_len], f"standard library passage {passage}"))
+            stdlib.append((ids[j:j + settings.seq_len], ("library passage", passage)))
     rng.shuffle(stdlib)
     return (sequences + [ids for ids, _ in stdlib], rows + [None] * len(stdlib),
             sources + [source for _, source in stdlib])
@@ -324,25 +324,22 @@ def teacher_split(model, sequences: list[list[int]], rows: list[torch.Tensor | N
 def held_out_indices(piece_sources: list, settings: DistillSettings) -> list[int]:
     """Which pieces (given by their sources: the prompt an answer came from, the passage a piece of the library was
     cut from) are held out: whole sources, so the held-out KL is measured on prompts training never saw. Sources
-    drawn in a seeded order join while the pieces held stay within `held_out_count` (the smallest source if none
-    fits), never every source; a single source is split by its pieces."""
-    n, n_held = len(piece_sources), held_out_count(len(piece_sources), settings)
+    join in an order drawn for each from the seed (so the split moves little as pieces are read) while the pieces
+    held stay within `held_out_count`, never every source. Where no whole source fits (a short run) or there is
+    only one, that many pieces of the smallest are held out and the rest of it trained on, as a split by pieces."""
+    n_held = held_out_count(len(piece_sources), settings)
     sizes = Counter(piece_sources)
-    draw = random.Random(settings.seed + 1)
-    if len(sizes) < 2:
-        order = list(range(n))
-        draw.shuffle(order)
-        return sorted(order[:min(n_held, max(n - 1, 1))])
-    order = list(sizes)
-    draw.shuffle(order)
+    order = sorted(sizes, key=lambda source: random.Random(f"{settings.seed}:{source}").random())
     held, count = set(), 0
     for source in order:
         if count + sizes[source] <= n_held and len(held) + 1 < len(sizes):
             held.add(source)
             count += sizes[source]
-    if not held:
-        held.add(min(order, key=sizes.__getitem__))
-    return [i for i, source in enumerate(piece_sources) if source in held]
+    if held:
+        return [i for i, source in enumerate(piece_sources) if source in held]
+    smallest = min(order, key=sizes.__getitem__)
+    pieces = [i for i, source in enumerate(piece_sources) if source == smallest]
+    return pieces[:min(n_held, max(len(piece_sources) - 1, 1))]
 
 
 def held_out_count(n: int, settings: DistillSettings) -> int:
