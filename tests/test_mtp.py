@@ -445,9 +445,13 @@ def test_distill_reads_no_more_text_than_its_training_can_pass_over(fx, tmp_path
     # held out by whole sources, the training pieces need not grow by one a piece: the count the teacher asked
     # about before each piece, as the split it would stop with gives it
     training, split = [], module.held_out_indices
-    monkeypatch.setattr(module, "held_out_indices",
-                        lambda sources, settings: training.append(len(sources) - len(split(sources, settings)))
-                        or split(sources, settings))
+
+    def counted(sources, settings):
+        held = split(sources, settings)
+        training.append(len(sources) - len(held))
+        return held
+
+    monkeypatch.setattr(module, "held_out_indices", counted)
     seconds = 1.5
     n, _ = read(seconds)
     steps = budgets[-1] / seconds  # what the training left after the teacher buys
@@ -512,7 +516,7 @@ def test_distill_goes_round_its_prompts_again_while_the_writing_time_lasts(fx):
     rng.shuffle(list(prompts))
     texts = [tokenizer.encode(text) for text in stdlib_texts(2, rng)]
     labels = sources[len(prompts):]
-    assert len(labels) == len(library) - len(prompts) > 2 and {label for label in labels} == {
+    assert len(labels) == len(library) - len(prompts) > 2 and set(labels) == {
         ("library passage", 0), ("library passage", 1)}
     for piece, (_, passage) in zip(library[len(prompts):], labels):  # each piece from the passage it is labelled with
         ids = texts[passage]
