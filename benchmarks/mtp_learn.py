@@ -3,10 +3,12 @@ as it goes, beside the same head frozen and plain decoding, in one run.
 
 The code base is Outrider's own source, which no head has seen: request i asks the target (Qwen2.5-Coder-1.5B)
 to add a docstring and type hints to the i-th function of `FILES` (chat template, greedy, at most --tokens new
-tokens). Each request runs plain, with the frozen head (`--drafter mtp`) and with a learning copy of it
-(`-o drafter.learn true`; a copy, so the cached head stays as distill left it), in that order. Printed per
-request: first-position acceptance and decode tok/s of both heads, and plain's; then the three held-out
-prompts of benchmarks/mtp_heads.py once more with each head.
+tokens). Each request runs plain, with the frozen head (`--drafter mtp`) and with two learning copies of it (copies,
+so the cached head stays as distill left it): "in requests" trains during each request with `learn_share`
+(--learn-share), as a one-shot generation does; "idle" is the server's way, the default share, its training done
+between requests (`Runner.idle` until no work is left, as the server's worker calls it while no request waits;
+timed apart). Printed per request: first-position acceptance and decode tok/s of each; then the three held-out
+prompts of benchmarks/mtp_heads.py once more with each head, frozen.
 
     python benchmarks/mtp_learn.py --threads 2
 """
@@ -20,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draft-max", default="auto")
-    parser.add_argument("--learn-share", type=float, default=0.2)
+    parser.add_argument("--learn-share", type=float, default=0.2, help="the in-request learner's share")
     args = parser.parse_args(argv)
 
     from outrider.catalog import resolve_model
@@ -74,18 +77,23 @@ def main(argv: list[str] | None = None) -> int:
     if not head.is_file():
         sys.exit(f"no MTP head at {head}: run `outrider distill {args.target}` first, or pass --head")
     work = Path(tempfile.mkdtemp(prefix="mtp-learn-"))
-    learning_copy = work / head.name
-    shutil.copy2(head, learning_copy)
 
     target = cpu_target(target_path, args.threads)
     g = target.gguf
-    frozen = MTPDrafter(model=str(head))
-    learning = MTPDrafter(model=str(learning_copy), learn=True, learn_share=args.learn_share)
-    frozen.setup(target)
-    learning.setup(target)
+    learners = {"in requests": dict(learn_share=args.learn_share), "idle": {}}
+    copies = {}
+    for name in learners:
+        copies[name] = work / name.replace(" ", "-") / head.name
+        copies[name].parent.mkdir()
+        shutil.copy2(head, copies[name])
+    drafters = {"plain": NoDrafter(), "frozen": MTPDrafter(model=str(head))}
+    drafters.update({name: MTPDrafter(model=str(copies[name]), learn=True, **options)
+                     for name, options in learners.items()})
+    for d in drafters.values():
+        d.setup(target)
     runners = {name: Runner(target, d, GreedyAcceptor(), DrafterTraits.of(d, draft_max=0 if name == "plain" else
                                                                          args.draft_max), context=4096)
-               for name, d in (("plain", NoDrafter()), ("frozen", frozen), ("learning", learning))}
+               for name, d in drafters.items()}
     encode = lambda text: template_or_raw_ids(g, target.tokenizer, text)[0]
 
     def run(name: str, ids: list[int]) -> tuple[float, float]:
@@ -95,43 +103,54 @@ def main(argv: list[str] | None = None) -> int:
         first = s.accepted_at[0] / s.drafted_at[0] if s.drafted_at else float("nan")
         return s.generated_tokens / s.decode_s, first
 
+    def idle_time(name: str) -> float:
+        t0 = time.perf_counter()
+        while runners[name].idle():
+            pass
+        return time.perf_counter() - t0
+
     print(f"CPU vector extensions: {' '.join(vector_extensions())}; Outrider's kernels built with {' '.join(cflags())}; "
-          f"{args.threads} threads; greedy; {args.tokens} tokens; draft-max {args.draft_max}; learn share "
-          f"{args.learn_share}; head {head.name}\n")
-    print("| request | plain tok/s | frozen tok/s | frozen accepted@1 | learning tok/s | learning accepted@1 | "
-          "learning steps |")
-    print("|---|---|---|---|---|---|---|")
+          f"{args.threads} threads; greedy; {args.tokens} tokens; draft-max {args.draft_max}; in-request learn "
+          f"share {args.learn_share}; head {head.name}\n")
+    print("| request | plain tok/s | frozen tok/s (accepted@1) | in requests tok/s (accepted@1), steps | idle tok/s "
+          "(accepted@1), steps | idle training s |")
+    print("|---|---|---|---|---|---|")
     run("plain", encode("Say hello."))  # warm-up
     rows = []
     for i, src in enumerate(functions(args.requests)):
         ids = encode(f"Add a docstring and type hints to this Python function and return the whole function:\n\n"
                      f"```python\n{src}\n```")
         plain, _ = run("plain", ids)
-        frozen_speed, frozen_first = run("frozen", ids)
-        learning_speed, learning_first = run("learning", ids)
-        rows.append((plain, frozen_speed, frozen_first, learning_speed, learning_first))
-        print(f"| {i + 1} | {plain:.1f} | {frozen_speed:.1f} | {frozen_first:.2f} | {learning_speed:.1f} | "
-              f"{learning_first:.2f} | {learning.learner.steps} |", flush=True)
+        frozen = run("frozen", ids)
+        in_requests = run("in requests", ids)
+        idle = run("idle", ids)
+        idle_s = idle_time("idle")
+        rows.append((plain, *frozen, *in_requests, *idle))
+        steps = lambda name: drafters[name].learner.steps
+        print(f"| {i + 1} | {plain:.1f} | {frozen[0]:.1f} ({frozen[1]:.2f}) | {in_requests[0]:.1f} ({in_requests[1]:.2f}), "
+              f"{steps('in requests')} | {idle[0]:.1f} ({idle[1]:.2f}), {steps('idle')} | {idle_s:.1f} |", flush=True)
     half = len(rows) // 2
     for label, part in (("first half", rows[:half]), ("second half", rows[half:])):
         med = lambda j: statistics.median(r[j] for r in part)
-        print(f"\n{label}: accepted@1 frozen {med(2):.2f}, learning {med(4):.2f}; speed-up over plain frozen "
-              f"{statistics.median(r[1] / r[0] for r in part):.2f}x, learning "
-              f"{statistics.median(r[3] / r[0] for r in part):.2f}x")
-    learning.learner.save()
-    print("\nheld-out code after the requests (the learned head saved and reloaded):")
-    reloaded = MTPDrafter(model=str(learning_copy))
-    reloaded.setup(target)
-    runners["learned"] = Runner(target, reloaded, GreedyAcceptor(), DrafterTraits.of(reloaded, draft_max=args.draft_max),
-                                context=4096)
-    print("| prompt | plain tok/s | frozen | learned |\n|---|---|---|---|")
+        ratio = lambda j: statistics.median(r[j] / r[0] for r in part)
+        gap = lambda j: statistics.median(r[j] - r[2] for r in part)
+        print(f"\n{label}: accepted@1 frozen {med(2):.2f}, in requests {med(4):.2f} ({gap(4):+.2f} on frozen, median "
+              f"per request), idle {med(6):.2f} ({gap(6):+.2f}); speed-up over plain: frozen {ratio(1):.2f}x, in "
+              f"requests {ratio(3):.2f}x, idle {ratio(5):.2f}x")
+    print("\nheld-out code after the requests (each learned head saved and reloaded, frozen):")
+    for name in learners:
+        drafters[name].learner.save()
+        reloaded = MTPDrafter(model=str(copies[name]))
+        reloaded.setup(target)
+        runners[f"learned {name}"] = Runner(target, reloaded, GreedyAcceptor(),
+                                            DrafterTraits.of(reloaded, draft_max=args.draft_max), context=4096)
+    print("| prompt | plain tok/s | frozen | learned in requests | learned idle |\n|---|---|---|---|---|")
     for i, text in enumerate(HELD_OUT_PROMPTS):
         ids = encode(text)
         plain, _ = run("plain", ids)
-        f_speed, f_first = run("frozen", ids)
-        l_speed, l_first = run("learned", ids)
-        print(f"| held-out code {i + 1} | {plain:.1f} | {f_speed / plain:.2f}x ({f_first:.2f}) | "
-              f"{l_speed / plain:.2f}x ({l_first:.2f}) |")
+        cells = [run(name, ids) for name in ("frozen", "learned in requests", "learned idle")]
+        print(f"| held-out code {i + 1} | {plain:.1f} | " +
+              " | ".join(f"{speed / plain:.2f}x ({first:.2f})" for speed, first in cells) + " |")
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -937,3 +937,126 @@ def test_learning_time_is_a_share_of_the_time_in_requests(monkeypatch):
     clock[0] = 113.0
     assert share.allows()  # 6 s of 23
     assert learn.TimeShare(1.0).allows()  # no limit
+
+
+# ------------------------------------------------------------------------------------------ learning, rebuilt
+
+
+def test_the_q8_0_quantizer_is_gguf_pys_bit_for_bit():
+    """The learner's torch quantizer against gguf-py's (the reference, bit-exact to ggml's C): random weights of
+    several scales, a block of zeros (scale 0), and weights lying exactly halfway between two codes (ggml rounds
+    half away from zero; torch.round would round half to even)."""
+    from outrider.plugins.drafters.mtp.sidecar import quantize_q8_0
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 96, generator=gen) * torch.logspace(-4, 2, 24).unsqueeze(1)
+    w[3, 32:64] = 0.0
+    w[5, :32] = torch.tensor([127.0, 0.5, -0.5, 1.5, -2.5, 3.5] + [0.25] * 26)  # d = 1: x.5 lands on a tie
+    want = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    got = quantize_q8_0(w)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert np.array_equal(got, want)
+    assert got[5, 2:8].view(np.int8).tolist() == [127, 1, -1, 2, -3, 4]  # by hand: half away from zero
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_head_rebuilt_in_memory_is_the_head_its_file_holds(fx, tmp_path, arch):
+    """`drafter.learn` swaps in the head it trains without writing it: the tensors held in memory are, byte for
+    byte, those `write_sidecar` writes and `GGUFFile` reads back (llama's permuted q/k rows, Qwen2's three
+    biases), with the same metadata, and the drafting head built from either gives the same rows."""
+    from outrider.plugins.drafters.mtp.head import MTPHead, TrainableHead, shifted
+    from outrider.plugins.drafters.mtp.sidecar import head_in_memory, write_sidecar as write_trained
+
+    target = fx.target(arch)
+    model, g = target.model, target.gguf
+    vocab_ids = torch.arange(0, model.config.vocab_size, 3)
+    head = TrainableHead(model, g, vocab_ids)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in head.w.values():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    path = tmp_path / "head.mtp.gguf"
+    write_trained(path, head, g, vocab_ids)
+    on_disk, in_memory = GGUFFile(path), head_in_memory(head, g, vocab_ids, "learning")
+    assert sorted(in_memory.tensors) == sorted(on_disk.tensors)
+    for name, info in on_disk.tensors.items():
+        held = in_memory.tensors[name]
+        assert (held.shape, held.type) == (info.shape, info.type), name
+        assert np.array_equal(in_memory.raw(name), on_disk.raw(name)), name
+    read = {k: v for k, v in on_disk.metadata.items() if k.startswith(on_disk.architecture + ".")}
+    assert in_memory.metadata == {"general.architecture": on_disk.architecture, **read}
+    tokens = [5, 17, 42, 8, 99, 3, 64, 7]
+    hidden = shifted(_target_hidden(target, tokens).float())
+    with native_activations("float32"), torch.no_grad():
+        rows = [MTPHead(source, model.config.n_layers, target, 16).forward(torch.tensor(tokens), hidden, 0)
+                for source in (on_disk, in_memory)]
+    assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])
+
+
+def _learning_runner(fx, tmp_path, **options):
+    target = fx.target("llama")
+    tmp_path.mkdir(exist_ok=True)
+    path = write_sidecar(tmp_path / "head.mtp.gguf", "llama", fx.model_path("llama"), seed=3, reduced=True,
+                         ids=list(range(0, target.model.config.vocab_size, 2)))
+    drafter = MTPDrafter(model=str(path), learn=True, learn_rows=8, learn_refresh=100, learn_lr=3e-2, **options)
+    drafter.setup(target)
+    return drafter, Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=2), context=64)
+
+
+def test_idle_learning_trains_the_last_requests_rows_and_then_requests_do_not(fx, tmp_path, monkeypatch):
+    """With the default share, a generation trains as it goes until the host first offers idle time; then
+    `Runner.idle` trains on the request's rows no step reached, a window a call, the windows ending a quarter of
+    `rows` (2) apart and the last at the last certain row, as a request's steps would; then, a unit of its own,
+    rebuilds the drafting head (which takes over the old head's KV cache), and says no work is left. From then on
+    requests train nothing and leave their rows to the idle time after them. Greedy output stays plain
+    decoding's throughout."""
+    drafter, runner = _learning_runner(fx, tmp_path)
+    learner = drafter.learner
+    monkeypatch.setattr(learner.clock, "allows", lambda: True)  # the 0.2 share, whatever this machine's timings
+    want = fx.plain_greedy("llama", PROMPT, 12)
+    assert list(runner.generate(list(PROMPT), 12, SamplingParams())) == want
+    in_request = learner.steps
+    assert in_request > 0  # no idle time offered yet: it learned during the request
+    ends = []
+    train = learner._train
+    monkeypatch.setattr(learner, "_train", lambda tokens, hidden, certain: (ends.append(certain),
+                                                                            train(tokens, hidden, certain)))
+    first, observed = learner.trained_to, drafter.observed
+    cache, head = drafter.heads[0].cache, drafter.heads[0]
+    units = 0
+    while runner.idle():
+        units += 1
+    assert ends == list(range(first + 2, observed, 2)) + [observed], (first, observed, ends)
+    assert units == len(ends) + 1 and learner.steps == in_request + len(ends)  # the windows, then the rebuild
+    assert drafter.heads[0] is not head and drafter.heads[0].cache is cache and learner.refreshes == 1
+    assert not runner.idle() and learner.refreshes == 1  # nothing new: no second rebuild
+    monkeypatch.undo()  # the clock's own rule again
+    steps = learner.steps
+    assert list(runner.generate(list(PROMPT), 12, SamplingParams())) == want
+    assert learner.clock.share == 0.0 and learner.steps == steps  # requests train nothing now
+    while runner.idle():
+        pass
+    assert learner.steps - steps == math.ceil(drafter.observed / 2) and learner.refreshes == 2
+    assert list(runner.generate(list(PROMPT), 12, SamplingParams())) == want
+
+
+def test_a_server_learns_between_requests_and_a_busy_one_in_them_again(fx, tmp_path):
+    """Idle work asked for before any request (a server's worker, at its start) finds none and sets requests'
+    share to 0; a request whose predecessor's idle work was cut short by it trains at the default share again;
+    an explicit share stays as given, 0 included."""
+    drafter, runner = _learning_runner(fx, tmp_path)
+    learner = drafter.learner
+    assert not runner.idle() and learner.steps == 0 and learner.refreshes == 0
+    want = fx.plain_greedy("llama", PROMPT, 12)
+    assert list(runner.generate(list(PROMPT), 12, SamplingParams())) == want
+    assert learner.clock.share == 0.0 and learner.steps == 0  # share 0 allows nothing, whatever the timings
+    assert runner.idle()  # one unit, then the next request comes
+    assert list(runner.generate(list(PROMPT), 12, SamplingParams())) == want
+    assert learner.clock.share == learner.DEFAULT_SHARE
+    while runner.idle():
+        pass
+    list(runner.generate(list(PROMPT), 1, SamplingParams()))
+    assert learner.clock.share == 0.0
+    fixed, runner = _learning_runner(fx, tmp_path / "fixed", learn_share=0.0)
+    assert not runner.idle() and fixed.learner.clock.share == 0.0
+    assert not fixed.learner.clock.allows()

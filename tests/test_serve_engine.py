@@ -189,3 +189,90 @@ def test_a_request_submitted_while_the_server_stops_is_answered(stuck_engine):
     kind, value = answer(engine, new_job())
     stopper.join(ANSWER_TIMEOUT_S)
     assert kind in ("error", "refused") and isinstance(value, ShuttingDown), (kind, value)
+
+
+class IdleWorkRunner:
+    """A runner with deferred work (as `drafter.learn` has): `idle` records each unit and holds it until the test
+    lets it go; `work_left` units remain; a generation adds `after_request` more. `fail` makes a unit raise."""
+
+    def __init__(self, work_left: int, after_request: int = 0, fail: bool = False):
+        self.acceptor, self.stats = None, GenerationStats()
+        self.work_left, self.after_request, self.fail = work_left, after_request, fail
+        self.units, self.generations = [], 0
+        self.unit_started, self.go = threading.Semaphore(0), threading.Semaphore(0)
+
+    def rounds(self, prompt_ids, max_tokens, params, eog):
+        self.generations += 1
+        self.units.append("generation")
+        self.work_left += self.after_request
+        return
+        yield
+
+    def idle(self) -> bool:
+        self.unit_started.release()
+        assert self.go.acquire(timeout=ANSWER_TIMEOUT_S), "the test never let the unit go"
+        if self.fail:
+            raise RuntimeError("idle work broke")
+        self.units.append("unit")
+        self.work_left -= 1
+        return self.work_left > 0
+
+
+def idle_engine(runner) -> GenerationEngine:
+    decoder = SimpleNamespace(push=lambda token: "", flush=lambda: "")
+    tokenizer = SimpleNamespace(stream_decoder=lambda: decoder, eog_ids=frozenset())
+    engine = GenerationEngine(SimpleNamespace(runner=runner, tokenizer=tokenizer), {True: None, False: None},
+                              ServerMetrics("stub"), queue_size=8)
+    engine.start()
+    return engine
+
+
+def let_units_go(runner, count: int) -> None:
+    for _ in range(count):
+        assert runner.unit_started.acquire(timeout=ANSWER_TIMEOUT_S), "the worker asked for no idle work"
+        runner.go.release()
+
+
+def test_the_worker_does_the_drafters_idle_work_between_requests_a_unit_at_a_time():
+    """While no request waits the worker asks the runner for idle work until it says none is left; a request
+    that comes while a unit runs waits for that unit only; after it the idle work goes on."""
+    runner = IdleWorkRunner(work_left=3, after_request=2)
+    engine = idle_engine(runner)
+    try:
+        let_units_go(runner, 3)  # the work there was, then none: the worker waits for requests
+        assert awaited_done(engine, runner) == ["unit", "unit", "unit", "generation"]
+        assert runner.unit_started.acquire(timeout=ANSWER_TIMEOUT_S)  # the request's own idle work begins
+        job = new_job()
+        engine.submit(job)  # while that unit runs
+        runner.go.release()
+        assert awaited(job)[0] == "done"
+        assert runner.units[-2:] == ["unit", "generation"], runner.units  # one unit, then the request
+        let_units_go(runner, 3)  # what is left of both requests' work (2 + 2 - 1)
+        time_limit = time.monotonic() + ANSWER_TIMEOUT_S
+        while runner.units.count("unit") < 7 and time.monotonic() < time_limit:
+            time.sleep(0.01)
+        assert runner.units.count("unit") == 7 and runner.work_left == 0, runner.units
+        assert not runner.unit_started.acquire(timeout=0.2)  # none left: the worker waits for a request
+    finally:
+        runner.go.release(10)
+        engine.stop()
+
+
+def awaited_done(engine, runner) -> list[str]:
+    job = new_job()
+    engine.submit(job)
+    assert awaited(job)[0] == "done"
+    return list(runner.units)
+
+
+def test_idle_work_that_fails_is_logged_and_not_asked_for_again(caplog):
+    runner = IdleWorkRunner(work_left=5, fail=True)
+    engine = idle_engine(runner)
+    try:
+        let_units_go(runner, 1)
+        for _ in range(2):
+            assert awaited_done(engine, runner)[-1] == "generation"  # requests are served as ever
+        assert not runner.unit_started.acquire(timeout=0.2) and "idle work failed" in caplog.text
+    finally:
+        runner.go.release(10)
+        engine.stop()

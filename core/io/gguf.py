@@ -157,6 +157,26 @@ class GGUFFile:
         self._mmap.close()
 
 
+class TensorsInMemory(GGUFFile):
+    """What a GGUF file of these tensors and metadata reads as, held in memory: for a model part made while the
+    program runs (a head `drafter.learn` trains), which would otherwise be written to a file only to be read back.
+    `tensors`: {name: (stored bytes or values, type, shape in torch order)}; `name` stands for the path in messages."""
+
+    def __init__(self, name: str, metadata: dict[str, Any],
+                 tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType, tuple[int, ...]]]):
+        self.path, self.metadata = Path(name), dict(metadata)
+        self._data = {key: np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+                      for key, (array, _, _) in tensors.items()}
+        self.tensors = {key: TensorInfo(key, tuple(shape), qtype, 0, self._data[key].nbytes)
+                        for key, (_, qtype, shape) in tensors.items()}
+
+    def raw(self, name: str) -> np.ndarray:
+        return self._data[name]
+
+    def close(self) -> None:
+        self._data.clear()
+
+
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
                path: Path | str = "", name: str = "") -> torch.Tensor:
     """Raw GGUF bytes -> float32 tensor of `shape`."""

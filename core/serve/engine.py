@@ -120,6 +120,8 @@ class GenerationEngine:
         self._stopping = False
         self._current: Job | None = None
         self._mean_service_s = 1.0  # a generation's time, averaged; for Retry-After
+        # the drafter's deferred work, asked for between requests (until it fails)
+        self._idle_work = callable(getattr(self.runner, "idle", None))
         labels = metrics.model_name
         metrics.waiting.labels(labels).set_function(lambda: self.waiting)
         self._running = metrics.running.labels(labels)
@@ -195,8 +197,24 @@ class GenerationEngine:
         """A guess at when a place frees up: the mean time of a generation so far, at least a second."""
         return max(1, round(self._mean_service_s))
 
+    def _next_job(self) -> Job | None:
+        """The next job; while none waits, the drafter's deferred work (`drafter.learn` trains between
+        requests), a unit at a time, so a request that comes waits for one unit at most."""
+        while self._idle_work and not self._stopping:
+            try:
+                return self._jobs.get_nowait()
+            except queue.Empty:
+                pass
+            try:
+                if not self.runner.idle():
+                    break
+            except Exception:  # noqa: BLE001 - idle work is a bonus; serving goes on without it
+                log.exception("the drafter's idle work failed; it is not asked again")
+                self._idle_work = False
+        return self._jobs.get()
+
     def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while (job := self._next_job()) is not None:
             with self._lock:
                 self.waiting -= 1
                 self.busy = 1

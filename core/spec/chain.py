@@ -56,6 +56,14 @@ class DrafterChain:
         for d in self.drafters:
             d.rollback(length)
 
+    def idle(self) -> bool:
+        """A unit of deferred work of each member that has some, until one says more is left; whether any is."""
+        for d in self.drafters:
+            work = getattr(d, "idle", None)
+            if work is not None and work():
+                return True
+        return False
+
     def _observe(self, hidden, start: int, cache) -> None:
         for d, t in zip(self.drafters, self._traits):
             if t.reads_the_target:

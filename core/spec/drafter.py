@@ -91,6 +91,7 @@ class Drafter(Protocol):
     def rollback(self, length: int) -> None: ...
 
     # optional: def draft_kind(self, tokens: list[int]) -> DraftKind | None
+    # optional: def idle(self) -> bool  (one unit of deferred work between generations; whether more is left)
     # with needs target_hidden / target_kv: def observe(self, hidden: torch.Tensor, start: int, cache) -> None
 
 

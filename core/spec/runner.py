@@ -224,6 +224,12 @@ class Runner:
                         draft_s=t_drafted - t, verify_s=t_verified - t_drafted)
         stats.decode_s = time.perf_counter() - decode_start
 
+    def idle(self) -> bool:
+        """One unit of the drafter's work that waits for a free moment (`drafter.learn`'s training), for a host
+        with nothing else to do; whether there is more. Never inside a generation."""
+        work = getattr(self.drafter, "idle", None)
+        return bool(work()) if work is not None else False
+
     def lengths_change_the_output(self, params: SamplingParams) -> bool:
         """Whether the draft lengths change which tokens a reproducible run (seeded, or greedy) emits: then
         `--draft-max auto` must not choose them from timings. A lossless acceptor with a drafter that gives no

@@ -86,12 +86,14 @@ class MTPDrafter(DrafterBase):
     gives_draft_probs = True  # at temperature > 0 with sample = true: drafts are sampled from q
 
     def __init__(self, model: str = "", sample: bool = True, context: int = 4096, learn: bool = False,
-                 learn_share: float = 0.2, learn_rows: int = 128, learn_refresh: int = 4, learn_lr: float = 1e-4):
+                 learn_share: float | None = None, learn_rows: int = 128, learn_refresh: int = 4,
+                 learn_lr: float = 1e-4):
         self.model_name, self.sample, self.context = model, sample, context
         self.gives_draft_probs = sample
         self.learn = LearnSettings(learn_share, learn_rows, lr=learn_lr, refresh=learn_refresh) if learn else None
-        if learn and not (0 < learn_share <= 1 and learn_rows >= 2 and learn_refresh >= 1 and learn_lr > 0):
-            raise ConfigError("drafter.learn needs 0 < learn_share <= 1, learn_rows >= 2, learn_refresh >= 1 and "
+        share_ok = learn_share is None or 0 <= learn_share <= 1
+        if learn and not (share_ok and learn_rows >= 2 and learn_refresh >= 1 and learn_lr > 0):
+            raise ConfigError("drafter.learn needs 0 <= learn_share <= 1, learn_rows >= 2, learn_refresh >= 1 and "
                               "learn_lr > 0")
 
     def setup(self, target: Target) -> None:
@@ -111,6 +113,7 @@ class MTPDrafter(DrafterBase):
                                   f"{g.path.name} is not one: drop -o drafter.learn")
             self.learner = HeadLearner(target.model, target.gguf, g, self.learn)
         self.vocab = target.model.config.vocab_size
+        self.observed, self.tokens = 0, []  # as `begin` sets them: a host may ask for idle work before any request
         self.hidden = torch.zeros(self.max_len, target.model.config.hidden_size, dtype=target.model.dtype,
                                   device=target.model.device)
         self.device = target.model.device
@@ -118,6 +121,7 @@ class MTPDrafter(DrafterBase):
     def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
         super().begin(prompt, params, controls)
         self.observed = 0  # target hidden rows held for positions [0, observed)
+        self.tokens: list[int] = []  # the runner's tokens (it extends them in place): what idle learning reads
         for head in self.heads:
             head.cache.truncate(0)
         if self.learner is not None:
@@ -167,17 +171,17 @@ class MTPDrafter(DrafterBase):
         if k <= 0 or not self._ready(tokens):
             return Draft()
         n = len(tokens) - 1  # t0's position: its row (t0, h_{n-1}) is made from the target and seeds the draft
-        start = rebuilt_at = time.perf_counter()
+        start = time.perf_counter()
+        self.tokens = tokens
         if self.learner is not None and self.learner.due(self.observed):
             rebuilt = self.learner.step(tokens, self.hidden, self.observed)
-            if rebuilt is not None:  # drafts from here on come from the trained head (its cache refilled below)
-                rebuilt_at = time.perf_counter()
-                self.heads = [MTPHead(rebuilt, trunk_layers(rebuilt), self.target, self.max_len)]
+            if rebuilt is not None:  # drafts from here on come from the trained head
+                swapped_at = time.perf_counter()
+                self._swap(rebuilt)
+                self.learner.clock.charge(time.perf_counter() - swapped_at)
         for head in self.heads:
             head.cache.truncate(min(head.cache.length, n))
         seeds = [self._catch_up(head, tokens, n + 1) for head in self.heads]
-        if rebuilt_at > start:  # loading the new head and refilling its cache are learning's cost too
-            self.learner.clock.charge(time.perf_counter() - rebuilt_at)
         # keeping the heads' caches up with the target (and learning): its size follows the rows accepted since
         # the last MTP round (in a chain, lookup's), not the draft length, so `auto` does not bill it per token
         upkeep_s = time.perf_counter() - start
@@ -201,6 +205,23 @@ class MTPDrafter(DrafterBase):
             head.cache.truncate(n + 1)
         return draft
 
+    def _swap(self, rebuilt) -> None:
+        """Draft with the rebuilt head from here on. It takes over the old head's KV cache: those rows were made
+        by the weights of a few steps before, which changes only how well the head drafts, never the output (the
+        acceptor reads q as the drafting head gave it); refilling the cache would cost a forward of every row."""
+        old = self.heads[0]
+        self.heads = [MTPHead(rebuilt, trunk_layers(rebuilt), self.target, self.max_len, cache=old.cache)]
+
+    def idle(self) -> bool:
+        """One unit of learning on the last request's rows, while the host has nothing else to do (the server's
+        worker, between requests); whether there is more."""
+        if self.learner is None:
+            return False
+        more, rebuilt = self.learner.idle(self.tokens, self.hidden, self.observed)
+        if rebuilt is not None:
+            self._swap(rebuilt)
+        return more
+
 
 @hookimpl
 def register_drafters(register):
@@ -212,7 +233,8 @@ def register_drafters(register):
         "context": (int, "the MTP blocks' KV cache length"),
         "learn": (bool, "keep training a distilled head on the rows the target verifies (saved over its sidecar "
                         "on exit); the output law is unchanged"),
-        "learn_share": (float, "with learn: at most this share of the time spent in requests goes to training"),
+        "learn_share": (float, "with learn: at most this share of the time spent in requests goes to training "
+                               "(default: 0.2 until the server first has idle time to train in, then 0)"),
         "learn_rows": (int, "with learn: the newest verified rows one training step reads"),
         "learn_refresh": (int, "with learn: training steps between rebuilding the drafting head"),
         "learn_lr": (float, "with learn: AdamW's learning rate"),

@@ -64,7 +64,8 @@ class MTPHead:
     """One MTP block: the trunk-kind decoder block and the nextn projections around it, on the target's
     backend, with its own one-layer KV cache."""
 
-    def __init__(self, g: GGUFFile, b: int, target: Target, max_len: int):
+    def __init__(self, g: GGUFFile, b: int, target: Target, max_len: int, cache=None):
+        """`cache`: a KV cache to take over (an earlier head's, with rows it made), else a new one."""
         model = target.model
         self.model, self.eps = model, model.config.eps
         dtype, device, packed = model.dtype, model.device, model.native
@@ -95,7 +96,7 @@ class MTPHead:
         else:
             self.head = model.output
         self.stack = LayerStack([model.block(g, b)], model.attention, self.eps, model.activation)
-        self.cache = model.attention.new_cache(1, max_len, device)
+        self.cache = cache if cache is not None else model.attention.new_cache(1, max_len, device)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_table[tokens] if self.embed_table is not None else self.model.embed(tokens)

@@ -3,11 +3,18 @@
 Every row the target verified is a training example distill would have made, at no extra target forward: the token
 x_p, the target's hidden h_{p-1} (the head's inputs) and the target's hidden h_p, from which the target's output
 rows over the draft vocabulary give the target's logits of x_{p+1}. So the learner needs nothing but the rows the
-drafter already observes. A step trains on the newest `rows` certain rows, when a quarter of them are new since
-the last step and learning has used less than `share` of the time the drafter has spent in requests (bounded time;
-memory is the head's parameters, AdamW's two moments and one window). Every `refresh` steps the drafting head is
-rebuilt from the trained parameters; a draft is always made, and its q reported, by one fixed head, so the
-acceptors' law is untouched: what changes between rounds is only which proposal distribution a round uses.
+drafter already observes. A step trains on the `rows` certain rows that end where a quarter of them are new since
+the last step (bounded memory: the head's parameters, AdamW's two moments and one window of the request's rows).
+
+When it trains: in the host's idle time (`idle`: the server's worker calls it while no request waits), over the
+last request's rows that no step has reached; and during requests with at most `share` of the time spent in them
+(bounded time a round). The default share is 0.2 until the host first offers idle time, then 0 while the idle work
+keeps up (0.2 again for a request that began before the idle work on the last one was done): a server learns
+between requests and drafts at the frozen head's speed, a one-shot generation learns as it goes.
+
+Every `refresh` steps in a request, and when the idle work is done, the drafting head is rebuilt in memory from the trained
+parameters (the tensors the sidecar would hold); a draft is always made, and its q reported, by one fixed head, so
+the acceptors' law is untouched: what changes between rounds is only which proposal distribution a round uses.
 
 The learned head replaces the sidecar it came from when the process exits (the distilled one is kept once,
 beside it, as `*.distilled.gguf`), so the next run starts where this one stopped.
@@ -24,14 +31,16 @@ from pathlib import Path
 
 import torch
 
-from outrider.io.gguf import GGUFFile
+from outrider.io.gguf import GGUFFile, TensorsInMemory
 from outrider.plugins.drafters.mtp.head import TrainableHead, target_logits
-from outrider.plugins.drafters.mtp.sidecar import write_sidecar
+from outrider.plugins.drafters.mtp.sidecar import head_in_memory, write_sidecar
 
 
 @dataclass(frozen=True)
 class LearnSettings:
-    share: float = 0.2  # at most this share of the time spent in requests goes to training (1: no limit)
+    # at most this share of the time spent in requests goes to training (1: no limit; 0: idle time only);
+    # None: 0.2 until the host offers idle time, then 0
+    share: float | None = None
     rows: int = 128  # a step trains on the newest certain rows, this many, when a quarter of them are new
     lr: float = 1e-4
     refresh: int = 4  # steps between rebuilding the drafting head
@@ -40,7 +49,7 @@ class LearnSettings:
 
 class TimeShare:
     """Side work (training) kept to `share` of the seconds spent in requests, each from its `begin` to its
-    latest round: time between requests banks nothing. A share of 1 or more sets no limit."""
+    latest round: time between requests banks nothing. A share of 1 or more sets no limit, 0 allows none."""
 
     def __init__(self, share: float):
         self.share, self.spent, self.banked = share, 0.0, 0.0
@@ -56,13 +65,15 @@ class TimeShare:
         """Whether the side work may run now (this call marks the latest round)."""
         self.last_round = time.perf_counter()
         active = self.banked + (self.last_round - self.request_start if self.request_start is not None else 0.0)
-        return self.share >= 1 or self.spent <= self.share * active
+        return self.share >= 1 or (self.share > 0 and self.spent <= self.share * active)
 
     def charge(self, seconds: float) -> None:
         self.spent += seconds
 
 
 class HeadLearner:
+    DEFAULT_SHARE = 0.2  # of the time in requests, until the host offers idle time
+
     def __init__(self, model, g, sidecar: GGUFFile, settings: LearnSettings):
         self.model, self.g, self.settings, self.source = model, g, settings, Path(sidecar.path)
         self.head = TrainableHead.from_sidecar(model, g, sidecar)
@@ -70,13 +81,24 @@ class HeadLearner:
         # need not be): they turn a verified hidden state into the target's logits there
         self.target_rows = model.output.rows(self.head.vocab_ids).float()
         self.optimizer = self.head.optimizer(settings.lr)
-        self.clock = TimeShare(settings.share)
-        self.steps, self.trained_to, self.refreshes, self.unsaved = 0, 0, 0, False
+        self.clock = TimeShare(self.DEFAULT_SHARE if settings.share is None else settings.share)
+        self.steps, self.built_at, self.trained_to, self.refreshes, self.unsaved = 0, 0, 0, 0, False
+        self.idle_s = 0.0  # seconds trained in idle time
+        self.idle_offered = False  # the host has called `idle` (a server, between requests)
+        self.caught_up = True  # the idle work on the last request's rows was done before the next began
         self.staged = self.source.with_suffix(".learning.gguf")
         atexit.register(_save_at_exit, weakref.ref(self))  # a learner dropped before exit is not kept alive
 
+    @property
+    def stride(self) -> int:
+        return max(1, self.settings.rows // 4)
+
     def begin(self) -> None:
-        self.trained_to = 0
+        if self.settings.share is None and self.idle_offered:
+            # the rows of a request learn in the idle time after it; where that time was cut short (a busy
+            # server), requests train themselves at the default share until the idle work keeps up again
+            self.clock.share = 0.0 if self.caught_up else self.DEFAULT_SHARE
+        self.trained_to, self.caught_up = 0, False
         self.clock.begin()
 
     def rollback(self, length: int) -> None:
@@ -84,12 +106,36 @@ class HeadLearner:
 
     def due(self, certain: int) -> bool:
         """Whether to train this round: the clock allows it and a quarter of the window is new."""
-        return self.clock.allows() and certain - self.trained_to >= max(1, self.settings.rows // 4)
+        return self.clock.allows() and certain - self.trained_to >= self.stride  # allows() marks the round
 
-    def step(self, tokens: list[int], hidden: torch.Tensor, certain: int) -> GGUFFile | None:
-        """One training step on rows [certain - rows, certain) (tokens[p], hidden[p - 1] -> the target's
-        distribution from hidden[p], and hidden[p]); the rebuilt head's file when a refresh is due."""
+    def step(self, tokens: list[int], hidden: torch.Tensor, certain: int) -> TensorsInMemory | None:
+        """One training step in a request, on the rows up to `certain`; the rebuilt head when a refresh is due."""
         t0 = time.perf_counter()
+        self._train(tokens, hidden, certain)
+        rebuilt = self._rebuild() if self.steps - self.built_at >= self.settings.refresh else None
+        self.clock.charge(time.perf_counter() - t0)
+        return rebuilt
+
+    def idle(self, tokens: list[int], hidden: torch.Tensor, certain: int) -> tuple[bool, TensorsInMemory | None]:
+        """One unit of idle work on the last request's rows [0, certain): a step on the rows no step has reached
+        (windows ending a quarter of `rows` apart, as a request's steps do), then, as a unit of its own, the
+        rebuild of the drafting head (nothing drafts in between); (whether work is left, the rebuilt head or None)."""
+        t0 = time.perf_counter()
+        self.idle_offered = True
+        certain = min(certain, len(tokens), hidden.shape[0])
+        rebuilt, more = None, True
+        if certain > self.trained_to and certain >= 2:
+            self._train(tokens, hidden, min(self.trained_to + self.stride, certain))
+        elif self.steps > self.built_at:
+            rebuilt = self._rebuild()
+        else:
+            more, self.caught_up = False, True
+        self.idle_s += time.perf_counter() - t0
+        return more, rebuilt
+
+    def _train(self, tokens: list[int], hidden: torch.Tensor, certain: int) -> None:
+        """One step on rows [certain - rows, certain) (tokens[p], hidden[p - 1] -> the target's distribution from
+        hidden[p], and hidden[p])."""
         start = max(certain - self.settings.rows, 0)
         h = hidden[start:certain].float()
         h_prev = torch.cat([hidden[start - 1:start].float() if start else torch.zeros_like(h[:1]), h[:-1]])
@@ -97,13 +143,11 @@ class HeadLearner:
         self.head.train_step(self.optimizer, lambda: self.head.loss(torch.tensor(tokens[start:certain]), h_prev, h,
                                                                     want, feature_weight=self.settings.feature_weight))
         self.steps, self.trained_to, self.unsaved = self.steps + 1, certain, True
-        rebuilt = None
-        if self.steps % self.settings.refresh == 0:
-            write_sidecar(self.staged, self.head, self.g, self.head.vocab_ids)
-            rebuilt = GGUFFile(self.staged)
-            self.refreshes += 1
-        self.clock.charge(time.perf_counter() - t0)
-        return rebuilt
+
+    def _rebuild(self) -> TensorsInMemory:
+        """The drafting head's tensors from the trained parameters, as the sidecar would hold them."""
+        self.built_at, self.refreshes = self.steps, self.refreshes + 1
+        return head_in_memory(self.head, self.g, self.head.vocab_ids, f"{self.source.name} (learning, in memory)")
 
     def save(self) -> None:
         """The learned head over the sidecar it came from (the distilled one kept once beside it)."""
