@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
           "(accepted@1), steps | idle training s |")
     print("|---|---|---|---|---|---|")
     run("plain", encode("Say hello."))  # warm-up
+    idle_time("idle")  # a server's worker offers idle time before its first request: no learning in requests
     rows = []
     for i, src in enumerate(functions(args.requests)):
         ids = encode(f"Add a docstring and type hints to this Python function and return the whole function:\n\n"
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{steps('in requests')} | {idle[0]:.1f} ({idle[1]:.2f}), {steps('idle')} | {idle_s:.1f} |", flush=True)
     half = len(rows) // 2
     for label, part in (("first half", rows[:half]), ("second half", rows[half:])):
+        if not part:  # one request: no first half
+            continue
         med = lambda j: statistics.median(r[j] for r in part)
         ratio = lambda j: statistics.median(r[j] / r[0] for r in part)
         gap = lambda j: statistics.median(r[j] - r[2] for r in part)

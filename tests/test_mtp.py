@@ -937,6 +937,16 @@ def test_learning_time_is_a_share_of_the_time_in_requests(monkeypatch):
     clock[0] = 113.0
     assert share.allows()  # 6 s of 23
     assert learn.TimeShare(1.0).allows()  # no limit
+    busy = learn.TimeShare(0.0)  # a server's share while idle time keeps up: 10 s of requests at 0
+    busy.begin()
+    clock[0] = 123.0
+    assert not busy.allows()
+    busy.begin(0.5)  # a request came before the idle work was done: the share again, from then on
+    clock[0] = 124.0
+    busy.charge(0.6)
+    assert not busy.allows()  # 0.6 s of side work against half of 1 s: the 10 s at share 0 lend nothing
+    clock[0] = 125.0
+    assert busy.allows()  # half of 2 s
 
 
 # ------------------------------------------------------------------------------------------ learning, rebuilt
@@ -1006,8 +1016,8 @@ def _learning_runner(fx, tmp_path, **options):
 def test_idle_learning_trains_the_last_requests_rows_and_then_requests_do_not(fx, tmp_path, monkeypatch):
     """With the default share, a generation trains as it goes until the host first offers idle time; then
     `Runner.idle` trains on the request's rows no step reached, a window a call, the windows ending a quarter of
-    `rows` (2) apart and the last at the last certain row, as a request's steps would; then, a unit of its own,
-    rebuilds the drafting head (which takes over the old head's KV cache), and says no work is left. From then on
+    `rows` (2) apart and the last at the last certain row, as a request's steps would; then, in the last unit,
+    rebuilds the drafting head (which takes over the old head's KV cache) and says no work is left. From then on
     requests train nothing and leave their rows to the idle time after them. Greedy output stays plain
     decoding's throughout."""
     drafter, runner = _learning_runner(fx, tmp_path)
@@ -1027,7 +1037,7 @@ def test_idle_learning_trains_the_last_requests_rows_and_then_requests_do_not(fx
     while runner.idle():
         units += 1
     assert ends == list(range(first + 2, observed, 2)) + [observed], (first, observed, ends)
-    assert units == len(ends) + 1 and learner.steps == in_request + len(ends)  # the windows, then the rebuild
+    assert units == len(ends) and learner.steps == in_request + len(ends)  # the last unit rebuilds, says done
     assert drafter.heads[0] is not head and drafter.heads[0].cache is cache and learner.refreshes == 1
     assert not runner.idle() and learner.refreshes == 1  # nothing new: no second rebuild
     monkeypatch.undo()  # the clock's own rule again

@@ -11,11 +11,13 @@ two built at start-up, so nothing is re-assembled.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import queue
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,7 +122,8 @@ class GenerationEngine:
         self._stopping = False
         self._current: Job | None = None
         self._mean_service_s = 1.0  # a generation's time, averaged; for Retry-After
-        # the drafter's deferred work, asked for between requests (until it fails)
+        # asked for between requests (a learning drafter trains then); False after a unit fails, so a broken
+        # learner costs one logged error, not one per request
         self._idle_work = callable(getattr(self.runner, "idle", None))
         labels = metrics.model_name
         metrics.waiting.labels(labels).set_function(lambda: self.waiting)
@@ -129,6 +132,9 @@ class GenerationEngine:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._work, name="outrider-generation", daemon=True)
         self._thread.start()
+        # at exit, even one that skips the server's shutdown (a second Ctrl-C): the worker's unit ends before the
+        # drafter's own exit handlers (a learner's save, registered earlier, runs later) read what it trains
+        atexit.register(_stop_at_exit, weakref.ref(self))
         if self.stall_timeout:
             threading.Thread(target=self._watch, name="outrider-watchdog", daemon=True).start()
 
@@ -299,3 +305,8 @@ class GenerationEngine:
         if finish == "timeout":  # OpenAI clients know stop and length only: cut short is "length", as vLLM says
             return Outcome("length", stats, delivered, stop_reason="timeout")
         return Outcome(finish, stats, delivered)
+
+
+def _stop_at_exit(engine: weakref.ref) -> None:
+    if (alive := engine()) is not None:
+        alive.stop()

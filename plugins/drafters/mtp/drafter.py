@@ -234,7 +234,8 @@ def register_drafters(register):
         "learn": (bool, "keep training a distilled head on the rows the target verifies (saved over its sidecar "
                         "on exit); the output law is unchanged"),
         "learn_share": (float, "with learn: at most this share of the time spent in requests goes to training "
-                               "(default: 0.2 until the server first has idle time to train in, then 0)"),
+                               "(default: 0.2 until the server first has idle time to train in, then 0 while "
+                               "that time keeps up, 0.2 again when it does not)"),
         "learn_rows": (int, "with learn: the newest verified rows one training step reads"),
         "learn_refresh": (int, "with learn: training steps between rebuilding the drafting head"),
         "learn_lr": (float, "with learn: AdamW's learning rate"),

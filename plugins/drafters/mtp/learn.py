@@ -7,14 +7,15 @@ drafter already observes. A step trains on the `rows` certain rows that end wher
 the last step (bounded memory: the head's parameters, AdamW's two moments and one window of the request's rows).
 
 When it trains: in the host's idle time (`idle`: the server's worker calls it while no request waits), over the
-last request's rows that no step has reached; and during requests with at most `share` of the time spent in them
+last request's newest rows that no step has reached; and during requests with at most `share` of the time spent in them
 (bounded time a round). The default share is 0.2 until the host first offers idle time, then 0 while the idle work
 keeps up (0.2 again for a request that began before the idle work on the last one was done): a server learns
 between requests and drafts at the frozen head's speed, a one-shot generation learns as it goes.
 
-Every `refresh` steps in a request, and when the idle work is done, the drafting head is rebuilt in memory from the trained
-parameters (the tensors the sidecar would hold); a draft is always made, and its q reported, by one fixed head, so
-the acceptors' law is untouched: what changes between rounds is only which proposal distribution a round uses.
+Every `refresh` steps in a request, and when the idle work is done, the drafting head is rebuilt in memory from
+the trained parameters (the tensors the sidecar would hold); a draft is always made, and its q reported, by one
+fixed head, so the acceptors' law is untouched: what changes between rounds is only which proposal distribution a
+round uses.
 
 The learned head replaces the sidecar it came from when the process exits (the distilled one is kept once,
 beside it, as `*.distilled.gguf`), so the next run starts where this one stopped.
@@ -49,23 +50,28 @@ class LearnSettings:
 
 class TimeShare:
     """Side work (training) kept to `share` of the seconds spent in requests, each from its `begin` to its
-    latest round: time between requests banks nothing. A share of 1 or more sets no limit, 0 allows none."""
+    latest round: time between requests banks nothing. A share of 1 or more sets no limit, 0 allows none. What
+    is banked is each request's allowance at the share it ran under, so a share raised again (a busy server)
+    does not lend itself the requests that ran at 0."""
 
     def __init__(self, share: float):
-        self.share, self.spent, self.banked = share, 0.0, 0.0
+        self.share, self.spent, self.allowed = share, 0.0, 0.0
         self.request_start: float | None = None
         self.last_round = 0.0
 
-    def begin(self) -> None:
-        if self.request_start is not None:  # the last request, from its begin to its last round
-            self.banked += self.last_round - self.request_start
+    def begin(self, share: float | None = None) -> None:
+        """A request begins, under `share` from now on (None: the share as it stands)."""
+        if self.request_start is not None:  # the last request, from its begin to its last round, at its share
+            self.allowed += min(self.share, 1.0) * (self.last_round - self.request_start)
+        if share is not None:
+            self.share = share
         self.request_start = self.last_round = time.perf_counter()
 
     def allows(self) -> bool:
         """Whether the side work may run now (this call marks the latest round)."""
         self.last_round = time.perf_counter()
-        active = self.banked + (self.last_round - self.request_start if self.request_start is not None else 0.0)
-        return self.share >= 1 or (self.share > 0 and self.spent <= self.share * active)
+        now = self.last_round - self.request_start if self.request_start is not None else 0.0
+        return self.share >= 1 or (self.share > 0 and self.spent <= self.allowed + self.share * now)
 
     def charge(self, seconds: float) -> None:
         self.spent += seconds
@@ -73,6 +79,7 @@ class TimeShare:
 
 class HeadLearner:
     DEFAULT_SHARE = 0.2  # of the time in requests, until the host offers idle time
+    IDLE_WINDOWS = 4  # idle time trains on at most this many windows' worth of a request's newest rows
 
     def __init__(self, model, g, sidecar: GGUFFile, settings: LearnSettings):
         self.model, self.g, self.settings, self.source = model, g, settings, Path(sidecar.path)
@@ -83,7 +90,6 @@ class HeadLearner:
         self.optimizer = self.head.optimizer(settings.lr)
         self.clock = TimeShare(self.DEFAULT_SHARE if settings.share is None else settings.share)
         self.steps, self.built_at, self.trained_to, self.refreshes, self.unsaved = 0, 0, 0, 0, False
-        self.idle_s = 0.0  # seconds trained in idle time
         self.idle_offered = False  # the host has called `idle` (a server, between requests)
         self.caught_up = True  # the idle work on the last request's rows was done before the next began
         self.staged = self.source.with_suffix(".learning.gguf")
@@ -94,12 +100,13 @@ class HeadLearner:
         return max(1, self.settings.rows // 4)
 
     def begin(self) -> None:
+        share = None
         if self.settings.share is None and self.idle_offered:
             # the rows of a request learn in the idle time after it; where that time was cut short (a busy
             # server), requests train themselves at the default share until the idle work keeps up again
-            self.clock.share = 0.0 if self.caught_up else self.DEFAULT_SHARE
+            share = 0.0 if self.caught_up else self.DEFAULT_SHARE
         self.trained_to, self.caught_up = 0, False
-        self.clock.begin()
+        self.clock.begin(share)
 
     def rollback(self, length: int) -> None:
         self.trained_to = min(self.trained_to, length)
@@ -117,20 +124,21 @@ class HeadLearner:
         return rebuilt
 
     def idle(self, tokens: list[int], hidden: torch.Tensor, certain: int) -> tuple[bool, TensorsInMemory | None]:
-        """One unit of idle work on the last request's rows [0, certain): a step on the rows no step has reached
-        (windows ending a quarter of `rows` apart, as a request's steps do), then, as a unit of its own, the
-        rebuild of the drafting head (nothing drafts in between); (whether work is left, the rebuilt head or None)."""
-        t0 = time.perf_counter()
+        """One unit of idle work on the last request's newest rows (at most IDLE_WINDOWS x `rows` of [0, certain)):
+        a step on rows no step has reached (windows ending a quarter of `rows` apart, as a request's steps do),
+        then, as the last unit, the rebuild of the drafting head (nothing drafts in between); (whether work is
+        left, the rebuilt head or None)."""
         self.idle_offered = True
         certain = min(certain, len(tokens), hidden.shape[0])
         rebuilt, more = None, True
+        # a long prompt's rows beyond the newest IDLE_WINDOWS windows wait for no one: the idle time a request
+        # asks stays bounded, and a system prompt that every request repeats is not trained on each time
+        self.trained_to = max(self.trained_to, certain - self.IDLE_WINDOWS * self.settings.rows)
         if certain > self.trained_to and certain >= 2:
             self._train(tokens, hidden, min(self.trained_to + self.stride, certain))
-        elif self.steps > self.built_at:
-            rebuilt = self._rebuild()
         else:
+            rebuilt = self._rebuild() if self.steps > self.built_at else None
             more, self.caught_up = False, True
-        self.idle_s += time.perf_counter() - t0
         return more, rebuilt
 
     def _train(self, tokens: list[int], hidden: torch.Tensor, certain: int) -> None:
