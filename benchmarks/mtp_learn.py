@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         idle_s = idle_time("idle")
         rows.append((plain, *frozen, *in_requests, *idle))
         steps = lambda name: drafters[name].learner.steps
-        print(f"| {i + 1} | {plain:.1f} | {frozen[0]:.1f} ({frozen[1]:.2f}) | {in_requests[0]:.1f} ({in_requests[1]:.2f}), "
-              f"{steps('in requests')} | {idle[0]:.1f} ({idle[1]:.2f}), {steps('idle')} | {idle_s:.1f} |", flush=True)
+        print(f"| {i + 1} | {plain:.1f} | {frozen[0]:.1f} ({frozen[1]:.2f}) | {in_requests[0]:.1f} "
+              f"({in_requests[1]:.2f}), {steps('in requests')} | {idle[0]:.1f} ({idle[1]:.2f}), {steps('idle')} | "
+              f"{idle_s:.1f} |", flush=True)
     half = len(rows) // 2
     for label, part in (("first half", rows[:half]), ("second half", rows[half:])):
         if not part:  # one request: no first half

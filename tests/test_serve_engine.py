@@ -108,16 +108,21 @@ def awaited(job: RecordingJob) -> tuple[str, object]:
         pytest.fail(f"a request was left waiting for over {ANSWER_TIMEOUT_S:g} s")
 
 
+def stub_engine(runner, **options) -> GenerationEngine:
+    """An engine (not started) on `runner`, with a tokenizer that decodes nothing and no end-of-generation ids."""
+    decoder = SimpleNamespace(push=lambda token: "", flush=lambda: "")
+    tokenizer = SimpleNamespace(stream_decoder=lambda: decoder, eog_ids=frozenset())
+    return GenerationEngine(SimpleNamespace(runner=runner, tokenizer=tokenizer), {True: None, False: None},
+                            ServerMetrics("stub"), queue_size=8, **options)
+
+
 @pytest.fixture
 def stuck_engine(monkeypatch):
     """A started engine with a watchdog (stall_timeout 0.2 s on the test's clock) and its hooked lock."""
     clock = ManualClock()
     monkeypatch.setattr(engine_module, "time", clock)
     runner = BlockingRunner()
-    decoder = SimpleNamespace(push=lambda token: "", flush=lambda: "")
-    tokenizer = SimpleNamespace(stream_decoder=lambda: decoder, eog_ids=frozenset())
-    engine = GenerationEngine(SimpleNamespace(runner=runner, tokenizer=tokenizer), {True: None, False: None},
-                              ServerMetrics("stub"), queue_size=8, stall_timeout=0.2)
+    engine = stub_engine(runner, stall_timeout=0.2)
     engine._lock = lock = HookedLock()
     engine.start()
     yield engine, runner, clock, lock
@@ -219,10 +224,7 @@ class IdleWorkRunner:
 
 
 def idle_engine(runner) -> GenerationEngine:
-    decoder = SimpleNamespace(push=lambda token: "", flush=lambda: "")
-    tokenizer = SimpleNamespace(stream_decoder=lambda: decoder, eog_ids=frozenset())
-    engine = GenerationEngine(SimpleNamespace(runner=runner, tokenizer=tokenizer), {True: None, False: None},
-                              ServerMetrics("stub"), queue_size=8)
+    engine = stub_engine(runner)
     engine.start()
     return engine
 

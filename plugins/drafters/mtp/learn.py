@@ -129,7 +129,7 @@ class HeadLearner:
         then, as the last unit, the rebuild of the drafting head (nothing drafts in between); (whether work is
         left, the rebuilt head or None)."""
         self.idle_offered = True
-        certain = min(certain, len(tokens), hidden.shape[0])
+        certain = min(certain, len(tokens))
         rebuilt, more = None, True
         # a long prompt's rows beyond the newest IDLE_WINDOWS windows wait for no one: the idle time a request
         # asks stays bounded, and a system prompt that every request repeats is not trained on each time
