@@ -5,7 +5,7 @@ The code base is Outrider's own source, which no head has seen: request i asks t
 to add a docstring and type hints to the i-th function of `FILES` (chat template, greedy, at most --tokens new
 tokens). Each request runs plain, with the frozen head (`--drafter mtp`) and with two learning copies of it (copies,
 so the cached head stays as distill left it): "in requests" trains during each request with `learn_share`
-(--learn-share), as a one-shot generation does; "idle" is the server's way, the default share, its training done
+(--learn-share), as a one-shot generation does (or, `--other unanchored`, an idle learner without the anchor); "idle" is the server's way, the default share, its training done
 between requests (`Runner.idle` until no work is left, as the server's worker calls it while no request waits;
 timed apart). Printed per request: first-position acceptance and decode tok/s of each; then the three held-out
 prompts of benchmarks/mtp_heads.py once more with each head, frozen.
@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--draft-max", default="auto")
     parser.add_argument("--learn-share", type=float, default=0.2, help="the in-request learner's share")
+    parser.add_argument("--other", choices=("in requests", "unanchored"), default="in requests",
+                        help="the learner beside the idle one: learning in requests, or idle without the anchor")
     args = parser.parse_args(argv)
 
     from outrider.catalog import resolve_model
@@ -80,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
 
     target = cpu_target(target_path, args.threads)
     g = target.gguf
-    learners = {"in requests": dict(learn_share=args.learn_share), "idle": {}}
+    other = args.other
+    learners = {other: dict(learn_share=args.learn_share) if other == "in requests" else
+                dict(learn_anchor=0.0), "idle": {}}
     copies = {}
     for name in learners:
         copies[name] = work / name.replace(" ", "-") / head.name
@@ -112,24 +116,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU vector extensions: {' '.join(vector_extensions())}; Outrider's kernels built with {' '.join(cflags())}; "
           f"{args.threads} threads; greedy; {args.tokens} tokens; draft-max {args.draft_max}; in-request learn "
           f"share {args.learn_share}; head {head.name}\n")
-    print("| request | plain tok/s | frozen tok/s (accepted@1) | in requests tok/s (accepted@1), steps | idle tok/s "
+    print(f"| request | plain tok/s | frozen tok/s (accepted@1) | {other} tok/s (accepted@1), steps | idle tok/s "
           "(accepted@1), steps | idle training s |")
     print("|---|---|---|---|---|---|")
     run("plain", encode("Say hello."))  # warm-up
-    idle_time("idle")  # a server's worker offers idle time before its first request: no learning in requests
+    for name in learners:  # a server's worker offers idle time before its first request: no learning in requests
+        if name != "in requests":
+            idle_time(name)
     rows = []
     for i, src in enumerate(functions(args.requests)):
         ids = encode(f"Add a docstring and type hints to this Python function and return the whole function:\n\n"
                      f"```python\n{src}\n```")
         plain, _ = run("plain", ids)
         frozen = run("frozen", ids)
-        in_requests = run("in requests", ids)
+        in_requests = run(other, ids)
         idle = run("idle", ids)
+        if other != "in requests":
+            idle_time(other)
         idle_s = idle_time("idle")
         rows.append((plain, *frozen, *in_requests, *idle))
         steps = lambda name: drafters[name].learner.steps
         print(f"| {i + 1} | {plain:.1f} | {frozen[0]:.1f} ({frozen[1]:.2f}) | {in_requests[0]:.1f} "
-              f"({in_requests[1]:.2f}), {steps('in requests')} | {idle[0]:.1f} ({idle[1]:.2f}), {steps('idle')} | "
+              f"({in_requests[1]:.2f}), {steps(other)} | {idle[0]:.1f} ({idle[1]:.2f}), {steps('idle')} | "
               f"{idle_s:.1f} |", flush=True)
     half = len(rows) // 2
     for label, part in (("first half", rows[:half]), ("second half", rows[half:])):
@@ -138,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         med = lambda j: statistics.median(r[j] for r in part)
         ratio = lambda j: statistics.median(r[j] / r[0] for r in part)
         gap = lambda j: statistics.median(r[j] - r[2] for r in part)
-        print(f"\n{label}: accepted@1 frozen {med(2):.2f}, in requests {med(4):.2f} ({gap(4):+.2f} on frozen, median "
-              f"per request), idle {med(6):.2f} ({gap(6):+.2f}); speed-up over plain: frozen {ratio(1):.2f}x, in "
-              f"requests {ratio(3):.2f}x, idle {ratio(5):.2f}x")
+        print(f"\n{label}: accepted@1 frozen {med(2):.2f}, {other} {med(4):.2f} ({gap(4):+.2f} on frozen, median "
+              f"per request), idle {med(6):.2f} ({gap(6):+.2f}); speed-up over plain: frozen {ratio(1):.2f}x, "
+              f"{other} {ratio(3):.2f}x, idle {ratio(5):.2f}x")
     print("\nheld-out code after the requests (each learned head saved and reloaded, frozen):")
     for name in learners:
         drafters[name].learner.save()
@@ -148,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         reloaded.setup(target)
         runners[f"learned {name}"] = Runner(target, reloaded, GreedyAcceptor(),
                                             DrafterTraits.of(reloaded, draft_max=args.draft_max), context=4096)
-    print("| prompt | plain tok/s | frozen | learned in requests | learned idle |\n|---|---|---|---|---|")
+    print(f"| prompt | plain tok/s | frozen | learned {other} | learned idle |\n|---|---|---|---|---|")
     for i, text in enumerate(HELD_OUT_PROMPTS):
         ids = encode(text)
         plain, _ = run("plain", ids)
-        cells = [run(name, ids) for name in ("frozen", "learned in requests", "learned idle")]
+        cells = [run(name, ids) for name in ("frozen", f"learned {other}", "learned idle")]
         print(f"| held-out code {i + 1} | {plain:.1f} | " +
               " | ".join(f"{speed / plain:.2f}x ({first:.2f})" for speed, first in cells) + " |")
     shutil.rmtree(work, ignore_errors=True)

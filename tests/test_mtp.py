@@ -700,8 +700,11 @@ def test_an_interrupted_distill_resumes_to_the_uninterrupted_head(fx, tmp_path):
         distill(str(fx.model_path("llama")), settings(), resumed, echo=lambda line: None, on_step=interrupt)
     assert torch.load(resumed.with_suffix(".distill.pt"), weights_only=False)["step"] == 3
     lines = []
+    stale = resumed.with_suffix(".distilled.gguf")  # what `drafter.learn` kept of an earlier distill's head
+    stale.write_bytes(b"an earlier head")
     report = distill(str(fx.model_path("llama")), settings(), resumed, echo=lines.append)
     assert report.steps == 8 and any("resuming training at step 3" in line for line in lines), lines
+    assert not stale.exists()  # the learner's anchor and its save read the new head, not that one
     a, b = GGUFFile(whole), GGUFFile(resumed)
     assert sorted(a.tensors) == sorted(b.tensors)
     for name in a.tensors:
@@ -1070,3 +1073,57 @@ def test_a_server_learns_between_requests_and_a_busy_one_in_them_again(fx, tmp_p
     fixed, runner = _learning_runner(fx, tmp_path / "fixed", learn_share=0.0)
     assert not runner.idle() and fixed.learner.clock.share == 0.0
     assert not fixed.learner.clock.allows()
+
+
+def test_idle_learning_reads_the_rows_of_requests_another_member_drafted(fx, tmp_path):
+    """In a chain whose first member drafts every round the MTP member never proposes; the rows the target
+    verified are still the MTP head's to learn from between requests: every certain row is trained on, and the
+    output stays plain decoding's."""
+    from outrider.spec.chain import DrafterChain
+    from outrider.spec.drafter import Draft, DrafterBase
+
+    class AlwaysOne(DrafterBase):  # drafts token 1 every round, as a lookup member with a match each round
+        def propose(self, tokens, k):
+            return Draft(tokens=[1])
+
+    mtp, _ = _learning_runner(fx, tmp_path)
+    chain = DrafterChain([AlwaysOne(), mtp], ["always", "mtp"])
+    runner = Runner(fx.target("llama"), chain, GreedyAcceptor(), DrafterTraits.of(chain, draft_max=2), context=64)
+    proposed = []
+    propose = mtp.propose
+    mtp.propose = lambda tokens, k: (proposed.append(len(tokens)), propose(tokens, k))[1]
+    assert not runner.idle()  # a server's worker before its first request: requests train nothing from here on
+    assert list(runner.generate(list(PROMPT), 12, SamplingParams())) == fx.plain_greedy("llama", PROMPT, 12)
+    assert proposed == [] and mtp.learner.steps == 0  # the first member drafted every round
+    assert mtp.observed == len(runner.last_tokens) - 1  # every row but the last token's, which no one verified
+    while runner.idle():
+        pass
+    assert mtp.learner.trained_to == mtp.observed and mtp.learner.steps == math.ceil(mtp.observed / 2)
+
+
+def test_the_anchor_pulls_the_learned_weights_toward_the_distilled_head(fx, tmp_path):
+    """`learn_anchor` moves the weights back toward the head distill wrote after every step: all the way at 1 (a
+    step then leaves the distilled weights exactly), none at 0. Once a learned head has replaced the sidecar, the
+    distilled one is read from the copy kept beside it, not from the learned head the run starts from."""
+    from outrider.plugins.drafters.mtp.head import TrainableHead
+
+    drafter, runner = _learning_runner(fx, tmp_path / "a")
+    source = drafter.learner.source
+    distilled = [p.detach().clone() for p in drafter.learner.trained]
+    list(runner.generate(list(PROMPT), 12, SamplingParams()))
+    while runner.idle():
+        pass
+    drafter.learner.save()  # the learned head over the sidecar, the distilled one beside it
+    learned = TrainableHead.from_sidecar(drafter.target.model, drafter.target.gguf, GGUFFile(source))
+    assert any(not torch.equal(a, b) for a, b in zip(distilled, [p for p in learned.parameters() if p.requires_grad]))
+    for pull in (1.0, 0.0):
+        again = MTPDrafter(model=str(source), learn=True, learn_rows=8, learn_refresh=100, learn_lr=3e-2,
+                           learn_anchor=pull)
+        again.setup(fx.target("llama"))
+        runner = Runner(fx.target("llama"), again, GreedyAcceptor(), DrafterTraits.of(again, draft_max=2), context=64)
+        list(runner.generate(list(PROMPT), 12, SamplingParams()))
+        assert runner.idle()  # one step
+        equal = [torch.equal(p, d) for p, d in zip(again.learner.trained, distilled)]
+        assert all(equal) if pull == 1.0 else not any(equal), pull
+        again.learner.unsaved = False
+

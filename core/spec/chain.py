@@ -56,11 +56,11 @@ class DrafterChain:
         for d in self.drafters:
             d.rollback(length)
 
-    def idle(self) -> bool:
+    def idle(self, tokens: list[int]) -> bool:
         """A unit of deferred work of each member that has some, until one says more is left; whether any is."""
         for d in self.drafters:
             work = getattr(d, "idle", None)
-            if work is not None and work():
+            if work is not None and work(tokens):
                 return True
         return False
 

@@ -91,7 +91,8 @@ class Drafter(Protocol):
     def rollback(self, length: int) -> None: ...
 
     # optional: def draft_kind(self, tokens: list[int]) -> DraftKind | None
-    # optional: def idle(self) -> bool  (one unit of deferred work between generations; whether more is left)
+    # optional: def idle(self, tokens: list[int]) -> bool  (one unit of deferred work between generations, on the
+    #   latest generation's prompt and output `tokens`, whatever drafted them; whether more is left)
     # with needs target_hidden / target_kv: def observe(self, hidden: torch.Tensor, start: int, cache) -> None
 
 

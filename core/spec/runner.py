@@ -122,6 +122,7 @@ class Runner:
         self.cache = target.model.new_cache(self.context)
         self.device = getattr(target.model, "device", torch.device("cpu"))
         self.stats = GenerationStats()
+        self.last_tokens: list[int] = []  # the latest generation's prompt and output: what idle work reads
 
     def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams,
                  stop_ids: set[int] | frozenset[int] = frozenset()) -> Iterator[int]:
@@ -164,7 +165,7 @@ class Runner:
             observe(hidden, 0, cache)
         stats.prefill_s = time.perf_counter() - t
 
-        tokens = list(prompt) + [first]
+        tokens = self.last_tokens = list(prompt) + [first]
         if penalties is not None:
             penalties.extend([first])
         stats.generated_tokens = 1
@@ -225,10 +226,10 @@ class Runner:
         stats.decode_s = time.perf_counter() - decode_start
 
     def idle(self) -> bool:
-        """One unit of the drafter's work that waits for a free moment (`drafter.learn`'s training), for a host
-        with nothing else to do; whether there is more. Never inside a generation."""
+        """One unit of the drafter's work that waits for a free moment (`drafter.learn`'s training on the latest
+        generation's tokens), for a host with nothing else to do; whether there is more. Never inside a generation."""
         work = getattr(self.drafter, "idle", None)
-        return bool(work()) if work is not None else False
+        return bool(work(self.last_tokens)) if work is not None else False
 
     def lengths_change_the_output(self, params: SamplingParams) -> bool:
         """Whether the draft lengths change which tokens a reproducible run (seeded, or greedy) emits: then

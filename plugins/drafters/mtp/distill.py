@@ -571,6 +571,8 @@ def distill(model_name: str, settings: DistillSettings, out: Path | None = None,
     save(step, max(spent + time.perf_counter() - t_train, budget))  # finished: run again, it trains anew
     kl_end = heldout_kl(head, held)
     size = write_sidecar(out, head, g, vocab_ids, settings.matrices)
+    # a copy `drafter.learn` kept of an earlier distill's head is no longer what this sidecar came from
+    out.with_suffix(".distilled.gguf").unlink(missing_ok=True)
     report = DistillReport(out, step, time.perf_counter() - start, kl_start, kl_end, size)
     echo(f"held-out KL {kl_start:.3f} -> {kl_end:.3f} nats after {step} steps; wrote {out} ({size / 1e6:.1f} MB)")
     if settings.eval_tokens:

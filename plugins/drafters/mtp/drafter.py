@@ -87,14 +87,16 @@ class MTPDrafter(DrafterBase):
 
     def __init__(self, model: str = "", sample: bool = True, context: int = 4096, learn: bool = False,
                  learn_share: float | None = None, learn_rows: int = 128, learn_refresh: int = 4,
-                 learn_lr: float = 1e-4):
+                 learn_lr: float = 1e-4, learn_anchor: float = LearnSettings.anchor):
         self.model_name, self.sample, self.context = model, sample, context
         self.gives_draft_probs = sample
-        self.learn = LearnSettings(learn_share, learn_rows, lr=learn_lr, refresh=learn_refresh) if learn else None
+        self.learn = LearnSettings(learn_share, learn_rows, lr=learn_lr, refresh=learn_refresh,
+                                   anchor=learn_anchor) if learn else None
         share_ok = learn_share is None or 0 <= learn_share <= 1
-        if learn and not (share_ok and learn_rows >= 2 and learn_refresh >= 1 and learn_lr > 0):
-            raise ConfigError("drafter.learn needs 0 <= learn_share <= 1, learn_rows >= 2, learn_refresh >= 1 and "
-                              "learn_lr > 0")
+        if learn and not (share_ok and learn_rows >= 2 and learn_refresh >= 1 and learn_lr > 0
+                          and 0 <= learn_anchor <= 1):
+            raise ConfigError("drafter.learn needs 0 <= learn_share <= 1, learn_rows >= 2, learn_refresh >= 1, "
+                              "learn_lr > 0 and 0 <= learn_anchor <= 1")
 
     def setup(self, target: Target) -> None:
         super().setup(target)
@@ -113,7 +115,7 @@ class MTPDrafter(DrafterBase):
                                   f"{g.path.name} is not one: drop -o drafter.learn")
             self.learner = HeadLearner(target.model, target.gguf, g, self.learn)
         self.vocab = target.model.config.vocab_size
-        self.observed, self.tokens = 0, []  # as `begin` sets them: a host may ask for idle work before any request
+        self.observed = 0  # as `begin` sets it: a host may ask for idle work before any request
         self.hidden = torch.zeros(self.max_len, target.model.config.hidden_size, dtype=target.model.dtype,
                                   device=target.model.device)
         self.device = target.model.device
@@ -121,7 +123,6 @@ class MTPDrafter(DrafterBase):
     def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
         super().begin(prompt, params, controls)
         self.observed = 0  # target hidden rows held for positions [0, observed)
-        self.tokens: list[int] = []  # the runner's tokens (it extends them in place): what idle learning reads
         for head in self.heads:
             head.cache.truncate(0)
         if self.learner is not None:
@@ -172,7 +173,6 @@ class MTPDrafter(DrafterBase):
             return Draft()
         n = len(tokens) - 1  # t0's position: its row (t0, h_{n-1}) is made from the target and seeds the draft
         start = time.perf_counter()
-        self.tokens = tokens
         if self.learner is not None and self.learner.due(self.observed):
             rebuilt = self.learner.step(tokens, self.hidden, self.observed)
             if rebuilt is not None:  # drafts from here on come from the trained head
@@ -212,12 +212,13 @@ class MTPDrafter(DrafterBase):
         old = self.heads[0]
         self.heads = [MTPHead(rebuilt, trunk_layers(rebuilt), self.target, self.max_len, cache=old.cache)]
 
-    def idle(self) -> bool:
-        """One unit of learning on the last request's rows, while the host has nothing else to do (the server's
-        worker, between requests); whether there is more."""
+    def idle(self, tokens: list[int]) -> bool:
+        """One unit of learning on the last request's rows (`tokens`, and the target's hidden states this drafter
+        observed, whether or not it drafted: a chain's other member may have drafted every round), while the host
+        has nothing else to do (the server's worker, between requests); whether there is more."""
         if self.learner is None:
             return False
-        more, rebuilt = self.learner.idle(self.tokens, self.hidden, self.observed)
+        more, rebuilt = self.learner.idle(tokens, self.hidden, self.observed)
         if rebuilt is not None:
             self._swap(rebuilt)
         return more
@@ -239,4 +240,6 @@ def register_drafters(register):
         "learn_rows": (int, "with learn: the newest verified rows one training step reads"),
         "learn_refresh": (int, "with learn: training steps between rebuilding the drafting head"),
         "learn_lr": (float, "with learn: AdamW's learning rate"),
+        "learn_anchor": (float, "with learn: after each step the weights move this share of the way back to the "
+                                "distilled head's, so it keeps what it knew of code in general (0: no pull)"),
     })

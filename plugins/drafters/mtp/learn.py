@@ -7,15 +7,20 @@ drafter already observes. A step trains on the `rows` certain rows that end wher
 the last step (bounded memory: the head's parameters, AdamW's two moments and one window of the request's rows).
 
 When it trains: in the host's idle time (`idle`: the server's worker calls it while no request waits), over the
-last request's newest rows that no step has reached; and during requests with at most `share` of the time spent in them
-(bounded time a round). The default share is 0.2 until the host first offers idle time, then 0 while the idle work
-keeps up (0.2 again for a request that began before the idle work on the last one was done): a server learns
-between requests and drafts at the frozen head's speed, a one-shot generation learns as it goes.
+last request's newest rows that no step has reached (whichever member of a chain drafted them); and during
+requests with at most `share` of the time spent in them (bounded time a round). The default share is 0.2 until
+the host first offers idle time, then 0 while the idle work keeps up (0.2 again for a request that began before the
+idle work on the last one was done): a server learns between requests and drafts at the frozen head's speed, a
+one-shot generation learns as it goes.
 
 Every `refresh` steps in a request, and when the idle work is done, the drafting head is rebuilt in memory from
 the trained parameters (the tensors the sidecar would hold); a draft is always made, and its q reported, by one
 fixed head, so the acceptors' law is untouched: what changes between rounds is only which proposal distribution a
 round uses.
+
+What the head learns stays near what distill taught it: after every step the weights move `anchor` of the way
+back to the distilled head's (L2-SP's pull toward the starting weights, applied as a decay), so the latest requests
+do not wear away what it knew of code in general.
 
 The learned head replaces the sidecar it came from when the process exits (the distilled one is kept once,
 beside it, as `*.distilled.gguf`), so the next run starts where this one stopped.
@@ -24,9 +29,9 @@ beside it, as `*.distilled.gguf`), so the next run starts where this one stopped
 from __future__ import annotations
 
 import atexit
-import weakref
 import shutil
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +51,9 @@ class LearnSettings:
     lr: float = 1e-4
     refresh: int = 4  # steps between rebuilding the drafting head
     feature_weight: float = 0.1
+    # after each step the trained weights move this share of the way back to the distilled head's: what the
+    # head knew of code in general is not traded away for the latest requests (0: no pull)
+    anchor: float = 0.03
 
 
 class TimeShare:
@@ -88,6 +96,8 @@ class HeadLearner:
         # need not be): they turn a verified hidden state into the target's logits there
         self.target_rows = model.output.rows(self.head.vocab_ids).float()
         self.optimizer = self.head.optimizer(settings.lr)
+        self.trained = [p for p in self.head.parameters() if p.requires_grad]
+        self.anchor = self._distilled_weights() if settings.anchor > 0 else None
         self.clock = TimeShare(self.DEFAULT_SHARE if settings.share is None else settings.share)
         self.steps, self.built_at, self.trained_to, self.refreshes, self.unsaved = 0, 0, 0, 0, False
         self.idle_offered = False  # the host has called `idle` (a server, between requests)
@@ -141,6 +151,17 @@ class HeadLearner:
             more, self.caught_up = False, True
         return more, rebuilt
 
+    def _distilled_weights(self) -> list[torch.Tensor]:
+        """The trained parameters of the head distill wrote (kept beside the sidecar once a learned head replaced
+        it), which the anchor pulls toward."""
+        distilled = self.source.with_suffix(".distilled.gguf")
+        origin = self.head
+        if distilled.is_file():
+            origin = TrainableHead.from_sidecar(self.model, self.g, GGUFFile(distilled))
+            if not torch.equal(origin.vocab_ids, self.head.vocab_ids):
+                origin = self.head  # not this head's origin (a head distilled again since)
+        return [p.detach().clone() for p in origin.parameters() if p.requires_grad]
+
     def _train(self, tokens: list[int], hidden: torch.Tensor, certain: int) -> None:
         """One step on rows [certain - rows, certain) (tokens[p], hidden[p - 1] -> the target's distribution from
         hidden[p], and hidden[p])."""
@@ -150,6 +171,10 @@ class HeadLearner:
         want = torch.softmax(target_logits(h, self.target_rows, self.model.logit_softcap), -1)
         self.head.train_step(self.optimizer, lambda: self.head.loss(torch.tensor(tokens[start:certain]), h_prev, h,
                                                                     want, feature_weight=self.settings.feature_weight))
+        if self.anchor is not None:
+            with torch.no_grad():
+                for weight, origin in zip(self.trained, self.anchor):
+                    weight.lerp_(origin, self.settings.anchor)
         self.steps, self.trained_to, self.unsaved = self.steps + 1, certain, True
 
     def _rebuild(self) -> TensorsInMemory:

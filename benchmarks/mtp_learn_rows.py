@@ -1,0 +1,176 @@
+"""How the idle learner's settings trade adaptation against forgetting, measured on recorded rows, in minutes.
+
+`benchmarks/mtp_learn.py` measures the learner as a server runs it, but every setting costs it the target's
+decoding of 20 requests four times. The learner itself needs only the rows a request left (tokens, the target's
+hidden states), and the head's first draft at T=0 is accepted exactly where its argmax is the target's next
+greedy token. So this records the rows once (the same 20 requests as mtp_learn.py, and the three held-out prompts,
+greedy, the target's own continuation), then replays the server's life for each setting: per request, the head's
+first-position acceptance on the request's answer rows (as it drafts them, before it learns from them), then the
+idle work on the request's rows (`HeadLearner.idle` until done). After the last request, the learned head's
+acceptance on the held-out prompts' answers and its agreement with the target on standard-library passages (the
+kind of text distill trained on; other passages), against the distilled head's: adaptation is the first,
+forgetting the other two.
+
+    python benchmarks/mtp_learn_rows.py --threads 2 --head ~/.cache/outrider/exp-120e/....mtp.gguf \\
+        --setting anchor=0 --setting anchor=0.03
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from mtp_learn import functions  # noqa: E402
+from qwen_pair import cpu_target  # noqa: E402
+
+REQUEST = "Add a docstring and type hints to this Python function and return the whole function:\n\n```python\n{}\n```"
+
+
+def record(target, n_requests: int, tokens: int) -> dict:
+    """{"requests": [...], "held_out": [...]}, each (tokens, hidden rows [len - 1, H] float16, prompt length)."""
+    from outrider.io.chat import template_or_raw_ids
+    from outrider.plugins.drafters.mtp.distill import generate
+    from outrider.plugins.drafters.mtp.prompts import HELD_OUT_PROMPTS
+
+    def one(text: str):
+        ids = template_or_raw_ids(target.gguf, target.tokenizer, text)[0]
+        outs, hidden = generate(target.model, [ids], tokens, [0.0], torch.Generator(), set(target.tokenizer.eog_ids),
+                                hidden=True)
+        return ids + outs[0], hidden[0], len(ids)
+
+    return {"requests": [one(REQUEST.format(src)) for src in functions(n_requests)],
+            "held_out": [one(text) for text in HELD_OUT_PROMPTS]}
+
+
+@torch.inference_mode()
+def record_passages(target, n: int, chars: int) -> list:
+    """Passages of the standard library (the text distill trains on, other passages of it), each (tokens, the
+    target's hidden rows, 1): what the head knew of code in general, read in one prefill each."""
+    import random
+
+    from outrider.plugins.drafters.mtp.distill import stdlib_texts
+
+    out = []
+    for text in stdlib_texts(n, random.Random(12345), chars):
+        ids = target.tokenizer.encode(text)
+        _, hidden = target.model.forward(torch.tensor(ids), 0, target.model.new_cache(len(ids)), hidden=True,
+                                         last_only=True)
+        out.append((ids, hidden[:-1].half(), 1))
+    return out
+
+
+@torch.no_grad()
+def first_acceptance(head, tokens: list[int], hidden: torch.Tensor, prompt: int, target_rows=None) -> float:
+    """The share of answer positions where the head's first draft (argmax) is the target's greedy next token:
+    the next token of a greedy answer, or (`target_rows`, on a passage the target read) the target's argmax
+    within the draft vocabulary, from its hidden state there."""
+    from outrider.plugins.drafters.mtp.head import target_logits
+
+    h = hidden.float()
+    h_prev = torch.cat([torch.zeros_like(h[:1]), h[:-1]])
+    n = hidden.shape[0]  # rows 0..n-1; row p drafts x_{p+1} = tokens[p + 1]
+    logits, _ = head(torch.tensor(tokens[:n]), h_prev)
+    drafted = head.vocab_ids[logits.argmax(-1)]
+    if target_rows is None:
+        want = torch.tensor(tokens[1:n + 1])
+    else:
+        want = head.vocab_ids[target_logits(h, target_rows, head.softcap).argmax(-1)]
+    answer = slice(prompt - 1, n)  # rows whose next token is the target's own: what the drafter drafts
+    return float((drafted[answer] == want[answer]).float().mean())
+
+
+def parse_setting(text: str) -> dict:
+    out = {}
+    for part in filter(None, text.split(",")):
+        key, value = part.split("=")
+        out[key] = float(value) if key != "rows" else int(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--head", help="the distilled head [the one `outrider distill` cached for the target]")
+    parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows-file", type=Path, help="record here once, then read [record in memory]")
+    parser.add_argument("--passages", type=int, default=8, help="standard-library passages held out")
+    parser.add_argument("--passage-chars", type=int, default=2000)
+    parser.add_argument("--setting", action="append", default=[],
+                        help="LearnSettings fields, key=value,...: lr, anchor, rows, feature_weight")
+    args = parser.parse_args(argv)
+
+    from outrider.catalog import resolve_model
+    from outrider.io.gguf import GGUFFile
+    from outrider.native import vector_extensions
+    from outrider.plugins.drafters.mtp.drafter import mtp_sidecar_path
+    from outrider.plugins.drafters.mtp.head import TrainableHead
+    from outrider.plugins.drafters.mtp.learn import HeadLearner, LearnSettings
+
+    torch.set_num_threads(args.threads)
+    target_path = resolve_model(args.target)
+    head_path = Path(args.head) if args.head else mtp_sidecar_path(target_path)
+    target = cpu_target(target_path, args.threads)
+    if args.rows_file and args.rows_file.is_file():
+        rows = torch.load(args.rows_file)
+    else:
+        t0 = time.perf_counter()
+        rows = record(target, args.requests, args.tokens)
+        print(f"recorded {len(rows['requests'])} requests and {len(rows['held_out'])} held-out prompts in "
+              f"{time.perf_counter() - t0:.0f} s")
+        if args.rows_file:
+            torch.save(rows, args.rows_file)
+    if "passages" not in rows:
+        rows["passages"] = record_passages(target, args.passages, args.passage_chars)
+        if args.rows_file:
+            torch.save(rows, args.rows_file)
+    model, g = target.model, target.gguf
+    frozen = TrainableHead.from_sidecar(model, g, GGUFFile(head_path))
+    base = [first_acceptance(frozen, *r) for r in rows["requests"]]
+    held = [first_acceptance(frozen, *r) for r in rows["held_out"]]
+    target_rows = model.output.rows(frozen.vocab_ids).float()
+    general = lambda head: statistics.mean(first_acceptance(head, *r, target_rows) for r in rows["passages"])
+    passages = general(frozen)
+    print(f"CPU vector extensions: {' '.join(vector_extensions())}; {args.threads} threads; head {head_path.name}")
+    print(f"frozen head: accepted@1 on the requests, median of each half {statistics.median(base[:10]):.3f} / "
+          f"{statistics.median(base[10:]):.3f}; held-out {' / '.join(f'{a:.3f}' for a in held)}; agreement with "
+          f"the target on {len(rows['passages'])} standard-library passages {passages:.3f}\n")
+    print("| setting | gain@1 requests 1-10 | gain@1 requests 11-20 | held-out change | passages change | steps | "
+          "idle s |")
+    print("|---|---|---|---|---|---|---|")
+    work = Path(tempfile.mkdtemp(prefix="mtp-learn-rows-"))
+    for text in args.setting or [""]:
+        copy = work / head_path.name
+        shutil.copy2(head_path, copy)
+        learner = HeadLearner(model, g, GGUFFile(copy), LearnSettings(**parse_setting(text)))
+        learner.unsaved = False  # nothing is saved over the copy
+        gains, t0 = [], time.perf_counter()
+        for (tokens, hidden, prompt), before in zip(rows["requests"], base):
+            gains.append(first_acceptance(learner.head, tokens, hidden, prompt) - before)
+            learner.begin()
+            while learner.idle(tokens, hidden, hidden.shape[0])[0]:
+                pass
+        seconds = time.perf_counter() - t0
+        after = [first_acceptance(learner.head, *r) - a for r, a in zip(rows["held_out"], held)]
+        half = len(gains) // 2
+        print(f"| {text or 'default'} | {statistics.mean(gains[:half]):+.3f} | {statistics.mean(gains[half:]):+.3f} | "
+              f"{' / '.join(f'{a:+.3f}' for a in after)} | {general(learner.head) - passages:+.3f} | {learner.steps} | "
+              f"{seconds:.0f} |", flush=True)
+        learner.unsaved = False
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
