@@ -5,10 +5,11 @@ The code base is Outrider's own source, which no head has seen: request i asks t
 to add a docstring and type hints to the i-th function of `FILES` (chat template, greedy, at most --tokens new
 tokens). Each request runs plain, with the frozen head (`--drafter mtp`) and with two learning copies of it (copies,
 so the cached head stays as distill left it): "in requests" trains during each request with `learn_share`
-(--learn-share), as a one-shot generation does (or, `--other unanchored`, an idle learner without the anchor); "idle" is the server's way, the default share, its training done
-between requests (`Runner.idle` until no work is left, as the server's worker calls it while no request waits;
-timed apart). Printed per request: first-position acceptance and decode tok/s of each; then the three held-out
-prompts of benchmarks/mtp_heads.py once more with each head, frozen.
+(--learn-share), as a one-shot generation does (or, `--other unanchored`, an idle learner without the anchor);
+"idle" is the server's way, the default settings, its training done between requests (`Runner.idle` until no work
+is left, as the server's worker calls it while no request waits; timed apart). Printed per request:
+first-position acceptance and decode tok/s of each; then the three held-out prompts of benchmarks/mtp_heads.py
+once more with each head, frozen.
 
     python benchmarks/mtp_learn.py --threads 2
 """
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     target_path = resolve_model(args.target)
     head = Path(args.head) if args.head else mtp_sidecar_path(target_path)
+    if head.with_suffix(".distilled.gguf").is_file():  # the cached head has learned: start from distill's
+        head = head.with_suffix(".distilled.gguf")
     if not head.is_file():
         sys.exit(f"no MTP head at {head}: run `outrider distill {args.target}` first, or pass --head")
     work = Path(tempfile.mkdtemp(prefix="mtp-learn-"))
@@ -114,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         return time.perf_counter() - t0
 
     print(f"CPU vector extensions: {' '.join(vector_extensions())}; Outrider's kernels built with {' '.join(cflags())}; "
-          f"{args.threads} threads; greedy; {args.tokens} tokens; draft-max {args.draft_max}; in-request learn "
-          f"share {args.learn_share}; head {head.name}\n")
+          f"{args.threads} threads; greedy; {args.tokens} tokens; draft-max {args.draft_max}; "
+          + (f"in-request learn share {args.learn_share}; " if other == "in requests" else "") + f"head {head.name}\n")
     print(f"| request | plain tok/s | frozen tok/s (accepted@1) | {other} tok/s (accepted@1), steps | idle tok/s "
           "(accepted@1), steps | idle training s |")
     print("|---|---|---|---|---|---|")
@@ -129,15 +132,15 @@ def main(argv: list[str] | None = None) -> int:
                      f"```python\n{src}\n```")
         plain, _ = run("plain", ids)
         frozen = run("frozen", ids)
-        in_requests = run(other, ids)
+        beside = run(other, ids)
         idle = run("idle", ids)
         if other != "in requests":
             idle_time(other)
         idle_s = idle_time("idle")
-        rows.append((plain, *frozen, *in_requests, *idle))
+        rows.append((plain, *frozen, *beside, *idle))
         steps = lambda name: drafters[name].learner.steps
-        print(f"| {i + 1} | {plain:.1f} | {frozen[0]:.1f} ({frozen[1]:.2f}) | {in_requests[0]:.1f} "
-              f"({in_requests[1]:.2f}), {steps(other)} | {idle[0]:.1f} ({idle[1]:.2f}), {steps('idle')} | "
+        print(f"| {i + 1} | {plain:.1f} | {frozen[0]:.1f} ({frozen[1]:.2f}) | {beside[0]:.1f} "
+              f"({beside[1]:.2f}), {steps(other)} | {idle[0]:.1f} ({idle[1]:.2f}), {steps('idle')} | "
               f"{idle_s:.1f} |", flush=True)
     half = len(rows) // 2
     for label, part in (("first half", rows[:half]), ("second half", rows[half:])):

@@ -85,7 +85,7 @@ def first_acceptance(head, tokens: list[int], hidden: torch.Tensor, prompt: int,
         want = torch.tensor(tokens[1:n + 1])
     else:
         want = head.vocab_ids[target_logits(h, target_rows, head.softcap).argmax(-1)]
-    answer = slice(prompt - 1, n)  # rows whose next token is the target's own: what the drafter drafts
+    answer = slice(prompt, n)  # rows that draft the answer's second token on: the first comes from the prefill
     return float((drafted[answer] == want[answer]).float().mean())
 
 
@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     target_path = resolve_model(args.target)
     head_path = Path(args.head) if args.head else mtp_sidecar_path(target_path)
+    if head_path.with_suffix(".distilled.gguf").is_file():  # the cached head has learned: start from distill's
+        head_path = head_path.with_suffix(".distilled.gguf")
     target = cpu_target(target_path, args.threads)
     if args.rows_file and args.rows_file.is_file():
         rows = torch.load(args.rows_file)
@@ -143,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     general = lambda head: statistics.mean(first_acceptance(head, *r, target_rows) for r in rows["passages"])
     passages = general(frozen)
     print(f"CPU vector extensions: {' '.join(vector_extensions())}; {args.threads} threads; head {head_path.name}")
-    print(f"frozen head: accepted@1 on the requests, median of each half {statistics.median(base[:10]):.3f} / "
-          f"{statistics.median(base[10:]):.3f}; held-out {' / '.join(f'{a:.3f}' for a in held)}; agreement with "
+    half = len(base) // 2
+    print(f"frozen head: accepted@1 on the requests, mean of each half {statistics.mean(base[:half]):.3f} / "
+          f"{statistics.mean(base[half:]):.3f}; held-out {' / '.join(f'{a:.3f}' for a in held)}; agreement with "
           f"the target on {len(rows['passages'])} standard-library passages {passages:.3f}\n")
     print("| setting | gain@1 requests 1-10 | gain@1 requests 11-20 | held-out change | passages change | steps | "
           "idle s |")
@@ -154,7 +157,6 @@ def main(argv: list[str] | None = None) -> int:
         copy = work / head_path.name
         shutil.copy2(head_path, copy)
         learner = HeadLearner(model, g, GGUFFile(copy), LearnSettings(**parse_setting(text)))
-        learner.unsaved = False  # nothing is saved over the copy
         gains, t0 = [], time.perf_counter()
         for (tokens, hidden, prompt), before in zip(rows["requests"], base):
             gains.append(first_acceptance(learner.head, tokens, hidden, prompt) - before)
@@ -163,7 +165,6 @@ def main(argv: list[str] | None = None) -> int:
                 pass
         seconds = time.perf_counter() - t0
         after = [first_acceptance(learner.head, *r) - a for r, a in zip(rows["held_out"], held)]
-        half = len(gains) // 2
         print(f"| {text or 'default'} | {statistics.mean(gains[:half]):+.3f} | {statistics.mean(gains[half:]):+.3f} | "
               f"{' / '.join(f'{a:+.3f}' for a in after)} | {general(learner.head) - passages:+.3f} | {learner.steps} | "
               f"{seconds:.0f} |", flush=True)

@@ -1103,8 +1103,10 @@ def test_idle_learning_reads_the_rows_of_requests_another_member_drafted(fx, tmp
 
 def test_the_anchor_pulls_the_learned_weights_toward_the_distilled_head(fx, tmp_path):
     """`learn_anchor` moves the weights back toward the head distill wrote after every step: all the way at 1 (a
-    step then leaves the distilled weights exactly), none at 0. Once a learned head has replaced the sidecar, the
-    distilled one is read from the copy kept beside it, not from the learned head the run starts from."""
+    step then leaves the distilled weights exactly), none at 0 (a step leaves the weights it made). Once a learned
+    head has replaced the sidecar, the distilled one is read from the copy kept beside it, not from the learned
+    head the run starts from. A pull outside [0, 1] is refused in one line."""
+    from outrider.errors import ConfigError
     from outrider.plugins.drafters.mtp.head import TrainableHead
 
     drafter, runner = _learning_runner(fx, tmp_path / "a")
@@ -1122,8 +1124,17 @@ def test_the_anchor_pulls_the_learned_weights_toward_the_distilled_head(fx, tmp_
         again.setup(fx.target("llama"))
         runner = Runner(fx.target("llama"), again, GreedyAcceptor(), DrafterTraits.of(again, draft_max=2), context=64)
         list(runner.generate(list(PROMPT), 12, SamplingParams()))
-        assert runner.idle()  # one step
-        equal = [torch.equal(p, d) for p, d in zip(again.learner.trained, distilled)]
-        assert all(equal) if pull == 1.0 else not any(equal), pull
-        again.learner.unsaved = False
+        learner = again.learner
+        made = []  # the weights the optimizer's step left, before any pull
+        step = learner.optimizer.step
+        learner.optimizer.step = lambda: (step(), made.extend(p.detach().clone() for p in learner.trained))
+        assert runner.idle() and len(made) == len(distilled)  # one step
+        if pull == 1.0:
+            assert all(torch.equal(p, d) for p, d in zip(learner.trained, distilled))
+            assert not any(torch.equal(m, d) for m, d in zip(made, distilled))
+        else:
+            assert all(torch.equal(p, m) for p, m in zip(learner.trained, made))
+        learner.unsaved = False
+    with pytest.raises(ConfigError, match="learn_anchor"):
+        MTPDrafter(learn=True, learn_anchor=1.5)
 

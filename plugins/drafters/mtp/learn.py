@@ -4,7 +4,8 @@ Every row the target verified is a training example distill would have made, at 
 x_p, the target's hidden h_{p-1} (the head's inputs) and the target's hidden h_p, from which the target's output
 rows over the draft vocabulary give the target's logits of x_{p+1}. So the learner needs nothing but the rows the
 drafter already observes. A step trains on the `rows` certain rows that end where a quarter of them are new since
-the last step (bounded memory: the head's parameters, AdamW's two moments and one window of the request's rows).
+the last step (bounded memory: the head's parameters, AdamW's two moments, the anchor's copy of the distilled
+weights and one window of the request's rows).
 
 When it trains: in the host's idle time (`idle`: the server's worker calls it while no request waits), over the
 last request's newest rows that no step has reached (whichever member of a chain drafted them); and during
@@ -97,7 +98,7 @@ class HeadLearner:
         self.target_rows = model.output.rows(self.head.vocab_ids).float()
         self.optimizer = self.head.optimizer(settings.lr)
         self.trained = [p for p in self.head.parameters() if p.requires_grad]
-        self.anchor = self._distilled_weights() if settings.anchor > 0 else None
+        self.anchor = self._anchor_weights() if settings.anchor > 0 else None
         self.clock = TimeShare(self.DEFAULT_SHARE if settings.share is None else settings.share)
         self.steps, self.built_at, self.trained_to, self.refreshes, self.unsaved = 0, 0, 0, 0, False
         self.idle_offered = False  # the host has called `idle` (a server, between requests)
@@ -151,9 +152,9 @@ class HeadLearner:
             more, self.caught_up = False, True
         return more, rebuilt
 
-    def _distilled_weights(self) -> list[torch.Tensor]:
-        """The trained parameters of the head distill wrote (kept beside the sidecar once a learned head replaced
-        it), which the anchor pulls toward."""
+    def _anchor_weights(self) -> list[torch.Tensor]:
+        """What the anchor pulls toward: the trained parameters of the head distill wrote (kept beside the sidecar
+        once a learned head replaced it), else of the head this run starts from."""
         distilled = self.source.with_suffix(".distilled.gguf")
         origin = self.head
         if distilled.is_file():
