@@ -51,13 +51,26 @@ def functions(n: int, lines: tuple[int, int] = (6, 40)) -> list[str]:
     return out[:n]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def request_arguments(parser: argparse.ArgumentParser) -> None:
+    """The target, its head, the requests and the threads (mtp_learn_rows.py replays the same requests)."""
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--head", help="the distilled head [the one `outrider distill` cached for the target]")
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+
+
+def distilled_head(head: str | None, target_path: Path) -> Path:
+    """`head`, else the one distill cached for the target; where a learned head replaced it, distill's own."""
+    from outrider.plugins.drafters.mtp.drafter import mtp_sidecar_path
+
+    path = Path(head) if head else mtp_sidecar_path(target_path)
+    return path.with_suffix(".distilled.gguf") if path.with_suffix(".distilled.gguf").is_file() else path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    request_arguments(parser)
     parser.add_argument("--draft-max", default="auto")
     parser.add_argument("--learn-share", type=float, default=0.2, help="the in-request learner's share")
     parser.add_argument("--other", choices=("in requests", "unanchored"), default="in requests",
@@ -69,16 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     from outrider.native import cflags, vector_extensions
     from outrider.plugins.acceptors.greedy import GreedyAcceptor
     from outrider.plugins.drafters.mtp.prompts import HELD_OUT_PROMPTS
-    from outrider.plugins.drafters.mtp.drafter import MTPDrafter, mtp_sidecar_path
+    from outrider.plugins.drafters.mtp.drafter import MTPDrafter
     from outrider.plugins.drafters.none import NoDrafter
     from outrider.spec.drafter_traits import DrafterTraits
     from outrider.spec.runner import Runner
     from outrider.spec.sampling import SamplingParams
 
     target_path = resolve_model(args.target)
-    head = Path(args.head) if args.head else mtp_sidecar_path(target_path)
-    if head.with_suffix(".distilled.gguf").is_file():  # the cached head has learned: start from distill's
-        head = head.with_suffix(".distilled.gguf")
+    head = distilled_head(args.head, target_path)
     if not head.is_file():
         sys.exit(f"no MTP head at {head}: run `outrider distill {args.target}` first, or pass --head")
     work = Path(tempfile.mkdtemp(prefix="mtp-learn-"))

@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from mtp_learn import functions  # noqa: E402
+from mtp_learn import distilled_head, functions, request_arguments  # noqa: E402
 from qwen_pair import cpu_target  # noqa: E402
 
 REQUEST = "Add a docstring and type hints to this Python function and return the whole function:\n\n```python\n{}\n```"
@@ -99,11 +99,7 @@ def parse_setting(text: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--head", help="the distilled head [the one `outrider distill` cached for the target]")
-    parser.add_argument("--requests", type=int, default=20)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
+    request_arguments(parser)
     parser.add_argument("--rows-file", type=Path, help="record here once, then read [record in memory]")
     parser.add_argument("--passages", type=int, default=8, help="standard-library passages held out")
     parser.add_argument("--passage-chars", type=int, default=2000)
@@ -114,15 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     from outrider.catalog import resolve_model
     from outrider.io.gguf import GGUFFile
     from outrider.native import vector_extensions
-    from outrider.plugins.drafters.mtp.drafter import mtp_sidecar_path
     from outrider.plugins.drafters.mtp.head import TrainableHead
     from outrider.plugins.drafters.mtp.learn import HeadLearner, LearnSettings
 
     torch.set_num_threads(args.threads)
     target_path = resolve_model(args.target)
-    head_path = Path(args.head) if args.head else mtp_sidecar_path(target_path)
-    if head_path.with_suffix(".distilled.gguf").is_file():  # the cached head has learned: start from distill's
-        head_path = head_path.with_suffix(".distilled.gguf")
+    head_path = distilled_head(args.head, target_path)
     target = cpu_target(target_path, args.threads)
     if args.rows_file and args.rows_file.is_file():
         rows = torch.load(args.rows_file)
