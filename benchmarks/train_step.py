@@ -50,8 +50,7 @@ def main() -> None:
                     torch.randint(0, 8192, (args.rows, 16), generator=gen),
                     torch.softmax(torch.randn(args.rows, 16, generator=gen), -1))
     heads = {form: TrainableHead(model, g, vocab) for form in FORMS}
-    optimizers = {"unfused": torch.optim.AdamW([p for p in heads["unfused"].parameters() if p.requires_grad],
-                                               lr=1e-4),
+    optimizers = {"unfused": torch.optim.AdamW(heads["unfused"].trained_parameters(), lr=1e-4),
                   "fused": heads["fused"].optimizer(1e-4), "now": heads["now"].optimizer(1e-4)}
     per_part = StackedLinear.product
 

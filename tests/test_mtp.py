@@ -663,7 +663,7 @@ def test_a_bfloat16_step_follows_the_float32_step(fx):
     for precision in ("fp32", "bf16"):
         head = TrainableHead(model, g, vocab_ids)  # from the trunk's weights: the same start both times
         before = {n: p.detach().clone() for n, p in head.w.items()}
-        optimizer = torch.optim.SGD([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+        optimizer = torch.optim.SGD(head.trained_parameters(), lr=1e-2)
 
         def loss_and_value():
             loss = head.loss(tokens, shifted(hidden), hidden, want, feature_weight=0.1)[0]
@@ -1117,7 +1117,7 @@ def test_the_anchor_pulls_the_learned_weights_toward_the_distilled_head(fx, tmp_
         pass
     drafter.learner.save()  # the learned head over the sidecar, the distilled one beside it
     learned = TrainableHead.from_sidecar(drafter.target.model, drafter.target.gguf, GGUFFile(source))
-    assert any(not torch.equal(a, b) for a, b in zip(distilled, [p for p in learned.parameters() if p.requires_grad]))
+    assert any(not torch.equal(a, b) for a, b in zip(distilled, learned.trained_parameters()))
     for pull in (1.0, 0.0):
         again = MTPDrafter(model=str(source), learn=True, learn_rows=8, learn_refresh=100, learn_lr=3e-2,
                            learn_anchor=pull)

@@ -192,11 +192,14 @@ class TrainableHead(torch.nn.Module):
                 param.copy_(t.reshape(param.shape))
         return head
 
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters training moves (the output rows stay the target's), in a fixed order."""
+        return [p for p in self.parameters() if p.requires_grad]
+
     def optimizer(self, lr: float, weight_decay: float = 0.0) -> torch.optim.AdamW:
         """AdamW over the trained parameters, fused: the unfused update walks every parameter a dozen times, which
         on a CPU costs more than the step's forward and backward together (docs/bench/mtp.md)."""
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
-                                 fused=True)
+        return torch.optim.AdamW(self.trained_parameters(), lr=lr, weight_decay=weight_decay, fused=True)
 
     def train_step(self, optimizer: torch.optim.Optimizer, loss_of: Callable[[], tuple], precision: str = "auto"
                    ) -> tuple:

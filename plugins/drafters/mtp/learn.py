@@ -97,7 +97,7 @@ class HeadLearner:
         # need not be): they turn a verified hidden state into the target's logits there
         self.target_rows = model.output.rows(self.head.vocab_ids).float()
         self.optimizer = self.head.optimizer(settings.lr)
-        self.trained = [p for p in self.head.parameters() if p.requires_grad]
+        self.trained = self.head.trained_parameters()
         self.anchor = self._anchor_weights() if settings.anchor > 0 else None
         self.clock = TimeShare(self.DEFAULT_SHARE if settings.share is None else settings.share)
         self.steps, self.built_at, self.trained_to, self.refreshes, self.unsaved = 0, 0, 0, 0, False
@@ -161,7 +161,7 @@ class HeadLearner:
             origin = TrainableHead.from_sidecar(self.model, self.g, GGUFFile(distilled))
             if not torch.equal(origin.vocab_ids, self.head.vocab_ids):
                 origin = self.head  # not this head's origin (a head distilled again since)
-        return [p.detach().clone() for p in origin.parameters() if p.requires_grad]
+        return [p.detach().clone() for p in origin.trained_parameters()]
 
     def _train(self, tokens: list[int], hidden: torch.Tensor, certain: int) -> None:
         """One step on rows [certain - rows, certain) (tokens[p], hidden[p - 1] -> the target's distribution from
