@@ -6,10 +6,12 @@ The target is the catalog's Qwen2.5-Coder-1.5B (Q4_K_M); the head is the one `ou
 chat template. Every configuration runs at T=0 (greedy acceptor) and at T=0.7 (no other warper; the
 sampled acceptor with the head's q), the same seed per round for every configuration; rounds interleave the
 configurations, a warm-up round first. Printed: decode tok/s (medians), the speed-up over plain as the median
-of each round's ratio, llama-server's plain decode in the same run as the peer (`--engines`), and acceptance
-per draft position j: rounds that accepted position j / rounds that drafted at least j tokens, pooled over
-the measured rounds (cumulative: accepting position 2 means position 1 was accepted too). `--other-head` adds
-a second head's mtp as one more configuration (two heads compared side by side).
+of each round's ratio, llama-server in the same run as the peer (`--engines`): its plain decode and its
+speculative configurations (`--llama-configs=...`, qwen_pair's: n-gram lookup, the 0.5B draft model), and
+each Outrider row's speed over the best of them on that prompt and T; and acceptance per draft position j:
+rounds that accepted position j / rounds that drafted at least j tokens, pooled over the measured rounds
+(cumulative: accepting position 2 means position 1 was accepted too). `--other-head` adds a second head's
+mtp as one more configuration (two heads compared side by side).
 
     python benchmarks/mtp_heads.py --threads 2 --runs 3
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qwen_pair import PROMPTS as PAIR_PROMPTS  # noqa: E402
-from qwen_pair import LlamaServer, cpu_target, llama_server_binary  # noqa: E402
+from qwen_pair import LLAMA_CONFIGS, LlamaServer, cpu_target, llama_server_binary  # noqa: E402
 
 CONFIGS = ("none", "mtp", "lookup,mtp")
 OTHER_HEAD = "mtp, other head"  # --other-head's configuration
@@ -90,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-max", default="auto")
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--engines", default="outrider,llama.cpp")
+    parser.add_argument("--llama-configs", default="plain,ngram-simple,-md n-max 8 p-min 0.75",
+                        help=f"llama-server's configurations, from: {', '.join(LLAMA_CONFIGS)}")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b", help="llama-server's draft model, for -md")
     parser.add_argument("--other-head", help="a second MTP sidecar, run as one more configuration beside the first")
     args = parser.parse_args(argv)
 
@@ -114,37 +119,57 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {label: tokenizer.encode(text) for label, text in rendered.items()}
     temperatures = [float(t) for t in args.temperatures.split(",")]
 
-    peer = {}
+    peer = {}  # {(prompt, T, llama config): (median decode tok/s, median acceptance or nan)}
+    llama_configs = args.llama_configs.split(",") if args.llama_configs else []
+    unknown = [c for c in llama_configs if c not in LLAMA_CONFIGS]
+    if unknown:
+        sys.exit(f"unknown --llama-configs {', '.join(unknown)}: choose from {', '.join(LLAMA_CONFIGS)}")
     server_path = llama_server_binary() if "llama.cpp" in args.engines.split(",") else None
-    if server_path:
-        server = LlamaServer(server_path, target_path, target_path, [], args.threads)
+    draft_path = resolve_model(args.draft) if server_path and any("-md" in LLAMA_CONFIGS[c] for c in llama_configs) \
+        else target_path
+    for config in llama_configs if server_path else ():
+        server = LlamaServer(server_path, target_path, draft_path, LLAMA_CONFIGS[config], args.threads)
         try:
             for label, text in rendered.items():
                 server.decode(text, 16)  # warm-up
                 for t in temperatures:
-                    peer[label, t] = statistics.median(server.decode(text, args.tokens, t, 1 + run, top_k=0,
-                                                                     top_p=1.0)[0] for run in range(args.runs))
+                    rows = [server.decode(text, args.tokens, t, 1 + run, top_k=0, top_p=1.0)
+                            for run in range(args.runs)]
+                    accepted = [r[2] for r in rows if r[2] == r[2]]
+                    peer[label, t, config] = (statistics.median(r[0] for r in rows),
+                                              statistics.median(accepted) if accepted else float("nan"))
         finally:
             server.close()
     results = outrider_runs(target_path, head, prompts, temperatures, args.tokens, args.runs, args.threads,
                             args.draft_max, Path(args.other_head) if args.other_head else None)
 
-    print(f"CPU vector extensions: {' '.join(vector_extensions())}; Outrider's kernels built with {' '.join(cflags())}; "
+    print(f"CPU vector extensions: {' '.join(vector_extensions())}; "
+          f"Outrider's kernels built with {' '.join(cflags())}; "
           f"llama-server: {server_path or 'not run'}; {args.threads} threads; {args.tokens} tokens; medians of "
           f"{args.runs} rounds; draft-max {args.draft_max}; head {head}"
           + (f"; other head {args.other_head}" if args.other_head else "") + "\n")
-    print("| prompt | T | configuration | decode tok/s | vs plain | vs llama.cpp plain | accepted per position |")
-    print("|---|---|---|---|---|---|---|")
+    print("| prompt | T | configuration | decode tok/s | vs plain | vs llama.cpp plain | vs llama.cpp's best "
+          "| accepted per position |")
+    print("|---|---|---|---|---|---|---|---|")
     for label in prompts:
         for t in temperatures:
+            speeds = {c: peer[label, t, c][0] for c in llama_configs if (label, t, c) in peer}
+            best = max(speeds, key=speeds.get) if speeds else None
+            for config, speed in speeds.items():
+                acceptance = peer[label, t, config][1]
+                vs_plain = f"{speed / speeds['plain']:.2f}x" if "plain" in speeds else ""
+                print(f"| {label} | {t:g} | llama.cpp {config} | {speed:.1f} | | {vs_plain} | | "
+                      + (f"{acceptance:.2f} (pooled)" if acceptance == acceptance else "") + " |")
             plain = results[label, t, "none"]
             for name in CONFIGS + ((OTHER_HEAD,) if args.other_head else ()):
                 rows = results[label, t, name]
                 speed = statistics.median(r[0] for r in rows)
                 ratio = statistics.median(r[0] / p[0] for r, p in zip(rows, plain))
-                vs_peer = f"{speed / peer[label, t]:.2f}x" if (label, t) in peer else ""
+                vs_plain = f"{speed / speeds['plain']:.2f}x" if "plain" in speeds else ""
+                vs_best = f"{speed / speeds[best]:.2f}x ({best})" if best else ""
                 positions = " ".join(f"{a:.2f}" for a in per_position(rows)[:6])
-                print(f"| {label} | {t:g} | {name} | {speed:.1f} | {ratio:.2f}x | {vs_peer} | {positions} |")
+                print(f"| {label} | {t:g} | {name} | {speed:.1f} | {ratio:.2f}x | {vs_plain} | {vs_best} "
+                      f"| {positions} |")
     return 0
 
 

@@ -537,16 +537,22 @@ def test_amx_row_counts_are_checked(int8_kernels):
 def test_the_product_rate_probe_times_the_work_it_names(kernels):
     """benchmarks/activations.py --floor divides by this rate, so a rate the compiler inflated (products of
     unchanging operands folded or hoisted out of the loop, as a first version's were) would give a floor
-    below what the work costs. Each group's float step is added work: with it the rate must not rise (10%
-    for timing noise), and no core gives more than 4 steps of 64 products a cycle at 6 GHz."""
+    below what the work costs. Each group's float step is added work, so with it the rate must not rise far:
+    products hoisted out of the loop would leave the float steps alone, several times faster, while a core
+    that schedules the mixed loop better can run it somewhat faster, within 1.5x. Best of three interleaved
+    runs each, so a clock ramp or a busy neighbour does not decide it; and no core gives more than 4 steps of
+    64 products a cycle at 6 GHz."""
     probe = native.product_rate_probe()  # built apart from the kernels' module, with its flags
     if not kernels.HAS_INT8_KERNELS:
         assert probe(0.01, False, False) == 0.0
         return
+    probe(0.05, False, False)  # the clock ramps up before anything is compared
     for signed in (False, True):
-        products = probe(0.05, signed, False)
-        with_float_steps = probe(0.05, signed, True)
-        assert 0 < with_float_steps <= 1.1 * products <= 1.1 * 4 * 64 * 6e9
+        runs = [(probe(0.05, signed, False), probe(0.05, signed, True)) for _ in range(3)]
+        products = max(plain for plain, _ in runs)
+        with_float_steps = max(mixed for _, mixed in runs)
+        assert 0 < with_float_steps <= 1.5 * products
+        assert products <= 4 * 64 * 6e9
 
 
 @pytest.mark.parametrize("name", LANE_NAMES + [LANE_NAMES])

@@ -36,6 +36,17 @@ have lost against plain decoding (a won round counts as a negative loss), plus w
 stays within `explore_budget` of the run's time: trying again never costs more than
 that share, and it measures the draft's cost, the two-token verify and the first position's acceptance anew.
 
+A runner keeps one policy across generations (`begin_generation`). Acceptance starts again from each kind's
+prior, since the next text is another text. Costs carry over, being the machine's, but only until this
+generation measures them: its first measurement replaces the carried value, since a cost measured while
+another process shared the cores would otherwise linger (a length priced out is not measured again); a
+slow first draft (a cold start) is then measured again by exploring, whose budget rounds that drafted and
+won have credited. A kind priced at 0 on carried costs would measure them again only by exploring, whose
+budget a slow stretch may have spent, so the first time it is priced at 0 in a generation whose rounds have
+not yet timed its drafts, it drafts one token anyway (one look per kind per generation). An untimed
+generation (below) starts its exploring account afresh, so that its lengths follow its own seeded history,
+not what earlier generations' timings spent.
+
 Measured timings differ from run to run. Where the draft lengths change the output (a drafter that gives q:
 the Leviathan rule emits another token at a drafted position than at an undrafted one; a lossy acceptor)
 and the run should reproduce (a seed, or temperature 0), the runner makes the policy `timed=False`: a
@@ -104,14 +115,26 @@ class AdaptiveDraftLength:
     run_s: float = 0.0  # every round's time, upkeep included (untimed: the cost model's)
     explore_loss_s: float = 0.0  # what exploring rounds from 0 took beyond plain decoding's price of their tokens
     exploring: bool = False  # the length just chosen is an exploring round's
+    measured: set = field(default_factory=set)  # the costs this generation has measured (the others carried)
+    looked: set = field(default_factory=set)  # the kinds this generation has chosen a length for
+
+    def begin_generation(self, timed: bool = True) -> None:
+        self.rounds, self.kinds, self.timed, self.exploring = 0, {}, timed, False
+        self.measured, self.looked = set(), set()
+        if not timed:
+            self.run_s = self.explore_loss_s = 0.0
 
     def estimates(self, kind: DraftKind = DEFAULT_KIND) -> KindAcceptance:
         if kind not in self.kinds:
             self.kinds[kind] = KindAcceptance(kind.prior, self.cap)
         return self.kinds[kind]
 
-    def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
+    def _average(self, old: float | None, new: float, key: object = None) -> float:
+        carried = key not in self.measured  # what an earlier generation left (or a caller set), if anything
+        self.measured.add(key)
+        if old is None or carried:
+            return new
+        return old + self.smoothing * (new - old)
 
     def verify_cost(self, n: int) -> float:
         if not self.timed:
@@ -161,12 +184,18 @@ class AdaptiveDraftLength:
     def choose(self, kind: DraftKind = DEFAULT_KIND) -> int:
         self.exploring = False
         best_k = self.best_length(kind)
+        first_choice = kind not in self.looked
+        self.looked.add(kind)
         if 0 < best_k < self.cap and self.rounds % self.explore_every == self.explore_every - 1:
             return min(2 * best_k + 1, self.cap)
-        if best_k == 0 and self._may_explore_from_zero(kind):
+        if best_k == 0 and ((first_choice and self._priced_on_carried_costs(kind))
+                            or self._may_explore_from_zero(kind)):
             self.exploring = True
             return 1
         return best_k
+
+    def _priced_on_carried_costs(self, kind: DraftKind) -> bool:
+        return self.timed and ("draft", kind) not in self.measured
 
     def _draft_cost(self, kind: DraftKind) -> float:
         if not self.timed:
@@ -221,7 +250,7 @@ class AdaptiveDraftLength:
             self.exploring = False
         self.run_s += round_s
         if self.timed:
-            self.verify_s[n] = self._average(self.verify_s.get(n), verify_s)
+            self.verify_s[n] = self._average(self.verify_s.get(n), verify_s, ("verify", n))
         if kind is None:
             return
         est = self.estimates(kind)
@@ -229,9 +258,9 @@ class AdaptiveDraftLength:
         if worked == 0:
             return
         if self.timed:
-            self.draft_s_per_token = self._average(self.draft_s_per_token, draft_s / worked)
+            self.draft_s_per_token = self._average(self.draft_s_per_token, draft_s / worked, "draft")
             by_kind = self.draft_s_per_token_by_kind
-            by_kind[kind] = self._average(by_kind.get(kind), draft_s / worked)
+            by_kind[kind] = self._average(by_kind.get(kind), draft_s / worked, ("draft", kind))
         for j in range(min(worked, accepted + 1)):
             if not est.reached[j] and j:
                 # reached for the first time: it was priced as the deepest measured position, so that is what

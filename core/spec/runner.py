@@ -10,7 +10,7 @@ decoding: one forward, one token.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -141,9 +141,8 @@ class Runner:
             raise OutriderError(f"prompt is {len(prompt)} tokens but the context holds {self.context}; "
                                 "shorten the prompt or raise --context")
         self.stats = stats = GenerationStats(prompt_tokens=len(prompt))
-        if isinstance(self.draft_length, AdaptiveDraftLength):  # verify costs carry over; acceptance does not
-            self.draft_length = replace(self.draft_length, rounds=0, kinds={},
-                                        timed=not self.lengths_change_the_output(params))
+        if isinstance(self.draft_length, AdaptiveDraftLength):
+            self.draft_length.begin_generation(timed=not self.lengths_change_the_output(params))
         rng = PositionRandom(params.seed)
         model, cache, acceptor = self.target.model, self.cache, self.acceptor
         draft_kind = self.drafter.draft_kind if self.traits.says_draft_kind else default_draft_kind
