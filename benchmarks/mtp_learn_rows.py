@@ -9,7 +9,9 @@ first-position acceptance on the request's answer rows (as it drafts them, befor
 idle work on the request's rows (`HeadLearner.idle` until done). After the last request, the learned head's
 acceptance on the held-out prompts' answers and its agreement with the target on standard-library passages (the
 kind of text distill trained on; other passages), against the distilled head's: adaptation is the first,
-forgetting the other two.
+forgetting the other two. And the learning curve on the code base: after every fifth request, the head's
+first-position acceptance on `--probe` more functions of the same files, which it never learns from (the same
+rows each time, so the curve is the head's change, not the requests' differences).
 
     python benchmarks/mtp_learn_rows.py --threads 2 --head ~/.cache/outrider/exp-120e/....mtp.gguf \\
         --setting anchor=0 --setting anchor=0.03
@@ -36,8 +38,10 @@ from qwen_pair import cpu_target  # noqa: E402
 REQUEST = "Add a docstring and type hints to this Python function and return the whole function:\n\n```python\n{}\n```"
 
 
-def record(target, n_requests: int, tokens: int) -> dict:
-    """{"requests": [...], "held_out": [...]}, each (tokens, hidden rows [len - 1, H] float16, prompt length)."""
+def record(target, n_requests: int, tokens: int, n_probe: int = 0, recorded: list | None = None) -> dict:
+    """{"requests": [...], "held_out": [...], "probe": [...]}, each (tokens, hidden rows [len - 1, H] float16,
+    prompt length); the probe: the `n_probe` functions after the requests'. `recorded`: requests recorded
+    earlier, from sources that may have changed since: the probe alone, of functions none of them asked about."""
     from outrider.io.chat import template_or_raw_ids
     from outrider.plugins.drafters.mtp.distill import generate
     from outrider.plugins.drafters.mtp.prompts import HELD_OUT_PROMPTS
@@ -48,8 +52,16 @@ def record(target, n_requests: int, tokens: int) -> dict:
                                 hidden=True)
         return ids + outs[0], hidden[0], len(ids)
 
-    return {"requests": [one(REQUEST.format(src)) for src in functions(n_requests)],
-            "held_out": [one(text) for text in HELD_OUT_PROMPTS]}
+    if recorded is not None:
+        asked = {tuple(tokens[:prompt]) for tokens, _, prompt in recorded}
+        prompt_ids = lambda src: tuple(template_or_raw_ids(target.gguf, target.tokenizer, REQUEST.format(src))[0])
+        fresh = [src for src in functions(len(recorded) + n_probe + 20)[len(recorded):]
+                 if prompt_ids(src) not in asked]
+        return {"probe": [one(REQUEST.format(src)) for src in fresh[:n_probe]]}
+    sources = functions(n_requests + n_probe)
+    return {"requests": [one(REQUEST.format(src)) for src in sources[:n_requests]],
+            "held_out": [one(text) for text in HELD_OUT_PROMPTS],
+            "probe": [one(REQUEST.format(src)) for src in sources[n_requests:]]}
 
 
 @torch.inference_mode()
@@ -103,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows-file", type=Path, help="record here once, then read [record in memory]")
     parser.add_argument("--passages", type=int, default=8, help="standard-library passages held out")
     parser.add_argument("--passage-chars", type=int, default=2000)
+    parser.add_argument("--probe", type=int, default=6, help="functions of the same files held out for the curve")
     parser.add_argument("--setting", action="append", default=[],
                         help="LearnSettings fields, key=value,...: lr, anchor, rows, feature_weight")
     args = parser.parse_args(argv)
@@ -121,9 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = torch.load(args.rows_file)
     else:
         t0 = time.perf_counter()
-        rows = record(target, args.requests, args.tokens)
+        rows = record(target, args.requests, args.tokens, args.probe)
         print(f"recorded {len(rows['requests'])} requests and {len(rows['held_out'])} held-out prompts in "
               f"{time.perf_counter() - t0:.0f} s")
+        if args.rows_file:
+            torch.save(rows, args.rows_file)
+    if len(rows.get("probe", ())) != args.probe:
+        rows.update(record(target, len(rows["requests"]), args.tokens, args.probe, recorded=rows["requests"]))
         if args.rows_file:
             torch.save(rows, args.rows_file)
     if "passages" not in rows:
@@ -137,30 +154,37 @@ def main(argv: list[str] | None = None) -> int:
     target_rows = model.output.rows(frozen.vocab_ids).float()
     general = lambda head: statistics.mean(first_acceptance(head, *r, target_rows) for r in rows["passages"])
     passages = general(frozen)
+    on_probe = lambda head: statistics.mean(first_acceptance(head, *r) for r in rows["probe"])
+    curve_at = list(range(0, len(base) + 1, 5))
     print(f"CPU vector extensions: {' '.join(vector_extensions())}; {args.threads} threads; head {head_path.name}")
     half = len(base) // 2
     print(f"frozen head: accepted@1 on the requests, mean of each half {statistics.mean(base[:half]):.3f} / "
           f"{statistics.mean(base[half:]):.3f}; held-out {' / '.join(f'{a:.3f}' for a in held)}; agreement with "
-          f"the target on {len(rows['passages'])} standard-library passages {passages:.3f}\n")
-    print("| setting | gain@1 requests 1-10 | gain@1 requests 11-20 | held-out change | passages change | steps | "
-          "idle s |")
-    print("|---|---|---|---|---|---|---|")
+          f"the target on {len(rows['passages'])} standard-library passages {passages:.3f}; on the probe functions "
+          f"{on_probe(frozen):.3f}\n")
+    print(f"| setting | gain@1 requests 1-10 | gain@1 requests 11-20 | held-out change | passages change | steps | "
+          f"idle s | accepted@1 on {len(rows['probe'])} probe functions after {', '.join(map(str, curve_at))} "
+          "requests |")
+    print("|---|---|---|---|---|---|---|---|")
     work = Path(tempfile.mkdtemp(prefix="mtp-learn-rows-"))
     for text in args.setting or [""]:
         copy = work / head_path.name
         shutil.copy2(head_path, copy)
         learner = HeadLearner(model, g, GGUFFile(copy), LearnSettings(**parse_setting(text)))
-        gains, t0 = [], time.perf_counter()
-        for (tokens, hidden, prompt), before in zip(rows["requests"], base):
+        gains, curve, seconds = [], [on_probe(learner.head)], 0.0
+        for i, ((tokens, hidden, prompt), before) in enumerate(zip(rows["requests"], base), start=1):
             gains.append(first_acceptance(learner.head, tokens, hidden, prompt) - before)
+            t0 = time.perf_counter()
             learner.begin()
             while learner.idle(tokens, hidden, hidden.shape[0])[0]:
                 pass
-        seconds = time.perf_counter() - t0
+            seconds += time.perf_counter() - t0
+            if i in curve_at:
+                curve.append(on_probe(learner.head))
         after = [first_acceptance(learner.head, *r) - a for r, a in zip(rows["held_out"], held)]
         print(f"| {text or 'default'} | {statistics.mean(gains[:half]):+.3f} | {statistics.mean(gains[half:]):+.3f} | "
               f"{' / '.join(f'{a:+.3f}' for a in after)} | {general(learner.head) - passages:+.3f} | {learner.steps} | "
-              f"{seconds:.0f} |", flush=True)
+              f"{seconds:.0f} | {' '.join(f'{a:.3f}' for a in curve)} |", flush=True)
         learner.unsaved = False
     shutil.rmtree(work, ignore_errors=True)
     return 0
