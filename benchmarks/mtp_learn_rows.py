@@ -10,8 +10,9 @@ idle work on the request's rows (`HeadLearner.idle` until done). After the last 
 acceptance on the held-out prompts' answers and its agreement with the target on standard-library passages (the
 kind of text distill trained on; other passages), against the distilled head's: adaptation is the first,
 forgetting the other two. And the learning curve on the code base: after every fifth request, the head's
-first-position acceptance on `--probe` more functions of the same files, which it never learns from (the same
-rows each time, so the curve is the head's change, not the requests' differences).
+first-position acceptance on `--probe` more functions of the code base (those after the requests', which may
+be in other files), which it never learns from: the same rows each time, so the curve is the head's change,
+not the requests' differences.
 
     python benchmarks/mtp_learn_rows.py --threads 2 --head ~/.cache/outrider/exp-120e/....mtp.gguf \\
         --setting anchor=0 --setting anchor=0.03
@@ -41,7 +42,8 @@ REQUEST = "Add a docstring and type hints to this Python function and return the
 def record(target, n_requests: int, tokens: int, n_probe: int = 0, recorded: list | None = None) -> dict:
     """{"requests": [...], "held_out": [...], "probe": [...]}, each (tokens, hidden rows [len - 1, H] float16,
     prompt length); the probe: the `n_probe` functions after the requests'. `recorded`: requests recorded
-    earlier, from sources that may have changed since: the probe alone, of functions none of them asked about."""
+    earlier, from sources that may have changed since: the probe alone, of functions whose name (`def name(`)
+    none of them shows, so that a function edited since is not taken for a new one."""
     from outrider.io.chat import template_or_raw_ids
     from outrider.plugins.drafters.mtp.distill import generate
     from outrider.plugins.drafters.mtp.prompts import HELD_OUT_PROMPTS
@@ -53,10 +55,9 @@ def record(target, n_requests: int, tokens: int, n_probe: int = 0, recorded: lis
         return ids + outs[0], hidden[0], len(ids)
 
     if recorded is not None:
-        asked = {tuple(tokens[:prompt]) for tokens, _, prompt in recorded}
-        prompt_ids = lambda src: tuple(template_or_raw_ids(target.gguf, target.tokenizer, REQUEST.format(src))[0])
+        asked = [target.tokenizer.decode(tokens[:prompt]) for tokens, _, prompt in recorded]
         fresh = [src for src in functions(len(recorded) + n_probe + 20)[len(recorded):]
-                 if prompt_ids(src) not in asked]
+                 if not any(src.split("(")[0] + "(" in text for text in asked)]
         return {"probe": [one(REQUEST.format(src)) for src in fresh[:n_probe]]}
     sources = functions(n_requests + n_probe)
     return {"requests": [one(REQUEST.format(src)) for src in sources[:n_requests]],
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows-file", type=Path, help="record here once, then read [record in memory]")
     parser.add_argument("--passages", type=int, default=8, help="standard-library passages held out")
     parser.add_argument("--passage-chars", type=int, default=2000)
-    parser.add_argument("--probe", type=int, default=6, help="functions of the same files held out for the curve")
+    parser.add_argument("--probe", type=int, default=6, help="functions of the code base held out for the curve")
     parser.add_argument("--setting", action="append", default=[],
                         help="LearnSettings fields, key=value,...: lr, anchor, rows, feature_weight")
     args = parser.parse_args(argv)

@@ -24,8 +24,8 @@ def test_picks_the_length_with_the_best_tokens_per_second():
 
 def test_never_drafts_when_nothing_is_accepted_and_always_when_everything_is():
     rising = {n: 1 + 0.05 * (n - 1) for n in range(1, 10)}
-    assert policy(0.0, rising).best_length() == 0
-    assert policy(1.0, rising).best_length() == 8
+    assert policy(0.0, rising).choose() == 0
+    assert policy(1.0, rising).choose() == 8
 
 
 def test_draft_cost_counts_against_long_drafts():
@@ -299,3 +299,15 @@ def test_an_untimed_generation_explores_as_if_it_were_the_first():
         p.begin_generation(timed=False)
         runs.append(simulate(p, 300, 0.1, 0.3, verify, seed=4)[2])
     assert sum(runs[0]) > 0 and runs[0] == runs[1]
+
+
+def test_a_timed_generation_after_an_untimed_one_keeps_to_its_budget():
+    # An untimed generation counts its time in one-token verifies (1000 rounds: about 1000); a timed one in
+    # seconds (a verify here: 10 ms). Carried over, the untimed count would let the timed generation explore on
+    # every round (1% of 1000 is worth 2500 of its rejected drafts) where nothing is ever accepted.
+    p = AdaptiveDraftLength(cap=8)
+    p.begin_generation(timed=False)
+    simulate(p, 1000, 0.0, 0.3, lambda n: 1 + 0.1 * (n - 1))
+    p.begin_generation(timed=True)
+    seconds, tokens, _ = simulate(p, 1000, 0.0, 0.003, lambda n: 0.01 * (1 + 0.1 * (n - 1)))
+    assert tokens / seconds >= 100 / (1 + p.explore_budget) - 0.5, tokens / seconds

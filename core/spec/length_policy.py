@@ -40,12 +40,12 @@ A runner keeps one policy across generations (`begin_generation`). Acceptance st
 prior, since the next text is another text. Costs carry over, being the machine's, but only until this
 generation measures them: its first measurement replaces the carried value, since a cost measured while
 another process shared the cores would otherwise linger (a length priced out is not measured again); a
-slow first draft (a cold start) is then measured again by exploring, whose budget rounds that drafted and
-won have credited. A kind priced at 0 on carried costs would measure them again only by exploring, whose
-budget a slow stretch may have spent, so the first time it is priced at 0 in a generation whose rounds have
-not yet timed its drafts, it drafts one token anyway (one look per kind per generation). An untimed
-generation (below) starts its exploring account afresh, so that its lengths follow its own seeded history,
-not what earlier generations' timings spent.
+slow first draft (a cold start) is then measured again by exploring, whose budget is a share of all the time
+run, earlier generations included. A kind priced at 0 by a draft cost carried from an earlier generation
+would be measured again only by exploring, whose budget a slow stretch may have spent: when a kind's first
+choice in a generation is 0 on such a cost, it drafts one token anyway (at most one look per kind per
+generation). A generation that is untimed (below), or timed after untimed ones, starts its exploring account
+afresh: the two count in different units, and an untimed generation's lengths follow its own seeded history.
 
 Measured timings differ from run to run. Where the draft lengths change the output (a drafter that gives q:
 the Leviathan rule emits another token at a drafted position than at an undrafted one; a lossy acceptor)
@@ -119,10 +119,10 @@ class AdaptiveDraftLength:
     looked: set = field(default_factory=set)  # the kinds this generation has chosen a length for
 
     def begin_generation(self, timed: bool = True) -> None:
+        if not timed or not self.timed:
+            self.run_s = self.explore_loss_s = 0.0
         self.rounds, self.kinds, self.timed, self.exploring = 0, {}, timed, False
         self.measured, self.looked = set(), set()
-        if not timed:
-            self.run_s = self.explore_loss_s = 0.0
 
     def estimates(self, kind: DraftKind = DEFAULT_KIND) -> KindAcceptance:
         if kind not in self.kinds:
@@ -195,7 +195,7 @@ class AdaptiveDraftLength:
         return best_k
 
     def _priced_on_carried_costs(self, kind: DraftKind) -> bool:
-        return self.timed and ("draft", kind) not in self.measured
+        return self.timed and kind in self.draft_s_per_token_by_kind and ("draft", kind) not in self.measured
 
     def _draft_cost(self, kind: DraftKind) -> float:
         if not self.timed:
