@@ -129,10 +129,11 @@ class AdaptiveDraftLength:
             self.kinds[kind] = KindAcceptance(kind.prior, self.cap)
         return self.kinds[kind]
 
-    def _average(self, old: float | None, new: float, key: object = None) -> float:
-        carried = key not in self.measured  # what an earlier generation left (or a caller set), if anything
-        self.measured.add(key)
-        if old is None or carried:
+    def _average(self, old: float | None, new: float, key: object) -> float:
+        """The running average of the cost `key`; its first measurement in a generation replaces what an earlier
+        generation left (or a caller set), if anything."""
+        if key not in self.measured:
+            self.measured.add(key)
             return new
         return old + self.smoothing * (new - old)
 
