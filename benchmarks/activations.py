@@ -7,9 +7,12 @@ modes alternated within every repetition, in one run.
     python benchmarks/activations.py MODEL.gguf --amx [--amx-min-rows 1]    # int8: dpbusd tiles vs AMX
     python benchmarks/activations.py --synthetic smollm2-135m:Q4_1:Q8_0 ...  # random weights of that shape
     python benchmarks/activations.py MODEL.gguf --floor    # int8 beside its integer products' floor
+    python benchmarks/activations.py MODEL.gguf --scales   # int8: K-quant scales factored vs float32
 
 For each model and mode it prints the median time per k in ms, and int8's time over float32's for the
-same k (below 1: int8 is faster); with --amx, int8 with AMX tiles from --amx-min-rows rows against int8
+same k (below 1: int8 is faster); with --scales, int8 with K-quants' scales held factored as the file holds
+them (AVX2 builds) against int8 with them in float32 (OUTRIDER_FACTORED_SCALES=0), the model loaded in each
+form, with the megabytes of weights a step reads; with --amx, int8 with AMX tiles from --amx-min-rows rows against int8
 without them (CPUs with amx_int8); with --floor, int8 alone beside the least time its products can take:
 rows x the weights a row meets / the rate one core gives a row in the build's lane tiles on registers
 alone (no loads, no unpacking, no x to lay out; `outrider.native.product_rate_probe`) x threads: the integer products alone,
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import statistics
 import sys
 import tempfile
@@ -80,6 +84,8 @@ def main() -> None:
     parser.add_argument("--synthetic", nargs="+", default=[], metavar="SHAPE:QTYPE[:EMBD_QTYPE]",
                         help="random weights of a model's shape (benchmarks/gpu.py's SHAPES), e.g. smollm2-135m:Q4_1:Q8_0")
     parser.add_argument("--amx", action="store_true", help="int8 without AMX tiles against int8 with them")
+    parser.add_argument("--scales", action="store_true",
+                        help="int8 with K-quant scales in float32 against int8 with them factored as the file has them")
     parser.add_argument("--amx-min-rows", type=int, default=1, help="with --amx: tiles of this many rows or more take AMX")
     parser.add_argument("--floor", action="store_true",
                         help="int8 beside the least time its integer products can take (this build's steps, one core x threads)")
@@ -96,8 +102,14 @@ def main() -> None:
         parser.error("--amx needs a CPU with amx_int8 (lscpu), kernels built for it (-march=native) and Linux 5.16+")
     if args.floor and 1 not in args.rows:
         args.rows = [1] + args.rows  # the step the floor is counted in
+    if args.scales and not native.load().FACTORED_SCALES:
+        parser.error("--scales needs a build whose lane tiles read factored scales (AVX2 without AVX512-VNNI)")
     models = args.models + [synthetic(spec) for spec in args.synthetic]
-    if args.amx:
+    forms = {"": "1"}  # the OUTRIDER_FACTORED_SCALES each mode's model is loaded with (all modes: one model)
+    if args.scales:
+        modes = {mode: (lambda: native.activations("int8")) for mode in ("f32-scale", "factored")}
+        forms = {"f32-scale": "0", "factored": "1"}
+    elif args.amx:
         modes = {"dpbusd": lambda: amx_from(0), "amx": lambda: amx_from(args.amx_min_rows)}
     elif args.floor:
         if not native.load().HAS_INT8_KERNELS:
@@ -110,20 +122,30 @@ def main() -> None:
     print(f"CPU vector extensions: {extensions}; "
           f"kernels built with {' '.join(native.cflags())}")
     for path in models:
-        model = CPUBackend().load_model(GGUFFile(path))
-        cache = model.new_cache(args.prefix + max(args.rows) + 1)
+        loaded = {}
+        for form, factored in forms.items():
+            os.environ["OUTRIDER_FACTORED_SCALES"] = factored
+            model = CPUBackend().load_model(GGUFFile(path))
+            cache = model.new_cache(args.prefix + max(args.rows) + 1)
+            loaded[form] = model, cache
+        os.environ.pop("OUTRIDER_FACTORED_SCALES")
+        model_of = {mode: loaded[mode if args.scales else ""] for mode in modes}
         gen = torch.Generator().manual_seed(0)
         high = min(1000, model.config.vocab_size)
-        model.forward(torch.randint(0, high, (args.prefix,), generator=gen), 0, cache)
+        prefix = torch.randint(0, high, (args.prefix,), generator=gen)
+        for model, cache in loaded.values():
+            model.forward(prefix, 0, cache)
         blocks = {k: torch.randint(0, high, (k,), generator=gen) for k in args.rows}
         seconds = {(mode, k): [] for mode in modes for k in args.rows}
         for mode in modes:  # one untimed forward of each shape first: the timed ones find warm caches alike
+            model, cache = model_of[mode]
             with modes[mode]():
                 for k in args.rows:
                     model.forward(blocks[k], args.prefix, cache, last_only=args.prompt)
                     cache.truncate(args.prefix)
         for _ in range(args.reps):
             for mode in modes:
+                model, cache = model_of[mode]
                 with modes[mode]():
                     for k in args.rows:
                         start = time.perf_counter()
@@ -149,8 +171,13 @@ def main() -> None:
                       f"({args.threads} x one core)")
             print(f"  a row meets {counts[0] / 1e6:.1f} M 4-/5-bit and {counts[1] / 1e6:.1f} M 8-bit codes")
             continue
+        if args.scales:
+            with native.activations("int8"):
+                for mode in modes:
+                    read = sum(t.numel() * t.element_size() for t in model_of[mode][0].weight_tensors())
+                    print(f"  {mode}: a step reads {read / 1e6:,.1f} MB of weights")
         old, new = modes
-        ratio = {"int8": "int8/f32", "amx": "amx/dpb"}[new]
+        ratio = {"int8": "int8/f32", "amx": "amx/dpb", "factored": "fact/f32"}[new]
         print(f"{ratio:9s}" + "".join(f"{median[new, k] / median[old, k]:10.2f}" for k in args.rows))
 
 

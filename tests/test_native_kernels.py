@@ -38,6 +38,7 @@ QUANT_TYPES = NUMPY_QUANTIZABLE + K_QUANTS
 CODE_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q6_K: 6, Q.Q8_0: 8}
 ALL_TYPES = QUANT_TYPES + [Q.F16, Q.F32]
 ROWS, COLS = 96, 256  # the main test weight: [rows, cols], rows first as torch holds it
+LONG_COLS = 768  # K-quant weights `k.TYPE` [32, 768]: three 256-weight super-blocks a row
 SMALL_ROWS, SMALL_COLS = 40, 224  # rows not a multiple of 16; seven groups of 32 (block-32 types only): a
 # four-group step, a two-group step and a lone group in the AVX512-VNNI int8 tile
 
@@ -182,6 +183,8 @@ def weights(tmp_path_factory):
         shapes = [("w", ROWS, COLS)]
         if qtype not in K_QUANTS:
             shapes.append(("v", SMALL_ROWS, SMALL_COLS))
+        else:
+            shapes.append(("k", 32, LONG_COLS))
         for prefix, rows, cols in shapes:
             name = f"{prefix}.{qtype.name}"
             if qtype in (Q.F32, Q.F16):
@@ -585,6 +588,40 @@ def test_a_weight_held_for_int8_gives_the_row_form_back_exactly(int8_kernels, we
         assert torch.equal(lanes_only(x), rows_too(x))
         assert [t.data_ptr() for t in lanes_only.tensors()] == [t.data_ptr() for t in
                                                                 (lanes_only.codes, lanes_only.scales, lanes_only.zeros)]
+
+
+FACTORED_NAMES = [["k.Q4_K"], ["k.Q5_K"], ["k.Q6_K"], ["p.Q6_K"], ["k.Q5_K", "k.Q4_K"], ["k.Q4_K", "k.Q6_K"],
+                  ["k.Q6_K", "k.Q5_K", "k.Q4_K"]]
+
+
+@pytest.mark.parametrize("names", FACTORED_NAMES, ids=["+".join(names) for names in FACTORED_NAMES])
+def test_factored_k_quant_scales_give_the_float32_scales_bits(int8_kernels, weights, names):
+    """Where the build reads them so (AVX2 lane tiles), a K-quant's lane form holds its scales and zeros as the
+    file does: int8 sub-scales per unit times a float32 super-scale per 256 weights of a row, fused tensors of
+    mixed K-quants too. Every such product is exact in float32, so for every row count (1-40: one-row steps,
+    the tiles and their remainders) the products are the bits of the same weight with float32 scales and
+    zeros, in 3/8 of their bytes or less; a fusion with a non-K-quant keeps float32 scales."""
+    if not int8_kernels.FACTORED_SCALES or os.environ.get("OUTRIDER_LANE_TILES") == "0":
+        pytest.skip("this build's lane tiles read float32 scales only, or OUTRIDER_LANE_TILES=0")
+    g, reference = weights
+    with activations("float32"):
+        rows_too = _packed(g, names)  # its row form: float32 scales, the plain form's source
+    factored = _packed(g, names)
+    plain = PackedLinear(rows_too.kind, rows_too.codes, rows_too.scales,
+                         rows_too.zeros if rows_too.zeros.numel() else None, rows_too.group, rows_too.n_out,
+                         rows_too.k)
+    assert len(factored.lanes) == 5 and factored.lanes[1].dtype == torch.int8 and len(plain.lanes) == 3
+    assert factored.lanes[2].numel() == plain.lanes[2].numel()  # zeros where the plain form has them
+    cols = factored.k
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(31)) * torch.linspace(0.1, 3.0, cols)
+    for t in range(1, 41):
+        assert torch.equal(factored(x[:t]), plain(x[:t])), t
+    _assert_matmul_close(factored(x), _as_the_int8_kernels_see_it(x) @ torch.cat([reference[n] for n in names]).T)
+    scale_bytes = lambda lanes: sum(t.numel() * t.element_size() for t in lanes[1:])
+    assert scale_bytes(factored.lanes) * 8 <= scale_bytes(plain.lanes) * 3
+    assert len(_packed(g, ["w.Q4_K", "w.Q4_1"]).lanes) == 3
+    ids = torch.tensor([0, 17, 31, 17])
+    assert torch.equal(factored.rows(ids), rows_too.rows(ids))  # the row form back from the factors
 
 
 def test_a_weight_made_inside_an_int8_block_takes_its_rows_when_the_block_ends(int8_kernels, weights):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -126,16 +126,19 @@ class StackedLinear(DenseLinear):
 
 class PackedLinear:
     def __init__(self, kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 group: int, n_out: int, k: int):
+                 group: int, n_out: int, k: int, factors: ScaleFactors | None = None):
         self.kernels = native.load()
         self.kind, self.group, self.n_out, self.k = kind, group, n_out, k
         self.codes = codes.contiguous()
         self.scales = scales.to(torch.float32).contiguous()  # why not float16: RowReader, weight_formats.h
         self.zeros = (torch.empty(0) if zeros is None else zeros.to(torch.float32)).contiguous()
         # AVX2 and AVX512-VNNI builds hold the lane form, what the int8 kernels read; with int8 activations
-        # it is the only form held (see hold_rows). OUTRIDER_LANE_TILES=0 leaves it out (to measure against).
+        # it is the only form held (see hold_rows). OUTRIDER_LANE_TILES=0 leaves it out, and
+        # OUTRIDER_FACTORED_SCALES=0 holds K-quants' scales in float32 in it (to measure against).
         use_lanes = self.kernels.HAS_LANE_TILES and os.environ.get("OUTRIDER_LANE_TILES", "1") != "0"
-        self.lanes = lane_form(kind, self.codes, self.scales, self.zeros, group, n_out, k) if use_lanes else []
+        if not self.kernels.FACTORED_SCALES or os.environ.get("OUTRIDER_FACTORED_SCALES", "1") == "0":
+            factors = None
+        self.lanes = lane_form(kind, self.codes, self.scales, self.zeros, group, n_out, k, factors) if use_lanes else []
         if self.lanes and self.kernels.int8_activations():
             self.codes, self.scales = self.codes.new_empty(0), self.scales.new_empty(0)
             self.zeros = self.zeros.new_empty(0)
@@ -193,11 +196,12 @@ when_float32(_hold_rows_everywhere)
 
 
 def lane_form(kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, n_out: int,
-              k: int) -> list[torch.Tensor]:
+              k: int, factors: ScaleFactors | None = None) -> list[torch.Tensor]:
     """The weight as the native lane tiles read it (`kernels/int8.h`): blocks of 16 rows, each group's codes
     with int32 lane j holding four adjacent codes of row j (int8 codes + 128, as unsigned bytes); scales and
-    zeros [block, scales per row, 16]. [] where there is no lane tile: float32 weights, or a row count that
-    is not a multiple of 16."""
+    zeros [block, scales per row, 16]; or, given their factors, int8 sub-scales and sub-zeros [block, scales
+    per row, 16] then float32 super-scales and super-zeros [block, K / 256, 16]. [] where there is no lane
+    tile: float32 weights, or a row count that is not a multiple of 16."""
     if kind == KIND_F32 or n_out % LANES:
         return []
     blocks, groups = n_out // LANES, k // GROUP
@@ -214,7 +218,14 @@ def lane_form(kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch
             bits = bits.reshape(blocks, LANES, groups, 2, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(-1, 64)
             masks = torch.from_numpy(np.packbits(bits.numpy(), axis=-1, bitorder="little")).reshape(blocks, groups, 64)
             c = torch.cat([nibbles, masks], dim=-1)
-    return [c.contiguous().reshape(-1), per_row(scales), per_row(zeros) if zeros.numel() else zeros]
+    c = c.contiguous().reshape(-1)
+    if factors is not None:
+        no_zeros = factors.sub_zeros is None
+        return [c, per_row(factors.sub_scales.to(torch.int8)),
+                torch.empty(0, dtype=torch.int8) if no_zeros else per_row(factors.sub_zeros.to(torch.int8)),
+                per_row(factors.super_scales.to(torch.float32)),
+                torch.empty(0) if no_zeros else per_row(factors.super_zeros.to(torch.float32))]
+    return [c, per_row(scales), per_row(zeros) if zeros.numel() else zeros]
 
 
 # ------------------------------------------------------------------------ GGUF blocks to codes
@@ -239,8 +250,6 @@ def block_codes(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.n
     """(codes, scale, zero or None, group) with w = scale * code + zero, from GGUF blocks: codes [B, block]
     (uint8 0..15 for 4-bit types, 0..31 for 5-bit types, int8 otherwise), scale and zero
     [B, block / group]. The layouts are those of the `gguf` package's reference dequantizers."""
-    from gguf.quants import Q4_K
-
     if qtype in (Q.Q4_0, Q.Q4_1):
         size = 18 if qtype == Q.Q4_0 else 20
         b = raw.reshape(-1, size)
@@ -249,9 +258,7 @@ def block_codes(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.n
         return _nibbles(b[:, size - 16:].copy(), 16), scale, zero, 32
     if qtype == Q.Q4_K:
         b = raw.reshape(-1, 144)
-        sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())
-        scale, zero = _f16(b[:, 0:2]) * sc.astype(np.float32), -_f16(b[:, 2:4]) * mn.astype(np.float32)
-        return _nibbles(b[:, 16:].copy(), 32), scale, zero, 32
+        return _nibbles(b[:, 16:].copy(), 32), *_products(block_scale_factors(raw, qtype)), 32
     if qtype == Q.Q8_0:
         b = raw.reshape(-1, 34)
         return b[:, 2:].copy().view(np.int8), _f16(b[:, 0:2]), None, 32
@@ -264,8 +271,7 @@ def block_codes(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.n
         return q, _f16(b[:, 0:2]), _f16(b[:, 2:4]), 32
     if qtype == Q.Q5_K:
         b = raw.reshape(-1, 176)
-        sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())
-        scale, zero = _f16(b[:, 0:2]) * sc.astype(np.float32), -_f16(b[:, 2:4]) * mn.astype(np.float32)
+        scale, zero = _products(block_scale_factors(raw, qtype))
         low = _nibbles(b[:, 48:].copy(), 32).reshape(-1, 8, 32)
         high = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
         return (low | (high << 4)).reshape(-1, 256), scale, zero, 32
@@ -275,8 +281,39 @@ def block_codes(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.n
         high = (b[:, 128:192].reshape(-1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)) & 3
         # low and high are [2B, 4, 32]: two halves of 128 weights per block
         q = (low | (high << 4)).reshape(-1, 256).astype(np.int8) - 32
-        return q, _f16(b[:, 208:210]) * b[:, 192:208].copy().view(np.int8).astype(np.float32), None, 16
+        return q, *_products(block_scale_factors(raw, qtype)), 16
     raise ValueError(f"no codes for {qtype.name}")
+
+
+class ScaleFactors(NamedTuple):
+    """A K-quant weight's scales and zeros as its file holds them: per unit (16 or 32 weights) of a row an int8
+    sub-scale (and sub-zero), per 256 weights a float super-scale (and super-zero); a unit's scale is
+    sub_scale * super_scale. The product of an int8 and a float16 needs at most 18 significant bits, so it is
+    exact in float32: the factored form gives the float32 scales' bits, at a quarter of the bytes or less."""
+    sub_scales: np.ndarray | torch.Tensor  # int8 [blocks or rows, units]
+    super_scales: np.ndarray | torch.Tensor  # float32 [blocks or rows, 256-weight blocks]
+    sub_zeros: np.ndarray | torch.Tensor | None
+    super_zeros: np.ndarray | torch.Tensor | None
+
+
+def _products(f: ScaleFactors) -> tuple[np.ndarray, np.ndarray | None]:
+    scale = f.sub_scales.astype(np.float32) * f.super_scales
+    return scale, None if f.sub_zeros is None else f.sub_zeros.astype(np.float32) * f.super_zeros
+
+
+def block_scale_factors(raw: np.ndarray, qtype: Q) -> ScaleFactors | None:
+    """The factors of a K-quant's scales and zeros, per GGUF block (the `gguf` package's layouts); None for the
+    other types, whose scale is one float16 per group."""
+    from gguf.quants import Q4_K
+
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        b = raw.reshape(-1, 144 if qtype == Q.Q4_K else 176)
+        sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())  # 6-bit, 0..63
+        return ScaleFactors(sc.astype(np.int8), _f16(b[:, 0:2]), mn.astype(np.int8), -_f16(b[:, 2:4]))
+    if qtype == Q.Q6_K:
+        b = raw.reshape(-1, 210)
+        return ScaleFactors(b[:, 192:208].copy().view(np.int8), _f16(b[:, 208:210]), None, None)
+    return None
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -305,11 +342,14 @@ def load_packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
     if any(info.type in FLOAT_TYPES for info in infos):
         weight = torch.cat([remap(name)(g.load(name)) for name in names])
         return PackedLinear(KIND_F32, weight.float(), torch.empty(0), None, 32, weight.shape[0], k)
-    parts = []
+    parts, factors = [], []
     for info in infos:
-        codes, scale, zero, group = block_codes(g.raw(info.name), info.type)
+        raw = g.raw(info.name)
+        codes, scale, zero, group = block_codes(raw, info.type)
         rows = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(info.shape[0], -1)
         parts.append((rows(codes), rows(scale), None if zero is None else rows(zero), group))
+        f = block_scale_factors(raw, info.type) if native.load().FACTORED_SCALES else None
+        factors.append(f and ScaleFactors(*(None if a is None else rows(a) for a in f)))
     group = min(p[3] for p in parts)
     with_zero = any(p[2] is not None for p in parts)
     four_bit = all(info.type in INT4_TYPES for info in infos)
@@ -326,4 +366,20 @@ def load_packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
         codes.append(fix(c)), scales.append(fix(s)), zeros.append(fix(z))
     codes = torch.cat(codes)  # rows as the maps left them: a map may also select rows (a reduced head)
     return PackedLinear(kind, codes, torch.cat(scales), torch.cat(zeros) if with_zero else None, group,
-                        codes.shape[0], k)
+                        codes.shape[0], k, _joined_factors(infos, parts, factors, group, with_zero, remap))
+
+
+def _joined_factors(infos, parts, factors, group: int, with_zero: bool, remap) -> ScaleFactors | None:
+    """The parts' scale factors stacked as load_packed stacks their scales: None unless every part has them."""
+    if not factors or any(f is None for f in factors):
+        return None
+    joined = []
+    for info, (_, _, _, gsize), f in zip(infos, parts, factors):
+        fix, repeat = remap(info.name), gsize // group
+        sub_zeros = f.sub_zeros if f.sub_zeros is not None else torch.zeros_like(f.sub_scales)
+        super_zeros = f.super_zeros if f.super_zeros is not None else torch.zeros_like(f.super_scales)
+        joined.append((fix(f.sub_scales.repeat_interleave(repeat, dim=1)), fix(f.super_scales),
+                       fix(sub_zeros.repeat_interleave(repeat, dim=1)), fix(super_zeros)))
+    sub_scales, super_scales, sub_zeros, super_zeros = (torch.cat(column) for column in zip(*joined))
+    return ScaleFactors(sub_scales, super_scales, sub_zeros if with_zero else None,
+                        super_zeros if with_zero else None)

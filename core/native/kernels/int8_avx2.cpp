@@ -196,6 +196,18 @@ static inline void ymm_lane_codes(const uint8_t* pg, int m, int half, __m256i& l
   }
 }
 
+// One half's 8 lanes of scale (or zero) `unit` of a block, from pointers at that block and half: float32 as
+// held, or an int8 sub-scale times the float32 super-scale of its 256 weights (PER_SUPER units), the same bits
+// (LaneWeights). The form is the weight's, so the branch goes the same way every time.
+template <int PER_SUPER>
+static inline __m256 lane_scale8(const float* held, const int8_t* sub, const float* super, int64_t unit) {
+  if (sub) {
+    const __m256i sub32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + unit * 16)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(sub32), _mm256_loadu_ps(super + unit / PER_SUPER * 16));
+  }
+  return _mm256_loadu_ps(held + unit * 16);
+}
+
 // AVX2: the same layout, each 64-byte register as two ymm halves (weight rows 0-7 and 8-15 of the block),
 // taken one after the other. 4- and 5-bit codes: a group's eight maddubs add up in int16 (8 x 2 x 15 x 127
 // < 32767 for 4-bit; 5-bit codes, up to 31, take a madd after each four), then one madd to int32; with
@@ -212,8 +224,14 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
   for (int64_t b = b0; b < b1; ++b)
     for (int half = 0; half < 2; ++half) {
       const uint8_t* p = w.codes + b * groups * BYTES + 32 * half;
-      const float* s = w.scales + b * count * 16 + 8 * half;
-      const float* z = w.zeros ? w.zeros + b * count * 16 + 8 * half : nullptr;
+      const int64_t at = b * count * 16 + 8 * half, super_at = b * (groups / 8) * 16 + 8 * half;
+      const float* s = w.scales ? w.scales + at : nullptr;
+      const float* z = w.zeros ? w.zeros + at : nullptr;
+      const int8_t* sub_s = w.sub_scales ? w.sub_scales + at : nullptr;
+      const int8_t* sub_z = w.sub_zeros ? w.sub_zeros + at : nullptr;
+      const float* super_s = w.super_scales ? w.super_scales + super_at : nullptr;
+      const float* super_z = w.super_zeros ? w.super_zeros + super_at : nullptr;
+      auto scale = [&](int64_t unit) { return lane_scale8<8 * S>(s, sub_s, super_s, unit); };
       __m256 acc[R];
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
       for (int64_t g = 0; g < groups; ++g) {
@@ -221,7 +239,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
         if (half == 0)
           for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + LANE_PREFETCH_BYTES + i), _MM_HINT_T0);
         if constexpr (KIND == KIND_Q8) {
-          const __m256 ws_a = _mm256_loadu_ps(s + g * S * 16), ws_b = S == 2 ? _mm256_loadu_ps(s + g * S * 16 + 16) : ws_a;
+          const __m256 ws_a = scale(g * S), ws_b = S == 2 ? scale(g * S + 1) : ws_a;
           __m256i a[R], e[R];
           for (int r = 0; r < R; ++r) {
             a[r] = HAS_DPBUSD256 ? _mm256_set1_epi32(rows.start(g, 0, r)) : _mm256_setzero_si256();
@@ -252,7 +270,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
         } else if constexpr (HAS_DPBUSD256) {
           __m256i lo[4], hi[4];
           for (int m = 0; m < 4; ++m) ymm_lane_codes<KIND>(pg, m, half, lo[m], hi[m]);
-          const __m256 ws = _mm256_loadu_ps(s + g * 16);
+          const __m256 ws = scale(g);
           for (int r = 0; r < R; ++r) {
             const int32_t* x = rows.codes(g, r);
             __m256i a = _mm256_setzero_si256(), e = _mm256_setzero_si256();
@@ -273,7 +291,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
           // 5-bit: a madd after two. Each sum starts at zero and the four registers are unrolled: GCC kept
           // them a loop, a branch per row for the first register and a copy per row after each add
           // (SmolLM2 8 rows 10.7-11.0 -> 10.55 ms, the same build and thread).
-          const __m256 ws = _mm256_loadu_ps(s + g * 16);
+          const __m256 ws = scale(g);
           __m256i sums[R], first_half[R];
           for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -298,9 +316,9 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws, d), _mm256_cvtepi32_ps(sum), acc[r]);
           }
         }
-        if (z) {
+        if (z || sub_z) {
           for (int h = 0; h < S; ++h) {
-            const __m256 wz = _mm256_loadu_ps(z + (g * S + h) * 16);
+            const __m256 wz = lane_scale8<8 * S>(z, sub_z, super_z, g * S + h);
             for (int r = 0; r < R; ++r) {
               const float sum = rows.zero_sum(g, h, r);
               acc[r] = _mm256_fmadd_ps(wz, _mm256_set1_ps(sum), acc[r]);

@@ -22,6 +22,14 @@ constexpr bool HAS_LANE_TILES = false;
 #define INT8_VNNI512 1  // the int8 tiles take the AVX512-VNNI form (int8_avx512_vnni.cpp), else the AVX2 one
 #endif
 
+// Whether lane forms may hold K-quant scales factored (LaneWeights): the AVX2 lane tiles read them; the
+// AVX512-VNNI and AMX ones read float32 scales only.
+#if defined(INT8_KERNELS) && !defined(INT8_VNNI512)
+constexpr bool FACTORED_SCALES = true;
+#else
+constexpr bool FACTORED_SCALES = false;
+#endif
+
 #if defined(INT8_VNNI512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define INT8_AMX 1  // lane tiles of AMX_MIN_ROWS rows take AMX (amx.cpp)
 constexpr bool HAS_AMX_TILES = true;

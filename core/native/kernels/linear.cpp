@@ -34,6 +34,26 @@ void set_int8_activations(bool on) {
 
 bool int8_activations() { return int8_activations_on.load(); }
 
+static const int8_t* held_int8(const torch::Tensor& t) {
+  TORCH_CHECK(!t.numel() || (t.scalar_type() == torch::kInt8 && t.is_contiguous()), "sub-scales must be contiguous int8");
+  return t.numel() ? t.data_ptr<int8_t>() : nullptr;
+}
+
+// A lane form's pointers, its sizes checked: 3 tensors (codes, scales, zeros) or 5 (codes, sub-scales,
+// sub-zeros, super-scales, super-zeros; see LaneWeights)
+static LaneWeights lane_weights(const std::vector<torch::Tensor>& lanes, int64_t n_out, int64_t k) {
+  TORCH_CHECK((lanes.size() == 3 || (FACTORED_SCALES && lanes.size() == 5)) && n_out % 16 == 0,
+              "linear: a lane form is 3 tensors (5 with factored scales, AVX2 builds) over a multiple of 16 rows");
+  if (lanes.size() == 3) return LaneWeights{lanes[0].data_ptr<uint8_t>(), held(lanes[1]), held(lanes[2])};
+  TORCH_CHECK(k % 256 == 0 && lanes[3].numel() == n_out * (k / 256) && lanes[1].numel() % n_out == 0 &&
+              lanes[4].numel() == (lanes[2].numel() ? lanes[3].numel() : 0) && lanes[2].numel() % n_out == 0,
+              "linear: factored scales need K a multiple of 256 and a super-scale per 256 weights of a row");
+  LaneWeights w{lanes[0].data_ptr<uint8_t>(), nullptr, nullptr};
+  w.sub_scales = held_int8(lanes[1]), w.sub_zeros = held_int8(lanes[2]);
+  w.super_scales = held(lanes[3]), w.super_zeros = held(lanes[4]);
+  return w;
+}
+
 static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Tensor& scales,
                        const torch::Tensor& zeros, int64_t group, const float* x, int64_t rows, int64_t k, float* y,
                        int64_t n_out, bool prompt, const std::vector<torch::Tensor>& lanes) {
@@ -42,9 +62,7 @@ static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Te
   const bool int8 = int8_activations_on.load(std::memory_order_relaxed);
   if (int8 && !lanes.empty()) {
     TORCH_CHECK(HAS_LANE_TILES, "linear: this build has no lane tiles");
-    TORCH_CHECK(lanes.size() == 3 && n_out % 16 == 0, "linear: a lane form is 3 tensors over a multiple of 16 rows");
-    const LaneWeights w{lanes[0].data_ptr<uint8_t>(), lanes[1].data_ptr<float>(), held(lanes[2])};
-    return lane_matmul(kind, group, w, x, rows, k, y, n_out);
+    return lane_matmul(kind, group, lane_weights(lanes, n_out, k), x, rows, k, y, n_out);
   }
   TORCH_CHECK(codes.numel() || kind == KIND_F32, "linear: this weight is held in its lane form only (for int8 "
               "activations); PackedLinear.hold_rows() gives it its row form back");
@@ -145,8 +163,8 @@ torch::Tensor dequantize_rows(torch::Tensor rows, int64_t kind, torch::Tensor co
 // and zeros as PackedLinear holds them, for the row lookups of an embedding and for float32 activations.
 std::vector<torch::Tensor> lane_rows(torch::Tensor rows, int64_t kind, std::vector<torch::Tensor> lanes, int64_t group,
                                      int64_t k) {
-  TORCH_CHECK(lanes.size() == 3 && (kind == KIND_Q4 || kind == KIND_Q5 || kind == KIND_Q8),
-              "lane_rows: a lane form is 3 tensors of a 4-, 5- or 8-bit weight");
+  TORCH_CHECK((lanes.size() == 3 || lanes.size() == 5) && (kind == KIND_Q4 || kind == KIND_Q5 || kind == KIND_Q8),
+              "lane_rows: a lane form is 3 tensors (5 with factored scales) of a 4-, 5- or 8-bit weight");
   auto idx = rows.to(torch::kInt64).contiguous();
   const int64_t n = idx.numel(), groups = k / 32, count = groups * (kind == KIND_Q8 ? 32 / group : 1);
   const int64_t lane_bytes = lane_group_bytes(kind);
@@ -156,7 +174,15 @@ std::vector<torch::Tensor> lane_rows(torch::Tensor rows, int64_t kind, std::vect
   torch::Tensor scales = torch::empty({n, count}, torch::dtype(torch::kFloat32));
   torch::Tensor zeros = lanes[2].numel() ? torch::empty({n, count}, torch::dtype(torch::kFloat32)) : torch::empty({0});
   const uint8_t* lc = lanes[0].data_ptr<uint8_t>();
-  const float *ls = lanes[1].data_ptr<float>(), *lz = lanes[2].numel() ? lanes[2].data_ptr<float>() : nullptr;
+  const bool factored = lanes.size() == 5;
+  const int64_t supers = k / 256, per_super = factored ? count / supers : 0;
+  // scale or zero c of row j of block b: as held, or its factors' product (float32, the same bits)
+  auto held_value = [&](int which, int64_t b, int64_t j, int64_t c) {
+    const torch::Tensor& t = lanes[1 + which];
+    if (!factored) return t.data_ptr<float>()[(b * count + c) * 16 + j];
+    return static_cast<float>(t.data_ptr<int8_t>()[(b * count + c) * 16 + j]) *
+           lanes[3 + which].data_ptr<float>()[(b * supers + c / per_super) * 16 + j];
+  };
   uint8_t* out = static_cast<uint8_t*>(codes.data_ptr());
   for (int64_t i = 0; i < n; ++i) {
     const int64_t row = idx.data_ptr<int64_t>()[i], b = row / 16, j = row % 16;
@@ -180,8 +206,8 @@ std::vector<torch::Tensor> lane_rows(torch::Tensor rows, int64_t kind, std::vect
       }
     }
     for (int64_t c = 0; c < count; ++c) {
-      scales.data_ptr<float>()[i * count + c] = ls[(b * count + c) * 16 + j];
-      if (lz) zeros.data_ptr<float>()[i * count + c] = lz[(b * count + c) * 16 + j];
+      scales.data_ptr<float>()[i * count + c] = held_value(0, b, j, c);
+      if (lanes[2].numel()) zeros.data_ptr<float>()[i * count + c] = held_value(1, b, j, c);
     }
   }
   return {codes, scales, zeros};
