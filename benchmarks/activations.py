@@ -7,12 +7,13 @@ modes alternated within every repetition, in one run.
     python benchmarks/activations.py MODEL.gguf --amx [--amx-min-rows 1]    # int8: dpbusd tiles vs AMX
     python benchmarks/activations.py --synthetic smollm2-135m:Q4_1:Q8_0 ...  # random weights of that shape
     python benchmarks/activations.py MODEL.gguf --floor    # int8 beside its integer products' floor
-    python benchmarks/activations.py MODEL.gguf --scales   # int8: K-quant scales factored vs float32
+    python benchmarks/activations.py MODEL.gguf --scales   # int8: the file's compact forms vs float32 scales
 
 For each model and mode it prints the median time per k in ms, and int8's time over float32's for the
-same k (below 1: int8 is faster); with --scales, int8 with K-quants' scales held factored as the file holds
-them (AVX2 builds) against int8 with them in float32 (OUTRIDER_FACTORED_SCALES=0), the model loaded in each
-form, with the megabytes of weights a step reads; with --amx, int8 with AMX tiles from --amx-min-rows rows against int8
+same k (below 1: int8 is faster); with --scales, int8 with K-quants' scales held factored and Q6_K's codes
+in six bits, as the file holds them (AVX2 builds), against int8 with float32 scales and eight-bit codes
+(OUTRIDER_FACTORED_SCALES=0 OUTRIDER_SIX_BIT_LANES=0), the model loaded in each form, with the megabytes of
+weights a step reads; with --amx, int8 with AMX tiles from --amx-min-rows rows against int8
 without them (CPUs with amx_int8); with --floor, int8 alone beside the least time its products can take:
 rows x the weights a row meets / the rate one core gives a row in the build's lane tiles on registers
 alone (no loads, no unpacking, no x to lay out; `outrider.native.product_rate_probe`) x threads: the integer products alone,
@@ -85,7 +86,7 @@ def main() -> None:
                         help="random weights of a model's shape (benchmarks/gpu.py's SHAPES), e.g. smollm2-135m:Q4_1:Q8_0")
     parser.add_argument("--amx", action="store_true", help="int8 without AMX tiles against int8 with them")
     parser.add_argument("--scales", action="store_true",
-                        help="int8 with K-quant scales in float32 against int8 with them factored as the file has them")
+                        help="int8 with float32 scales and 8-bit codes against the file's forms (factored scales, 6-bit Q6_K)")
     parser.add_argument("--amx-min-rows", type=int, default=1, help="with --amx: tiles of this many rows or more take AMX")
     parser.add_argument("--floor", action="store_true",
                         help="int8 beside the least time its integer products can take (this build's steps, one core x threads)")
@@ -105,10 +106,10 @@ def main() -> None:
     if args.scales and not native.load().FACTORED_SCALES:
         parser.error("--scales needs a build whose lane tiles read factored scales (AVX2 without AVX512-VNNI)")
     models = args.models + [synthetic(spec) for spec in args.synthetic]
-    forms = {"": "1"}  # the OUTRIDER_FACTORED_SCALES each mode's model is loaded with (all modes: one model)
+    forms = {"": "1"}  # OUTRIDER_FACTORED_SCALES and _SIX_BIT_LANES each mode's model is loaded with
     if args.scales:
-        modes = {mode: (lambda: native.activations("int8")) for mode in ("f32-scale", "factored")}
-        forms = {"f32-scale": "0", "factored": "1"}
+        modes = {mode: (lambda: native.activations("int8")) for mode in ("f32-scale", "file")}
+        forms = {"f32-scale": "0", "file": "1"}
     elif args.amx:
         modes = {"dpbusd": lambda: amx_from(0), "amx": lambda: amx_from(args.amx_min_rows)}
     elif args.floor:
@@ -124,11 +125,11 @@ def main() -> None:
     for path in models:
         loaded = {}
         for form, factored in forms.items():
-            os.environ["OUTRIDER_FACTORED_SCALES"] = factored
+            os.environ["OUTRIDER_FACTORED_SCALES"] = os.environ["OUTRIDER_SIX_BIT_LANES"] = factored
             model = CPUBackend().load_model(GGUFFile(path))
             cache = model.new_cache(args.prefix + max(args.rows) + 1)
             loaded[form] = model, cache
-        os.environ.pop("OUTRIDER_FACTORED_SCALES")
+        os.environ.pop("OUTRIDER_FACTORED_SCALES"), os.environ.pop("OUTRIDER_SIX_BIT_LANES")
         model_of = {mode: loaded[mode if args.scales else ""] for mode in modes}
         gen = torch.Generator().manual_seed(0)
         high = min(1000, model.config.vocab_size)
@@ -177,7 +178,7 @@ def main() -> None:
                     read = sum(t.numel() * t.element_size() for t in model_of[mode][0].weight_tensors())
                     print(f"  {mode}: a step reads {read / 1e6:,.1f} MB of weights")
         old, new = modes
-        ratio = {"int8": "int8/f32", "amx": "amx/dpb", "factored": "fact/f32"}[new]
+        ratio = {"int8": "int8/f32", "amx": "amx/dpb", "file": "file/f32"}[new]
         print(f"{ratio:9s}" + "".join(f"{median[new, k] / median[old, k]:10.2f}" for k in args.rows))
 
 

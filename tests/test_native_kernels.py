@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as Q
 from outrider import native
 from outrider.io.gguf import GGUFFile
 from outrider.models import load_model
-from outrider.models.linear import KIND_F32, DenseLinear, PackedLinear, block_codes
+from outrider.models.linear import KIND_F32, KIND_Q8, DenseLinear, PackedLinear, block_codes
 from outrider.models.weight_forms import load_linear
 from outrider.native import activations
 from outrider.testing.tiny_models import write_tiny_gemma3, write_tiny_llama
@@ -622,6 +622,37 @@ def test_factored_k_quant_scales_give_the_float32_scales_bits(int8_kernels, weig
     assert len(_packed(g, ["w.Q4_K", "w.Q4_1"]).lanes) == 3
     ids = torch.tensor([0, 17, 31, 17])
     assert torch.equal(factored.rows(ids), rows_too.rows(ids))  # the row form back from the factors
+
+
+SIX_BIT_NAMES = [["k.Q6_K"], ["p.Q6_K"], ["w.Q6_K"], ["k.Q4_K", "k.Q6_K"], ["k.Q6_K", "k.Q5_K", "k.Q4_K"],
+                 ["w.Q6_K", "w.Q4_0"]]
+
+
+@pytest.mark.parametrize("names", SIX_BIT_NAMES, ids=["+".join(names) for names in SIX_BIT_NAMES])
+def test_six_bit_lanes_give_the_eight_bit_lanes_bits(int8_kernels, weights, names, monkeypatch):
+    """Where the build reads them (AVX2 lane tiles), int8 codes within -32..31 (Q6_K's, and K-quants fused
+    with it) are held in six bits, as the file holds them: their integer sums are the int8 codes' to the
+    integer, so for every row count (1-40) the products are the bits of the eight-bit form, in 3/4 of its
+    code bytes, and the row form comes back exactly; codes beyond six bits (Q8_0) keep eight."""
+    if not int8_kernels.SIX_BIT_LANES or os.environ.get("OUTRIDER_LANE_TILES") == "0":
+        pytest.skip("this build's lane tiles read eight-bit codes only, or OUTRIDER_LANE_TILES=0")
+    g, reference = weights
+    six = _packed(g, names)
+    monkeypatch.setenv("OUTRIDER_SIX_BIT_LANES", "0")
+    eight = _packed(g, names)
+    with activations("float32"):
+        rows_too = _packed(g, names)
+    assert six.kind == eight.kind == KIND_Q8
+    assert six.lanes[0].numel() * 4 == eight.lanes[0].numel() * 3
+    cols = six.k
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(37)) * torch.linspace(0.1, 3.0, cols)
+    for t in range(1, 41):
+        assert torch.equal(six(x[:t]), eight(x[:t])), t
+    _assert_matmul_close(six(x), _as_the_int8_kernels_see_it(x) @ torch.cat([reference[n] for n in names]).T)
+    ids = torch.tensor([0, 17, 31, 17, 5])
+    assert torch.equal(six.rows(ids), rows_too.rows(ids))
+    monkeypatch.delenv("OUTRIDER_SIX_BIT_LANES")
+    assert _packed(g, ["w.Q6_K", "w.Q8_0"]).lanes[0].numel() == 2 * ROWS * COLS  # a byte a code
 
 
 def test_a_weight_made_inside_an_int8_block_takes_its_rows_when_the_block_ends(int8_kernels, weights):

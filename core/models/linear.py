@@ -138,7 +138,11 @@ class PackedLinear:
         use_lanes = self.kernels.HAS_LANE_TILES and os.environ.get("OUTRIDER_LANE_TILES", "1") != "0"
         if not self.kernels.FACTORED_SCALES or os.environ.get("OUTRIDER_FACTORED_SCALES", "1") == "0":
             factors = None
-        self.lanes = lane_form(kind, self.codes, self.scales, self.zeros, group, n_out, k, factors) if use_lanes else []
+        # the int8 codes of a Q6_K weight fit six bits (OUTRIDER_SIX_BIT_LANES=0: held as eight, to measure against)
+        six_bit = (kind == KIND_Q8 and self.kernels.SIX_BIT_LANES and fits_six_bits(self.codes)
+                   and os.environ.get("OUTRIDER_SIX_BIT_LANES", "1") != "0")
+        self.lanes = lane_form(kind, self.codes, self.scales, self.zeros, group, n_out, k, factors,
+                               six_bit) if use_lanes else []
         if self.lanes and self.kernels.int8_activations():
             self.codes, self.scales = self.codes.new_empty(0), self.scales.new_empty(0)
             self.zeros = self.zeros.new_empty(0)
@@ -196,17 +200,20 @@ when_float32(_hold_rows_everywhere)
 
 
 def lane_form(kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, n_out: int,
-              k: int, factors: ScaleFactors | None = None) -> list[torch.Tensor]:
+              k: int, factors: ScaleFactors | None = None, six_bit: bool = False) -> list[torch.Tensor]:
     """The weight as the native lane tiles read it (`kernels/int8.h`): blocks of 16 rows, each group's codes
-    with int32 lane j holding four adjacent codes of row j (int8 codes + 128, as unsigned bytes); scales and
-    zeros [block, scales per row, 16]; or, given their factors, int8 sub-scales and sub-zeros [block, scales
-    per row, 16] then float32 super-scales and super-zeros [block, K / 256, 16]. [] where there is no lane
-    tile: float32 weights, or a row count that is not a multiple of 16."""
+    with int32 lane j holding four adjacent codes of row j (int8 codes + 128, as unsigned bytes; with
+    `six_bit`, int8 codes within -32..31 + 32 as six bits: `_six_bit_lanes`); scales and zeros [block, scales
+    per row, 16]; or, given their factors, int8 sub-scales and sub-zeros [block, scales per row, 16] then
+    float32 super-scales and super-zeros [block, K / 256, 16]. [] where there is no lane tile: float32
+    weights, or a row count that is not a multiple of 16."""
     if kind == KIND_F32 or n_out % LANES:
         return []
     blocks, groups = n_out // LANES, k // GROUP
     per_row = lambda t: t.reshape(blocks, LANES, -1).transpose(1, 2).contiguous()  # [block, count, 16]
-    if kind == KIND_Q8:
+    if kind == KIND_Q8 and six_bit:
+        c = _six_bit_lanes(codes.reshape(blocks, LANES, groups, 32).to(torch.int16) + 32)
+    elif kind == KIND_Q8:
         c = codes.reshape(blocks, LANES, groups, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8) ^ 0x80
     else:
         width = 16 if kind == KIND_Q4 else 20
@@ -226,6 +233,28 @@ def lane_form(kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch
                 per_row(factors.super_scales.to(torch.float32)),
                 torch.empty(0) if no_zeros else per_row(factors.super_zeros.to(torch.float32))]
     return [c, per_row(scales), per_row(zeros) if zeros.numel() else zeros]
+
+
+def fits_six_bits(codes: torch.Tensor) -> bool:
+    """Whether int8 codes (a Q6_K weight's, or K-quants' fused with it) fit the six-bit lane form."""
+    return codes.numel() > 0 and -32 <= int(codes.min()) and int(codes.max()) <= 31
+
+
+def _six_bit_lanes(q: torch.Tensor) -> torch.Tensor:
+    """Codes 0..63 [block, 16 rows, group, 32] as the six-bit lane form, 384 bytes a group: first the 4-bit
+    layout of the low four bits (register m: byte 4j + t of row j holds code 4m + t | code 16 + 4m + t << 4),
+    then bits 4-5 as two registers, register p byte 4j + t holding those of codes 4m + t (bits 0-1) and
+    16 + 4m + t (bits 2-3) for m = 2p, and for m = 2p + 1 (bits 4-7)."""
+    blocks, _, groups, _ = q.shape
+    low = (q & 15).to(torch.uint8)
+    packed = low[..., :16] | (low[..., 16:] << 4)  # [block, row, group, 16]
+    nibbles = packed.reshape(blocks, LANES, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256)
+    high = (q >> 4).to(torch.uint8).reshape(blocks, LANES, groups, 2, 4, 4)  # [.., first/second 16, m, t]
+    first, second = high[..., 0, :, :], high[..., 1, :, :]  # [block, row, group, m, t]
+    pairs = [first[..., 2 * p, :] | second[..., 2 * p, :] << 2 | first[..., 2 * p + 1, :] << 4
+             | second[..., 2 * p + 1, :] << 6 for p in (0, 1)]  # each [block, row, group, t]
+    bits = torch.stack(pairs, dim=2).permute(0, 3, 2, 1, 4).reshape(blocks, groups, 128)
+    return torch.cat([nibbles, bits], dim=-1)
 
 
 # ------------------------------------------------------------------------ GGUF blocks to codes

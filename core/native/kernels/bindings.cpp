@@ -64,6 +64,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("PREFERS_INT8") = py::bool_(PREFERS_INT8);
   m.attr("HAS_LANE_TILES") = py::bool_(HAS_LANE_TILES);
   m.attr("FACTORED_SCALES") = py::bool_(FACTORED_SCALES);
+  m.attr("SIX_BIT_LANES") = py::bool_(SIX_BIT_LANES);
   m.attr("HAS_DPBUSD256") = py::bool_(HAS_DPBUSD256);  // 256-bit dpbusd in the AVX2 tiles (else maddubs + madd)
   m.attr("HAS_AMX_TILES") = py::bool_(amx_tiles_granted());
   m.def("set_amx_min_rows", &set_amx_min_rows, "lane tiles of at least this many rows take AMX (0: none); returns the last");

@@ -174,8 +174,14 @@ enum KVMode { KV_OWN = 0, KV_K_IS_V = 1, KV_SHARED = 2 };
 
 constexpr int64_t KEY_BLOCK = 64;  // positions per pass over a query; the cache is padded to a multiple
 
+// A lane form of a KIND_Q8 weight whose codes fit -32..31 (Q6_K's), held in six bits (see "Lane tiles",
+// int8.h): the lane tiles' kind only, never a PackedLinear's
+constexpr int64_t KIND_Q6_LANES = 4;
+
 // bytes of one block of 16 rows and one group of 32 codes in the lane form
-constexpr int64_t lane_group_bytes(int64_t kind) { return kind == KIND_Q4 ? 256 : kind == KIND_Q5 ? 320 : 512; }
+constexpr int64_t lane_group_bytes(int64_t kind) {
+  return kind == KIND_Q4 ? 256 : kind == KIND_Q5 ? 320 : kind == KIND_Q6_LANES ? 384 : 512;
+}
 
 // the last tile: `rest` rows, 0 <= rest < MAX, as a template argument
 template <int N, class Tile>

@@ -196,6 +196,21 @@ static inline void ymm_lane_codes(const uint8_t* pg, int m, int half, __m256i& l
   }
 }
 
+// Register m of a group's six-bit lane codes (KIND_Q6_LANES), this half's, as bytes 0..63 (w + 32): lo the
+// codes 4m.. of the group, hi 16 + 4m..; bits 4-5 from register m / 2 of the high bits (see "Lane tiles").
+static inline void ymm_lane_codes6(const uint8_t* pg, int m, __m256i& lo, __m256i& hi) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 64 * m));
+  const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 256 + 64 * (m / 2)));
+  lo = _mm256_and_si256(raw, nibble);
+  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+  // 16-bit shifts: each byte's bits 4-5 come from its own byte, whatever the neighbour shifts in
+  const __m256i lo_bits = m % 2 ? high : _mm256_slli_epi16(high, 4);
+  const __m256i hi_bits = m % 2 ? _mm256_srli_epi16(high, 2) : _mm256_slli_epi16(high, 2);
+  lo = _mm256_or_si256(lo, _mm256_and_si256(lo_bits, bits45));
+  hi = _mm256_or_si256(hi, _mm256_and_si256(hi_bits, bits45));
+}
+
 // One half's 8 lanes of scale (or zero) `unit` of a block, from pointers at that block and half: float32 as
 // held, or an int8 sub-scale times the float32 super-scale of its 256 weights (PER_SUPER units), the same bits
 // (LaneWeights). The form is the weight's, so the branch goes the same way every time.
@@ -238,7 +253,41 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
         const uint8_t* pg = p + g * BYTES;
         if (half == 0)
           for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + LANE_PREFETCH_BYTES + i), _MM_HINT_T0);
-        if constexpr (KIND == KIND_Q8) {
+        if constexpr (KIND == KIND_Q6_LANES) {
+          // codes 0..63 against x's signed ones: a maddubs pair is at most 2 x 63 x 127, so each takes its
+          // madd to int32 at once; the sums start at -32 x x's code sums (the start of +128 codes / 4, exact),
+          // so they are the int8 codes' sums, integer for integer, and the float steps are KIND_Q8's
+          const __m256 ws_a = scale(g * S), ws_b = S == 2 ? scale(g * S + 1) : ws_a;
+          __m256i a[R], e[R];
+          for (int r = 0; r < R; ++r) {
+            a[r] = _mm256_set1_epi32(rows.start(g, 0, r) / 4);
+            e[r] = S == 2 ? _mm256_set1_epi32(rows.start(g, 1, r) / 4) : _mm256_setzero_si256();
+          }
+#pragma GCC unroll 4
+          for (int m = 0; m < 4; ++m) {
+            __m256i lo, hi;
+            ymm_lane_codes6(pg, m, lo, hi);
+            for (int r = 0; r < R; ++r) {
+              const int32_t* x = rows.codes(g, r);
+              if constexpr (HAS_DPBUSD256) {
+                a[r] = dot4_add(a[r], lo, _mm256_set1_epi32(x[m]));
+                e[r] = dot4_add(e[r], hi, _mm256_set1_epi32(x[4 + m]));
+              } else {
+                a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[m])), ones16));
+                e[r] = _mm256_add_epi32(e[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[4 + m])), ones16));
+              }
+            }
+          }
+          for (int r = 0; r < R; ++r) {
+            const __m256 d = _mm256_set1_ps(rows.d(g, r));
+            if constexpr (S == 1) {
+              acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_a, d), _mm256_cvtepi32_ps(_mm256_add_epi32(a[r], e[r])), acc[r]);
+            } else {
+              acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_a, d), _mm256_cvtepi32_ps(a[r]), acc[r]);
+              acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_b, d), _mm256_cvtepi32_ps(e[r]), acc[r]);
+            }
+          }
+        } else if constexpr (KIND == KIND_Q8) {
           const __m256 ws_a = scale(g * S), ws_b = S == 2 ? scale(g * S + 1) : ws_a;
           __m256i a[R], e[R];
           for (int r = 0; r < R; ++r) {

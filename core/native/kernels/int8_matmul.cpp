@@ -66,9 +66,10 @@ void lane_matmul(int64_t kind, int64_t group, const LaneWeights& w, const float*
                  int64_t n_out) {
   QuantizedRows xq;
   quantize_rows(x, rows, k, xq);
-  TORCH_CHECK(kind == KIND_Q4 || kind == KIND_Q5 || (kind == KIND_Q8 && (group == 32 || group == 16)),
+  TORCH_CHECK(kind == KIND_Q4 || kind == KIND_Q5 ||
+              ((kind == KIND_Q8 || (SIX_BIT_LANES && kind == KIND_Q6_LANES)) && (group == 32 || group == 16)),
               "linear: no lane tile for kind ", kind);
-  const int scales = kind == KIND_Q8 && group == 16 ? 2 : 1;
+  const int scales = (kind == KIND_Q8 || kind == KIND_Q6_LANES) && group == 16 ? 2 : 1;
   const int amx_from = amx_from_rows();
   at::parallel_for(0, n_out / 16, 1, [&](int64_t b0, int64_t b1) {
     over_row_tiles<LANE_MAX_TILE>(xq.rows, [&](auto row_count, int64_t r) {

@@ -24,10 +24,13 @@ constexpr bool HAS_LANE_TILES = false;
 
 // Whether lane forms may hold K-quant scales factored (LaneWeights): the AVX2 lane tiles read them; the
 // AVX512-VNNI and AMX ones read float32 scales only.
+// So may they hold Q6_K's codes in six bits (KIND_Q6_LANES).
 #if defined(INT8_KERNELS) && !defined(INT8_VNNI512)
 constexpr bool FACTORED_SCALES = true;
+constexpr bool SIX_BIT_LANES = true;
 #else
 constexpr bool FACTORED_SCALES = false;
+constexpr bool SIX_BIT_LANES = false;
 #endif
 
 #if defined(INT8_VNNI512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)

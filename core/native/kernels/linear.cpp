@@ -54,6 +54,18 @@ static LaneWeights lane_weights(const std::vector<torch::Tensor>& lanes, int64_t
   return w;
 }
 
+// The lane tiles' kind of a weight's lane form: KIND_Q6_LANES where an int8 weight's codes are held in six bits
+// (told by their size), else the weight's own
+static int64_t lane_kind(int64_t kind, const std::vector<torch::Tensor>& lanes, int64_t n_out, int64_t k) {
+  const int64_t blocks_groups = n_out / 16 * (k / 32);
+  if (kind != KIND_Q8 || lanes[0].numel() != blocks_groups * lane_group_bytes(KIND_Q6_LANES)) {
+    TORCH_CHECK(lanes[0].numel() == blocks_groups * lane_group_bytes(kind), "linear: a lane form of the wrong size");
+    return kind;
+  }
+  TORCH_CHECK(SIX_BIT_LANES, "linear: six-bit lanes, which this build's tiles do not read");
+  return KIND_Q6_LANES;
+}
+
 static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Tensor& scales,
                        const torch::Tensor& zeros, int64_t group, const float* x, int64_t rows, int64_t k, float* y,
                        int64_t n_out, bool prompt, const std::vector<torch::Tensor>& lanes) {
@@ -62,7 +74,7 @@ static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Te
   const bool int8 = int8_activations_on.load(std::memory_order_relaxed);
   if (int8 && !lanes.empty()) {
     TORCH_CHECK(HAS_LANE_TILES, "linear: this build has no lane tiles");
-    return lane_matmul(kind, group, lane_weights(lanes, n_out, k), x, rows, k, y, n_out);
+    return lane_matmul(lane_kind(kind, lanes, n_out, k), group, lane_weights(lanes, n_out, k), x, rows, k, y, n_out);
   }
   TORCH_CHECK(codes.numel() || kind == KIND_F32, "linear: this weight is held in its lane form only (for int8 "
               "activations); PackedLinear.hold_rows() gives it its row form back");
@@ -167,9 +179,10 @@ std::vector<torch::Tensor> lane_rows(torch::Tensor rows, int64_t kind, std::vect
               "lane_rows: a lane form is 3 tensors (5 with factored scales) of a 4-, 5- or 8-bit weight");
   auto idx = rows.to(torch::kInt64).contiguous();
   const int64_t n = idx.numel(), groups = k / 32, count = groups * (kind == KIND_Q8 ? 32 / group : 1);
-  const int64_t lane_bytes = lane_group_bytes(kind);
-  const int64_t row_bytes = kind == KIND_Q4 ? 16 : kind == KIND_Q5 ? 20 : 32;
   const int64_t blocks = lanes[1].numel() / (count * 16);
+  const bool six_bit = kind == KIND_Q8 && lanes[0].numel() == blocks * groups * lane_group_bytes(KIND_Q6_LANES);
+  const int64_t lane_bytes = lane_group_bytes(six_bit ? KIND_Q6_LANES : kind);
+  const int64_t row_bytes = kind == KIND_Q4 ? 16 : kind == KIND_Q5 ? 20 : 32;
   torch::Tensor codes = torch::empty({n, groups * row_bytes}, torch::dtype(kind == KIND_Q8 ? torch::kInt8 : torch::kUInt8));
   torch::Tensor scales = torch::empty({n, count}, torch::dtype(torch::kFloat32));
   torch::Tensor zeros = lanes[2].numel() ? torch::empty({n, count}, torch::dtype(torch::kFloat32)) : torch::empty({0});
@@ -190,6 +203,15 @@ std::vector<torch::Tensor> lane_rows(torch::Tensor rows, int64_t kind, std::vect
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = lc + (b * groups + g) * lane_bytes;
       uint8_t* o = out + (i * groups + g) * row_bytes;
+      if (six_bit) {  // code c: low four bits from register c % 16 / 4's nibbles, bits 4-5 from register c % 16 / 8
+        for (int c = 0; c < 32; ++c) {
+          const int m = c % 16 / 4, t = c % 4, second = c / 16;
+          const int low = (p[64 * m + 4 * j + t] >> (4 * second)) & 15;
+          const int high = (p[256 + 64 * (m / 2) + 4 * j + t] >> (4 * (m % 2) + 2 * second)) & 3;
+          o[c] = static_cast<uint8_t>(static_cast<int8_t>(low + 16 * high - 32));
+        }
+        continue;
+      }
       if (kind == KIND_Q8) {
         for (int c = 0; c < 32; ++c) o[c] = p[64 * (c / 4) + 4 * j + c % 4] ^ 0x80;
         continue;
