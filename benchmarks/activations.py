@@ -56,6 +56,23 @@ def amx_from(rows: int):
             kernels.set_amx_min_rows(before)
 
 
+@contextlib.contextmanager
+def held_forms(on: str | None):
+    """OUTRIDER_FACTORED_SCALES and OUTRIDER_SIX_BIT_LANES set to `on` for a block (None: left as they are)."""
+    names = ("OUTRIDER_FACTORED_SCALES", "OUTRIDER_SIX_BIT_LANES")
+    before = {name: os.environ.get(name) for name in names}
+    if on is not None:
+        os.environ.update({name: on for name in names})
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def synthetic(spec: str) -> str:
     """SHAPE:QTYPE[:EMBD_QTYPE] (shapes of benchmarks/gpu.py) written once under the temp dir."""
     from gpu import SHAPES, write_synthetic
@@ -106,7 +123,7 @@ def main() -> None:
     if args.scales and not native.load().FACTORED_SCALES:
         parser.error("--scales needs a build whose lane tiles read factored scales (AVX2 without AVX512-VNNI)")
     models = args.models + [synthetic(spec) for spec in args.synthetic]
-    forms = {"": "1"}  # OUTRIDER_FACTORED_SCALES and _SIX_BIT_LANES each mode's model is loaded with
+    forms = {"": None}  # OUTRIDER_FACTORED_SCALES and _SIX_BIT_LANES each mode's model is loaded with (None: as set)
     if args.scales:
         modes = {mode: (lambda: native.activations("int8")) for mode in ("f32-scale", "file")}
         forms = {"f32-scale": "0", "file": "1"}
@@ -125,11 +142,10 @@ def main() -> None:
     for path in models:
         loaded = {}
         for form, factored in forms.items():
-            os.environ["OUTRIDER_FACTORED_SCALES"] = os.environ["OUTRIDER_SIX_BIT_LANES"] = factored
-            model = CPUBackend().load_model(GGUFFile(path))
+            with held_forms(factored):
+                model = CPUBackend().load_model(GGUFFile(path))
             cache = model.new_cache(args.prefix + max(args.rows) + 1)
             loaded[form] = model, cache
-        os.environ.pop("OUTRIDER_FACTORED_SCALES"), os.environ.pop("OUTRIDER_SIX_BIT_LANES")
         model_of = {mode: loaded[mode if args.scales else ""] for mode in modes}
         gen = torch.Generator().manual_seed(0)
         high = min(1000, model.config.vocab_size)

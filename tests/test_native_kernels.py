@@ -595,18 +595,27 @@ FACTORED_NAMES = [["k.Q4_K"], ["k.Q5_K"], ["k.Q6_K"], ["p.Q6_K"], ["k.Q5_K", "k.
 
 
 @pytest.mark.parametrize("names", FACTORED_NAMES, ids=["+".join(names) for names in FACTORED_NAMES])
-def test_factored_k_quant_scales_give_the_float32_scales_bits(int8_kernels, weights, names):
+def test_factored_k_quant_scales_give_the_float32_scales_bits(int8_kernels, weights, names, monkeypatch):
     """Where the build reads them so (AVX2 lane tiles), a K-quant's lane form holds its scales and zeros as the
-    file does: int8 sub-scales per unit times a float32 super-scale per 256 weights of a row, fused tensors of
-    mixed K-quants too. Every such product is exact in float32, so for every row count (1-40: one-row steps,
-    the tiles and their remainders) the products are the bits of the same weight with float32 scales and
-    zeros, in 3/8 of their bytes or less; a fusion with a non-K-quant keeps float32 scales."""
+    file does: int8 sub-scales per unit times a float16 super-scale per 256 weights of a row, fused tensors of
+    mixed K-quants too, their rows selected and reordered by row maps (a reduced head, llama's q/k order).
+    Every such product is exact in float32, so for every row count (1-40: one-row steps, the tiles and their
+    remainders) the products are the bits of the same weight with float32 scales and zeros, in 3/8 of their
+    bytes or less; a fusion with a non-K-quant keeps float32 scales."""
     if not int8_kernels.FACTORED_SCALES or os.environ.get("OUTRIDER_LANE_TILES") == "0":
         pytest.skip("this build's lane tiles read float32 scales only, or OUTRIDER_LANE_TILES=0")
+    monkeypatch.delenv("OUTRIDER_FACTORED_SCALES", raising=False)
     g, reference = weights
+    gen = torch.Generator().manual_seed(len(names))
+    chosen = torch.randperm(reference[names[0]].shape[0], generator=gen)[:16]  # 16 rows, out of order
+    maps = {names[0]: lambda rows: rows[chosen]}
+    if len(names) > 1:
+        perm = torch.randperm(reference[names[-1]].shape[0], generator=gen)
+        maps[names[-1]] = lambda rows: rows[perm]
+    mapped = lambda n: maps.get(n, lambda rows: rows)(reference[n])
     with activations("float32"):
-        rows_too = _packed(g, names)  # its row form: float32 scales, the plain form's source
-    factored = _packed(g, names)
+        rows_too = _packed(g, names, row_maps=maps)  # its row form: float32 scales, the plain form's source
+    factored = _packed(g, names, row_maps=maps)
     plain = PackedLinear(rows_too.kind, rows_too.codes, rows_too.scales,
                          rows_too.zeros if rows_too.zeros.numel() else None, rows_too.group, rows_too.n_out,
                          rows_too.k)
@@ -616,11 +625,11 @@ def test_factored_k_quant_scales_give_the_float32_scales_bits(int8_kernels, weig
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(31)) * torch.linspace(0.1, 3.0, cols)
     for t in range(1, 41):
         assert torch.equal(factored(x[:t]), plain(x[:t])), t
-    _assert_matmul_close(factored(x), _as_the_int8_kernels_see_it(x) @ torch.cat([reference[n] for n in names]).T)
+    _assert_matmul_close(factored(x), _as_the_int8_kernels_see_it(x) @ torch.cat([mapped(n) for n in names]).T)
     scale_bytes = lambda lanes: sum(t.numel() * t.element_size() for t in lanes[1:])
     assert scale_bytes(factored.lanes) * 8 <= scale_bytes(plain.lanes) * 3
     assert len(_packed(g, ["w.Q4_K", "w.Q4_1"]).lanes) == 3
-    ids = torch.tensor([0, 17, 31, 17])
+    ids = torch.tensor([0, 15, 9, 15])
     assert torch.equal(factored.rows(ids), rows_too.rows(ids))  # the row form back from the factors
 
 
@@ -636,6 +645,7 @@ def test_six_bit_lanes_give_the_eight_bit_lanes_bits(int8_kernels, weights, name
     code bytes, and the row form comes back exactly; codes beyond six bits (Q8_0) keep eight."""
     if not int8_kernels.SIX_BIT_LANES or os.environ.get("OUTRIDER_LANE_TILES") == "0":
         pytest.skip("this build's lane tiles read eight-bit codes only, or OUTRIDER_LANE_TILES=0")
+    monkeypatch.delenv("OUTRIDER_SIX_BIT_LANES", raising=False)
     g, reference = weights
     six = _packed(g, names)
     monkeypatch.setenv("OUTRIDER_SIX_BIT_LANES", "0")

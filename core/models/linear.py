@@ -10,7 +10,9 @@ how a weight is held decides the speed. Two forms:
   (Q4_0, Q4_1, Q4_K) as packed nibbles, 5-bit types (Q5_0, Q5_1, Q5_K) as nibbles plus a word of high
   bits, Q6_K and Q8_0 as int8 codes, one scale (and zero) per 32 weights, per 16 for Q6_K; float tensors
   as float32. With int8 activations on AVX2 or AVX512-VNNI the same codes are held in the lane form
-  instead (`lane_form`: 16 weight rows interleaved per block, what the kernels' lane tiles read).
+  instead (`lane_form`: 16 weight rows interleaved per block, what the kernels' lane tiles read); where
+  the tiles are AVX2 ones, that form keeps K-quants' scales factored (`ScaleFactors`) and Q6_K's codes in
+  six bits, as the file does, the same bits in fewer bytes.
 - `DenseLinear` (`weights = dense`, the CUDA backend, or where the kernels cannot be built): the
   dequantized matrix in the model's dtype, through torch.
 
@@ -138,8 +140,9 @@ class PackedLinear:
         use_lanes = self.kernels.HAS_LANE_TILES and os.environ.get("OUTRIDER_LANE_TILES", "1") != "0"
         if not self.kernels.FACTORED_SCALES or os.environ.get("OUTRIDER_FACTORED_SCALES", "1") == "0":
             factors = None
-        # the int8 codes of a Q6_K weight fit six bits (OUTRIDER_SIX_BIT_LANES=0: held as eight, to measure against)
-        six_bit = (kind == KIND_Q8 and self.kernels.SIX_BIT_LANES and fits_six_bits(self.codes)
+        # the int8 codes of a Q6_K weight fit six bits (OUTRIDER_SIX_BIT_LANES=0: held as eight, to measure
+        # against); per-32 int8 codes (Q8_0's) all but never do, so the six-bit tiles are per-16 ones only
+        six_bit = (kind == KIND_Q8 and group == 16 and self.kernels.SIX_BIT_LANES and fits_six_bits(self.codes)
                    and os.environ.get("OUTRIDER_SIX_BIT_LANES", "1") != "0")
         self.lanes = lane_form(kind, self.codes, self.scales, self.zeros, group, n_out, k, factors,
                                six_bit) if use_lanes else []
@@ -203,10 +206,10 @@ def lane_form(kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch
               k: int, factors: ScaleFactors | None = None, six_bit: bool = False) -> list[torch.Tensor]:
     """The weight as the native lane tiles read it (`kernels/int8.h`): blocks of 16 rows, each group's codes
     with int32 lane j holding four adjacent codes of row j (int8 codes + 128, as unsigned bytes; with
-    `six_bit`, int8 codes within -32..31 + 32 as six bits: `_six_bit_lanes`); scales and zeros [block, scales
-    per row, 16]; or, given their factors, int8 sub-scales and sub-zeros [block, scales per row, 16] then
-    float32 super-scales and super-zeros [block, K / 256, 16]. [] where there is no lane tile: float32
-    weights, or a row count that is not a multiple of 16."""
+    `six_bit`, per-16 int8 codes within -32..31 + 32 as six bits: `_six_bit_lanes`); scales and zeros
+    [block, scales per row, 16]; or, given their factors, int8 sub-scales and sub-zeros [block, scales per
+    row, 16] then float16 super-scales and super-zeros [block, K / 256, 16]. [] where there is no lane
+    tile: float32 weights, or a row count that is not a multiple of 16."""
     if kind == KIND_F32 or n_out % LANES:
         return []
     blocks, groups = n_out // LANES, k // GROUP
@@ -230,8 +233,8 @@ def lane_form(kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch
         no_zeros = factors.sub_zeros is None
         return [c, per_row(factors.sub_scales.to(torch.int8)),
                 torch.empty(0, dtype=torch.int8) if no_zeros else per_row(factors.sub_zeros.to(torch.int8)),
-                per_row(factors.super_scales.to(torch.float32)),
-                torch.empty(0) if no_zeros else per_row(factors.super_zeros.to(torch.float32))]
+                per_row(factors.super_scales.to(torch.float16)),  # the file's float16: exact
+                torch.empty(0, dtype=torch.float16) if no_zeros else per_row(factors.super_zeros.to(torch.float16))]
     return [c, per_row(scales), per_row(zeros) if zeros.numel() else zeros]
 
 
@@ -318,9 +321,9 @@ class ScaleFactors(NamedTuple):
     """A K-quant weight's scales and zeros as its file holds them: per unit (16 or 32 weights) of a row an int8
     sub-scale (and sub-zero), per 256 weights a float super-scale (and super-zero); a unit's scale is
     sub_scale * super_scale. The product of an int8 and a float16 needs at most 18 significant bits, so it is
-    exact in float32: the factored form gives the float32 scales' bits, at a quarter of the bytes or less."""
+    exact in float32: the factored form gives the float32 scales' bits, in 3/8 of the bytes or less."""
     sub_scales: np.ndarray | torch.Tensor  # int8 [blocks or rows, units]
-    super_scales: np.ndarray | torch.Tensor  # float32 [blocks or rows, 256-weight blocks]
+    super_scales: np.ndarray | torch.Tensor  # the file's float16 d, as float32 [blocks or rows, 256-weight blocks]
     sub_zeros: np.ndarray | torch.Tensor | None
     super_zeros: np.ndarray | torch.Tensor | None
 
@@ -378,7 +381,7 @@ def load_packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
         rows = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(info.shape[0], -1)
         parts.append((rows(codes), rows(scale), None if zero is None else rows(zero), group))
         f = block_scale_factors(raw, info.type) if native.load().FACTORED_SCALES else None
-        factors.append(f and ScaleFactors(*(None if a is None else rows(a) for a in f)))
+        factors.append(None if f is None else ScaleFactors(*(None if a is None else rows(a) for a in f)))
     group = min(p[3] for p in parts)
     with_zero = any(p[2] is not None for p in parts)
     four_bit = all(info.type in INT4_TYPES for info in infos)

@@ -176,7 +176,7 @@ void run_four_group_matmul(int64_t kind, int64_t group, const void* codes, const
 // bit 4j + t for row j's code t of the four); 8-bit: 512 bytes, register c holding codes 4c..4c+3 of each
 // row, as w + 128 (unsigned: dpbusd's unsigned side, against x's signed codes; the 128 x sum(x) this adds
 // is taken off by starting each sum at -128 x sum(x), a number per row and group); 6-bit (KIND_Q6_LANES,
-// int8 codes within -32..31, as w + 32, the sums starting at -32 x sum(x)): 384 bytes, the 4-bit layout of
+// per-16 int8 codes within -32..31, as w + 32, the sums starting at -32 x sum(x)): 384 bytes, the 4-bit layout of
 // their low four bits, then two 64-byte registers of bits 4-5, register p byte 4j + t holding those of
 // row j's codes 4m + t (bits 0-1) and 16 + 4m + t (bits 2-3) for m = 2p, and for m = 2p + 1 (bits 4-7).
 // Scales and zeros as [block][group x S][16].
@@ -270,8 +270,8 @@ static inline void with_lane_shape(int64_t kind, int scales, int rows, F&& f) {
   using Q6 = std::integral_constant<int, KIND_Q6_LANES>;
   if constexpr (SIX_BIT_LANES) {  // only the AVX2 tiles have a six-bit form
     if (kind == KIND_Q6_LANES) {
-      if (scales == 1) with_kind(Q6{}, std::integral_constant<int, 1>{});
-      else with_kind(Q6{}, std::integral_constant<int, 2>{});
+      TORCH_CHECK(scales == 2, "linear: six-bit lanes hold per-16 codes only");
+      with_kind(Q6{}, std::integral_constant<int, 2>{});
       return;
     }
   }

@@ -196,30 +196,34 @@ static inline void ymm_lane_codes(const uint8_t* pg, int m, int half, __m256i& l
   }
 }
 
-// Register m of a group's six-bit lane codes (KIND_Q6_LANES), this half's, as bytes 0..63 (w + 32): lo the
-// codes 4m.. of the group, hi 16 + 4m..; bits 4-5 from register m / 2 of the high bits (see "Lane tiles").
-static inline void ymm_lane_codes6(const uint8_t* pg, int m, __m256i& lo, __m256i& hi) {
+// Registers 2p and 2p + 1 of a group's six-bit lane codes (KIND_Q6_LANES), this half's, as bytes 0..63
+// (w + 32): lo[i] the codes 4(2p + i).. of the group, hi[i] 16 + 4(2p + i)..; bits 4-5 from register p of
+// the high bits (see "Lane tiles").
+static inline void ymm_lane_codes6(const uint8_t* pg, int p, __m256i lo[2], __m256i hi[2]) {
   const __m256i nibble = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 64 * m));
-  const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 256 + 64 * (m / 2)));
-  lo = _mm256_and_si256(raw, nibble);
-  hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+  const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 256 + 64 * p));
   // 16-bit shifts: each byte's bits 4-5 come from its own byte, whatever the neighbour shifts in
-  const __m256i lo_bits = m % 2 ? high : _mm256_slli_epi16(high, 4);
-  const __m256i hi_bits = m % 2 ? _mm256_srli_epi16(high, 2) : _mm256_slli_epi16(high, 2);
-  lo = _mm256_or_si256(lo, _mm256_and_si256(lo_bits, bits45));
-  hi = _mm256_or_si256(hi, _mm256_and_si256(hi_bits, bits45));
+  const __m256i lo_bits[2] = {_mm256_slli_epi16(high, 4), high};
+  const __m256i hi_bits[2] = {_mm256_slli_epi16(high, 2), _mm256_srli_epi16(high, 2)};
+  for (int i = 0; i < 2; ++i) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg + 64 * (2 * p + i)));
+    lo[i] = _mm256_or_si256(_mm256_and_si256(raw, nibble), _mm256_and_si256(lo_bits[i], bits45));
+    hi[i] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble), _mm256_and_si256(hi_bits[i], bits45));
+  }
 }
 
 // One half's 8 lanes of scale (or zero) `unit` of a block, from pointers at that block and half: float32 as
-// held, or an int8 sub-scale times the float32 super-scale of its 256 weights (PER_SUPER units), the same bits
+// held, or an int8 sub-scale times the float16 super-scale of its 256 weights (PER_SUPER units), the same bits
 // (LaneWeights). The form is the weight's, so the branch goes the same way every time.
 template <int PER_SUPER>
-static inline __m256 lane_scale8(const float* held, const int8_t* sub, const float* super, int64_t unit) {
+static inline __m256 half_scales(const float* held, const int8_t* sub, const uint16_t* super, int64_t unit) {
+#if defined(__F16C__)
   if (sub) {
     const __m256i sub32 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + unit * 16)));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(sub32), _mm256_loadu_ps(super + unit / PER_SUPER * 16));
+    const __m128i super16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(super + unit / PER_SUPER * 16));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(sub32), _mm256_cvtph_ps(super16));
   }
+#endif
   return _mm256_loadu_ps(held + unit * 16);
 }
 
@@ -244,9 +248,9 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
       const float* z = w.zeros ? w.zeros + at : nullptr;
       const int8_t* sub_s = w.sub_scales ? w.sub_scales + at : nullptr;
       const int8_t* sub_z = w.sub_zeros ? w.sub_zeros + at : nullptr;
-      const float* super_s = w.super_scales ? w.super_scales + super_at : nullptr;
-      const float* super_z = w.super_zeros ? w.super_zeros + super_at : nullptr;
-      auto scale = [&](int64_t unit) { return lane_scale8<8 * S>(s, sub_s, super_s, unit); };
+      const uint16_t* super_s = w.super_scales ? w.super_scales + super_at : nullptr;
+      const uint16_t* super_z = w.super_zeros ? w.super_zeros + super_at : nullptr;
+      auto scale = [&](int64_t unit) { return half_scales<8 * S>(s, sub_s, super_s, unit); };
       __m256 acc[R];
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
       for (int64_t g = 0; g < groups; ++g) {
@@ -254,38 +258,39 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
         if (half == 0)
           for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + LANE_PREFETCH_BYTES + i), _MM_HINT_T0);
         if constexpr (KIND == KIND_Q6_LANES) {
-          // codes 0..63 against x's signed ones: a maddubs pair is at most 2 x 63 x 127, so each takes its
-          // madd to int32 at once; the sums start at -32 x x's code sums (the start of +128 codes / 4, exact),
-          // so they are the int8 codes' sums, integer for integer, and the float steps are KIND_Q8's
-          const __m256 ws_a = scale(g * S), ws_b = S == 2 ? scale(g * S + 1) : ws_a;
+          // codes 0..63 (unsigned: maddubs' side) against x's signed ones, per 16 (S = 2: a the first 16,
+          // e the second). Two maddubs of a register pair add in int16 (at most 2 x 2 x 63 x 127 < 32767)
+          // before their madd to int32. The sums start at -32 x x's code sums (the +128 codes' start / 4,
+          // exact), so they are the int8 codes' sums, integer for integer, and the float steps are KIND_Q8's.
+          static_assert(S == 2, "six-bit lanes hold per-16 codes");
+          const __m256 ws_a = scale(g * 2), ws_b = scale(g * 2 + 1);
           __m256i a[R], e[R];
           for (int r = 0; r < R; ++r) {
             a[r] = _mm256_set1_epi32(rows.start(g, 0, r) / 4);
-            e[r] = S == 2 ? _mm256_set1_epi32(rows.start(g, 1, r) / 4) : _mm256_setzero_si256();
+            e[r] = _mm256_set1_epi32(rows.start(g, 1, r) / 4);
           }
-#pragma GCC unroll 4
-          for (int m = 0; m < 4; ++m) {
-            __m256i lo, hi;
-            ymm_lane_codes6(pg, m, lo, hi);
+          for (int p = 0; p < 2; ++p) {
+            __m256i lo[2], hi[2];
+            ymm_lane_codes6(pg, p, lo, hi);
             for (int r = 0; r < R; ++r) {
               const int32_t* x = rows.codes(g, r);
+              const __m256i x0 = _mm256_set1_epi32(x[2 * p]), x1 = _mm256_set1_epi32(x[2 * p + 1]);
+              const __m256i x4 = _mm256_set1_epi32(x[4 + 2 * p]), x5 = _mm256_set1_epi32(x[5 + 2 * p]);
               if constexpr (HAS_DPBUSD256) {
-                a[r] = dot4_add(a[r], lo, _mm256_set1_epi32(x[m]));
-                e[r] = dot4_add(e[r], hi, _mm256_set1_epi32(x[4 + m]));
+                a[r] = dot4_add(dot4_add(a[r], lo[0], x0), lo[1], x1);
+                e[r] = dot4_add(dot4_add(e[r], hi[0], x4), hi[1], x5);
               } else {
-                a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[m])), ones16));
-                e[r] = _mm256_add_epi32(e[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[4 + m])), ones16));
+                const __m256i first = _mm256_add_epi16(_mm256_maddubs_epi16(lo[0], x0), _mm256_maddubs_epi16(lo[1], x1));
+                const __m256i second = _mm256_add_epi16(_mm256_maddubs_epi16(hi[0], x4), _mm256_maddubs_epi16(hi[1], x5));
+                a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(first, ones16));
+                e[r] = _mm256_add_epi32(e[r], _mm256_madd_epi16(second, ones16));
               }
             }
           }
           for (int r = 0; r < R; ++r) {
             const __m256 d = _mm256_set1_ps(rows.d(g, r));
-            if constexpr (S == 1) {
-              acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_a, d), _mm256_cvtepi32_ps(_mm256_add_epi32(a[r], e[r])), acc[r]);
-            } else {
-              acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_a, d), _mm256_cvtepi32_ps(a[r]), acc[r]);
-              acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_b, d), _mm256_cvtepi32_ps(e[r]), acc[r]);
-            }
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_a, d), _mm256_cvtepi32_ps(a[r]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ws_b, d), _mm256_cvtepi32_ps(e[r]), acc[r]);
           }
         } else if constexpr (KIND == KIND_Q8) {
           const __m256 ws_a = scale(g * S), ws_b = S == 2 ? scale(g * S + 1) : ws_a;
@@ -367,7 +372,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
         }
         if (z || sub_z) {
           for (int h = 0; h < S; ++h) {
-            const __m256 wz = lane_scale8<8 * S>(z, sub_z, super_z, g * S + h);
+            const __m256 wz = half_scales<8 * S>(z, sub_z, super_z, g * S + h);
             for (int r = 0; r < R; ++r) {
               const float sum = rows.zero_sum(g, h, r);
               acc[r] = _mm256_fmadd_ps(wz, _mm256_set1_ps(sum), acc[r]);

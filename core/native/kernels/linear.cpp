@@ -39,30 +39,50 @@ static const int8_t* held_int8(const torch::Tensor& t) {
   return t.numel() ? t.data_ptr<int8_t>() : nullptr;
 }
 
-// A lane form's pointers, its sizes checked: 3 tensors (codes, scales, zeros) or 5 (codes, sub-scales,
-// sub-zeros, super-scales, super-zeros; see LaneWeights)
-static LaneWeights lane_weights(const std::vector<torch::Tensor>& lanes, int64_t n_out, int64_t k) {
+static const at::Half* held_f16(const torch::Tensor& t) {
+  TORCH_CHECK(!t.numel() || (t.scalar_type() == torch::kHalf && t.is_contiguous()),
+              "super-scales must be contiguous float16");
+  return t.numel() ? t.data_ptr<at::Half>() : nullptr;
+}
+
+// A lane form's scales and zeros checked for their sizes: 3 tensors (codes, scales, zeros) or 5 (codes,
+// sub-scales, sub-zeros, super-scales, super-zeros; see LaneWeights), zeros either empty or all there
+static void check_lane_scales(const std::vector<torch::Tensor>& lanes, int64_t kind, int64_t group, int64_t n_out,
+                              int64_t k) {
   TORCH_CHECK((lanes.size() == 3 || (FACTORED_SCALES && lanes.size() == 5)) && n_out % 16 == 0,
-              "linear: a lane form is 3 tensors (5 with factored scales, AVX2 builds) over a multiple of 16 rows");
+              "a lane form is 3 tensors (5 with factored scales, AVX2 builds) over a multiple of 16 rows");
+  const int64_t count = n_out * (k / 32) * (kind == KIND_Q8 ? 32 / group : 1);
+  TORCH_CHECK(lanes[1].numel() == count && (lanes[2].numel() == 0 || lanes[2].numel() == count),
+              "a lane form needs a scale (and zero) per ", kind == KIND_Q8 ? group : 32, " weights of a row");
+  if (lanes.size() == 5)
+    TORCH_CHECK(k % 256 == 0 && lanes[3].numel() == n_out * (k / 256) &&
+                lanes[4].numel() == (lanes[2].numel() ? lanes[3].numel() : 0),
+                "factored scales need K a multiple of 256 and a super-scale (and zero) per 256 weights of a row");
+}
+
+// A lane form's pointers (see check_lane_scales)
+static LaneWeights lane_weights(const std::vector<torch::Tensor>& lanes, int64_t kind, int64_t group, int64_t n_out,
+                                int64_t k) {
+  check_lane_scales(lanes, kind, group, n_out, k);
   if (lanes.size() == 3) return LaneWeights{lanes[0].data_ptr<uint8_t>(), held(lanes[1]), held(lanes[2])};
-  TORCH_CHECK(k % 256 == 0 && lanes[3].numel() == n_out * (k / 256) && lanes[1].numel() % n_out == 0 &&
-              lanes[4].numel() == (lanes[2].numel() ? lanes[3].numel() : 0) && lanes[2].numel() % n_out == 0,
-              "linear: factored scales need K a multiple of 256 and a super-scale per 256 weights of a row");
   LaneWeights w{lanes[0].data_ptr<uint8_t>(), nullptr, nullptr};
   w.sub_scales = held_int8(lanes[1]), w.sub_zeros = held_int8(lanes[2]);
-  w.super_scales = held(lanes[3]), w.super_zeros = held(lanes[4]);
+  w.super_scales = reinterpret_cast<const uint16_t*>(held_f16(lanes[3]));
+  w.super_zeros = reinterpret_cast<const uint16_t*>(held_f16(lanes[4]));
   return w;
 }
 
-// The lane tiles' kind of a weight's lane form: KIND_Q6_LANES where an int8 weight's codes are held in six bits
-// (told by their size), else the weight's own
-static int64_t lane_kind(int64_t kind, const std::vector<torch::Tensor>& lanes, int64_t n_out, int64_t k) {
+// The lane tiles' kind of a weight's lane form: KIND_Q6_LANES where a per-16 int8 weight's codes are held in
+// six bits (told by their size), else the weight's own
+static int64_t lane_kind(int64_t kind, int64_t group, const std::vector<torch::Tensor>& lanes, int64_t n_out,
+                         int64_t k) {
+  TORCH_CHECK(kind == KIND_Q4 || kind == KIND_Q5 || kind == KIND_Q8, "a lane form of a 4-, 5- or 8-bit weight");
   const int64_t blocks_groups = n_out / 16 * (k / 32);
   if (kind != KIND_Q8 || lanes[0].numel() != blocks_groups * lane_group_bytes(KIND_Q6_LANES)) {
-    TORCH_CHECK(lanes[0].numel() == blocks_groups * lane_group_bytes(kind), "linear: a lane form of the wrong size");
+    TORCH_CHECK(lanes[0].numel() == blocks_groups * lane_group_bytes(kind), "a lane form of the wrong size");
     return kind;
   }
-  TORCH_CHECK(SIX_BIT_LANES, "linear: six-bit lanes, which this build's tiles do not read");
+  TORCH_CHECK(SIX_BIT_LANES && group == 16, "six-bit lanes of per-16 codes only, read by the AVX2 tiles only");
   return KIND_Q6_LANES;
 }
 
@@ -74,7 +94,8 @@ static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Te
   const bool int8 = int8_activations_on.load(std::memory_order_relaxed);
   if (int8 && !lanes.empty()) {
     TORCH_CHECK(HAS_LANE_TILES, "linear: this build has no lane tiles");
-    return lane_matmul(lane_kind(kind, lanes, n_out, k), group, lane_weights(lanes, n_out, k), x, rows, k, y, n_out);
+    return lane_matmul(lane_kind(kind, group, lanes, n_out, k), group, lane_weights(lanes, kind, group, n_out, k), x,
+                       rows, k, y, n_out);
   }
   TORCH_CHECK(codes.numel() || kind == KIND_F32, "linear: this weight is held in its lane form only (for int8 "
               "activations); PackedLinear.hold_rows() gives it its row form back");
@@ -175,12 +196,13 @@ torch::Tensor dequantize_rows(torch::Tensor rows, int64_t kind, torch::Tensor co
 // and zeros as PackedLinear holds them, for the row lookups of an embedding and for float32 activations.
 std::vector<torch::Tensor> lane_rows(torch::Tensor rows, int64_t kind, std::vector<torch::Tensor> lanes, int64_t group,
                                      int64_t k) {
-  TORCH_CHECK((lanes.size() == 3 || lanes.size() == 5) && (kind == KIND_Q4 || kind == KIND_Q5 || kind == KIND_Q8),
-              "lane_rows: a lane form is 3 tensors (5 with factored scales) of a 4-, 5- or 8-bit weight");
+  TORCH_CHECK(!lanes.empty() && k % 32 == 0, "lane_rows: no lane form");
+  const int64_t count = (k / 32) * (kind == KIND_Q8 ? 32 / group : 1);
+  const int64_t n_out = lanes[1].numel() / count;
+  check_lane_scales(lanes, kind, group, n_out, k);
+  const bool six_bit = lane_kind(kind, group, lanes, n_out, k) == KIND_Q6_LANES;
   auto idx = rows.to(torch::kInt64).contiguous();
-  const int64_t n = idx.numel(), groups = k / 32, count = groups * (kind == KIND_Q8 ? 32 / group : 1);
-  const int64_t blocks = lanes[1].numel() / (count * 16);
-  const bool six_bit = kind == KIND_Q8 && lanes[0].numel() == blocks * groups * lane_group_bytes(KIND_Q6_LANES);
+  const int64_t n = idx.numel(), groups = k / 32, blocks = n_out / 16;
   const int64_t lane_bytes = lane_group_bytes(six_bit ? KIND_Q6_LANES : kind);
   const int64_t row_bytes = kind == KIND_Q4 ? 16 : kind == KIND_Q5 ? 20 : 32;
   torch::Tensor codes = torch::empty({n, groups * row_bytes}, torch::dtype(kind == KIND_Q8 ? torch::kInt8 : torch::kUInt8));
@@ -189,12 +211,14 @@ std::vector<torch::Tensor> lane_rows(torch::Tensor rows, int64_t kind, std::vect
   const uint8_t* lc = lanes[0].data_ptr<uint8_t>();
   const bool factored = lanes.size() == 5;
   const int64_t supers = k / 256, per_super = factored ? count / supers : 0;
-  // scale or zero c of row j of block b: as held, or its factors' product (float32, the same bits)
+  const float* as_held[2] = {factored ? nullptr : held(lanes[1]), factored ? nullptr : held(lanes[2])};
+  const int8_t* sub[2] = {factored ? held_int8(lanes[1]) : nullptr, factored ? held_int8(lanes[2]) : nullptr};
+  const at::Half* super[2] = {factored ? held_f16(lanes[3]) : nullptr, factored ? held_f16(lanes[4]) : nullptr};
+  // scale (0) or zero (1) c of row j of block b: as held, or its factors' product (float32, the same bits)
   auto held_value = [&](int which, int64_t b, int64_t j, int64_t c) {
-    const torch::Tensor& t = lanes[1 + which];
-    if (!factored) return t.data_ptr<float>()[(b * count + c) * 16 + j];
-    return static_cast<float>(t.data_ptr<int8_t>()[(b * count + c) * 16 + j]) *
-           lanes[3 + which].data_ptr<float>()[(b * supers + c / per_super) * 16 + j];
+    if (!factored) return as_held[which][(b * count + c) * 16 + j];
+    return static_cast<float>(sub[which][(b * count + c) * 16 + j]) *
+           static_cast<float>(super[which][(b * supers + c / per_super) * 16 + j]);
   };
   uint8_t* out = static_cast<uint8_t*>(codes.data_ptr());
   for (int64_t i = 0; i < n; ++i) {

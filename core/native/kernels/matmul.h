@@ -5,13 +5,14 @@
 #include <cstdint>
 
 // A weight's lane form (see int8.h, "Lane tiles"): float32 scales and zeros, or (FACTORED_SCALES builds, K-quants)
-// int8 sub-scales and sub-zeros per unit with float32 super-scales and super-zeros per 256 weights of a row, a
-// unit's scale being their product (exact: see ScaleFactors, core/models/linear.py); the other pair is null.
+// int8 sub-scales and sub-zeros per unit with float16 super-scales and super-zeros (their bits) per 256 weights
+// of a row, a unit's scale being their product (exact: see ScaleFactors, core/models/linear.py); the other
+// pair is null.
 struct LaneWeights {
   const uint8_t* codes;
   const float *scales, *zeros;
   const int8_t *sub_scales = nullptr, *sub_zeros = nullptr;
-  const float *super_scales = nullptr, *super_zeros = nullptr;
+  const uint16_t *super_scales = nullptr, *super_zeros = nullptr;
 };
 
 // y [rows, n_out] = x [rows, k] times the row-form weight's transpose, x in float32; prompt: rows need not
