@@ -33,10 +33,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from outrider import native
+from outrider.bench.costs import tensor_bytes
 from outrider.io.gguf import GGUFFile
 from outrider.models.linear import KIND_Q4, KIND_Q5, KIND_Q8, PackedLinear
 from outrider.plugins.backends.cpu import CPUBackend
@@ -56,21 +58,10 @@ def amx_from(rows: int):
             kernels.set_amx_min_rows(before)
 
 
-@contextlib.contextmanager
 def held_forms(on: str | None):
     """OUTRIDER_FACTORED_SCALES and OUTRIDER_SIX_BIT_LANES set to `on` for a block (None: left as they are)."""
     names = ("OUTRIDER_FACTORED_SCALES", "OUTRIDER_SIX_BIT_LANES")
-    before = {name: os.environ.get(name) for name in names}
-    if on is not None:
-        os.environ.update({name: on for name in names})
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return mock.patch.dict(os.environ, {} if on is None else {name: on for name in names})
 
 
 def synthetic(spec: str) -> str:
@@ -87,13 +78,15 @@ def synthetic(spec: str) -> str:
 
 
 def products_per_row(model) -> tuple[int, int]:
-    """Products a row of x meets in one forward, (4- and 5-bit, 8-bit) codes: every quantized linear whose
-    tensors the model reads per token (its `weight_tensors`, which leave the embedding lookups out)."""
+    """Products a row of x meets in one forward, (unsigned, signed) codes: 4-, 5- and six-bit codes (Q6_K's
+    in the AVX2 lane form, `lane_form`), then 8-bit; every quantized linear whose tensors the model reads per
+    token (its `weight_tensors`, which leave the embedding lookups out)."""
     read = {t.data_ptr() for t in model.weight_tensors() if t.numel()}
     linears = [o for o in gc.get_objects()  # type(), not isinstance: some of torch's objects warn when asked
                if issubclass(type(o), PackedLinear) and any(t.numel() and t.data_ptr() in read for t in o.tensors())]
-    unsigned = sum(w.n_out * w.k for w in linears if w.kind in (KIND_Q4, KIND_Q5))
-    return unsigned, sum(w.n_out * w.k for w in linears if w.kind == KIND_Q8)
+    six_bit = lambda w: w.lanes and w.lanes[0].numel() * 4 == w.n_out * w.k * 3  # 24 bytes per 32 codes
+    unsigned = sum(w.n_out * w.k for w in linears if w.kind in (KIND_Q4, KIND_Q5) or six_bit(w))
+    return unsigned, sum(w.n_out * w.k for w in linears if w.kind == KIND_Q8 and not six_bit(w))
 
 
 def main() -> None:
@@ -191,7 +184,7 @@ def main() -> None:
         if args.scales:
             with native.activations("int8"):
                 for mode in modes:
-                    read = sum(t.numel() * t.element_size() for t in model_of[mode][0].weight_tensors())
+                    read = tensor_bytes(model_of[mode][0].weight_tensors())
                     print(f"  {mode}: a step reads {read / 1e6:,.1f} MB of weights")
         old, new = modes
         ratio = {"int8": "int8/f32", "amx": "amx/dpb", "file": "file/f32"}[new]

@@ -172,9 +172,9 @@ def test_block_codes_reproduce_the_gguf_dequantizer(qtype):
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    """One GGUF file holding a [96, 256] weight per type (`w.TYPE`), a [40, 96] weight per block-32 type
-    (`v.TYPE`), a Q6_K weight with power-of-two sub-block scales (`p.Q6_K`), and their float64 meanings
-    per the gguf package."""
+    """One GGUF file holding a [96, 256] weight per type (`w.TYPE`), a [40, 224] weight per block-32 type
+    (`v.TYPE`), a [32, 768] weight per K-quant (`k.TYPE`: three super-blocks a row), a [96, 256] Q6_K weight
+    with power-of-two sub-block scales (`p.Q6_K`), and their float64 meanings per the gguf package."""
     rng = np.random.default_rng(7)
     path = tmp_path_factory.mktemp("native") / "weights.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -607,7 +607,8 @@ def test_factored_k_quant_scales_give_the_float32_scales_bits(int8_kernels, weig
     monkeypatch.delenv("OUTRIDER_FACTORED_SCALES", raising=False)
     g, reference = weights
     gen = torch.Generator().manual_seed(len(names))
-    chosen = torch.randperm(reference[names[0]].shape[0], generator=gen)[:16]  # 16 rows, out of order
+    # the first part's rows reordered (k.TYPE: all 32) or also selected (p.Q6_K: 48 of 96)
+    chosen = torch.randperm(reference[names[0]].shape[0], generator=gen)[:max(32, reference[names[0]].shape[0] // 2)]
     maps = {names[0]: lambda rows: rows[chosen]}
     if len(names) > 1:
         perm = torch.randperm(reference[names[-1]].shape[0], generator=gen)
@@ -629,7 +630,7 @@ def test_factored_k_quant_scales_give_the_float32_scales_bits(int8_kernels, weig
     scale_bytes = lambda lanes: sum(t.numel() * t.element_size() for t in lanes[1:])
     assert scale_bytes(factored.lanes) * 8 <= scale_bytes(plain.lanes) * 3
     assert len(_packed(g, ["w.Q4_K", "w.Q4_1"]).lanes) == 3
-    ids = torch.tensor([0, 15, 9, 15])
+    ids = torch.tensor([0, 15, 16, factored.n_out - 1, 17, 16])  # both halves of two blocks
     assert torch.equal(factored.rows(ids), rows_too.rows(ids))  # the row form back from the factors
 
 

@@ -135,10 +135,9 @@ class PackedLinear:
         self.scales = scales.to(torch.float32).contiguous()  # why not float16: RowReader, weight_formats.h
         self.zeros = (torch.empty(0) if zeros is None else zeros.to(torch.float32)).contiguous()
         # AVX2 and AVX512-VNNI builds hold the lane form, what the int8 kernels read; with int8 activations
-        # it is the only form held (see hold_rows). OUTRIDER_LANE_TILES=0 leaves it out, and
-        # OUTRIDER_FACTORED_SCALES=0 holds K-quants' scales in float32 in it (to measure against).
+        # it is the only form held (see hold_rows). OUTRIDER_LANE_TILES=0 leaves it out (to measure against).
         use_lanes = self.kernels.HAS_LANE_TILES and os.environ.get("OUTRIDER_LANE_TILES", "1") != "0"
-        if not self.kernels.FACTORED_SCALES or os.environ.get("OUTRIDER_FACTORED_SCALES", "1") == "0":
+        if not _factored_scales_wanted():
             factors = None
         # the int8 codes of a Q6_K weight fit six bits (OUTRIDER_SIX_BIT_LANES=0: held as eight, to measure
         # against); per-32 int8 codes (Q8_0's) all but never do, so the six-bit tiles are per-16 ones only
@@ -221,7 +220,7 @@ def lane_form(kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch
     else:
         width = 16 if kind == KIND_Q4 else 20
         g = codes.reshape(blocks, LANES, groups, width)
-        nibbles = g[..., :16].reshape(blocks, LANES, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256)
+        nibbles = _nibble_lanes(g[..., :16])
         c = nibbles
         if kind == KIND_Q5:  # bit 4 of each code as 64-bit masks: (low, high) x four dwords, bit 4j + t
             bits = torch.from_numpy(_high_bits(g[..., 16:].contiguous().numpy(), 32))  # [block x 16 x groups, 32]
@@ -238,6 +237,13 @@ def lane_form(kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch
     return [c, per_row(scales), per_row(zeros) if zeros.numel() else zeros]
 
 
+def _nibble_lanes(packed: torch.Tensor) -> torch.Tensor:
+    """Packed nibbles [block, 16 rows, group, 16 bytes] (`_pack_nibbles`) in the 4-bit lane layout [block,
+    group, 256]: register m (64 bytes) holding bytes 4m..4m+3 of each row, row j's at 4j."""
+    blocks, _, groups, _ = packed.shape
+    return packed.reshape(blocks, LANES, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256)
+
+
 def fits_six_bits(codes: torch.Tensor) -> bool:
     """Whether int8 codes (a Q6_K weight's, or K-quants' fused with it) fit the six-bit lane form."""
     return codes.numel() > 0 and -32 <= int(codes.min()) and int(codes.max()) <= 31
@@ -249,9 +255,7 @@ def _six_bit_lanes(q: torch.Tensor) -> torch.Tensor:
     then bits 4-5 as two registers, register p byte 4j + t holding those of codes 4m + t (bits 0-1) and
     16 + 4m + t (bits 2-3) for m = 2p, and for m = 2p + 1 (bits 4-7)."""
     blocks, _, groups, _ = q.shape
-    low = (q & 15).to(torch.uint8)
-    packed = low[..., :16] | (low[..., 16:] << 4)  # [block, row, group, 16]
-    nibbles = packed.reshape(blocks, LANES, groups, 4, 4).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256)
+    nibbles = _nibble_lanes(_pack_nibbles((q & 15).reshape(blocks * LANES, -1)).reshape(blocks, LANES, groups, 16))
     high = (q >> 4).to(torch.uint8).reshape(blocks, LANES, groups, 2, 4, 4)  # [.., first/second 16, m, t]
     first, second = high[..., 0, :, :], high[..., 1, :, :]  # [block, row, group, m, t]
     pairs = [first[..., 2 * p, :] | second[..., 2 * p, :] << 2 | first[..., 2 * p + 1, :] << 4
@@ -278,10 +282,14 @@ def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
     return (bits & 1).astype(np.uint8)
 
 
-def block_codes(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
+def block_codes(raw: np.ndarray, qtype: Q, factors: BlockFactors | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int]:
     """(codes, scale, zero or None, group) with w = scale * code + zero, from GGUF blocks: codes [B, block]
     (uint8 0..15 for 4-bit types, 0..31 for 5-bit types, int8 otherwise), scale and zero
-    [B, block / group]. The layouts are those of the `gguf` package's reference dequantizers."""
+    [B, block / group]. The layouts are those of the `gguf` package's reference dequantizers. A K-quant's
+    scales are the products of its `block_scale_factors` (given, where the caller has them already)."""
+    if qtype in K_QUANT_TYPES and factors is None:
+        factors = block_scale_factors(raw, qtype)
     if qtype in (Q.Q4_0, Q.Q4_1):
         size = 18 if qtype == Q.Q4_0 else 20
         b = raw.reshape(-1, size)
@@ -290,7 +298,7 @@ def block_codes(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.n
         return _nibbles(b[:, size - 16:].copy(), 16), scale, zero, 32
     if qtype == Q.Q4_K:
         b = raw.reshape(-1, 144)
-        return _nibbles(b[:, 16:].copy(), 32), *_products(block_scale_factors(raw, qtype)), 32
+        return _nibbles(b[:, 16:].copy(), 32), *_products(factors), 32
     if qtype == Q.Q8_0:
         b = raw.reshape(-1, 34)
         return b[:, 2:].copy().view(np.int8), _f16(b[:, 0:2]), None, 32
@@ -303,7 +311,7 @@ def block_codes(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.n
         return q, _f16(b[:, 0:2]), _f16(b[:, 2:4]), 32
     if qtype == Q.Q5_K:
         b = raw.reshape(-1, 176)
-        scale, zero = _products(block_scale_factors(raw, qtype))
+        scale, zero = _products(factors)
         low = _nibbles(b[:, 48:].copy(), 32).reshape(-1, 8, 32)
         high = (b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
         return (low | (high << 4)).reshape(-1, 256), scale, zero, 32
@@ -313,27 +321,35 @@ def block_codes(raw: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray, np.n
         high = (b[:, 128:192].reshape(-1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)) & 3
         # low and high are [2B, 4, 32]: two halves of 128 weights per block
         q = (low | (high << 4)).reshape(-1, 256).astype(np.int8) - 32
-        return q, *_products(block_scale_factors(raw, qtype)), 16
+        return q, *_products(factors), 16
     raise ValueError(f"no codes for {qtype.name}")
 
 
 class ScaleFactors(NamedTuple):
-    """A K-quant weight's scales and zeros as its file holds them: per unit (16 or 32 weights) of a row an int8
-    sub-scale (and sub-zero), per 256 weights a float super-scale (and super-zero); a unit's scale is
-    sub_scale * super_scale. The product of an int8 and a float16 needs at most 18 significant bits, so it is
-    exact in float32: the factored form gives the float32 scales' bits, in 3/8 of the bytes or less."""
-    sub_scales: np.ndarray | torch.Tensor  # int8 [blocks or rows, units]
-    super_scales: np.ndarray | torch.Tensor  # the file's float16 d, as float32 [blocks or rows, 256-weight blocks]
-    sub_zeros: np.ndarray | torch.Tensor | None
-    super_zeros: np.ndarray | torch.Tensor | None
+    """A K-quant weight's scales and zeros as its file holds them, per row: an int8 sub-scale (and sub-zero)
+    per unit (16 or 32 weights) and a super-scale (and super-zero: the file's float16s, as float32) per 256
+    weights; a unit's scale is sub_scale * super_scale. The product of an int8 and a float16 needs at most 18
+    significant bits, so it is exact in float32: the factored form gives the float32 scales' bits, in 3/8 of
+    the bytes or less."""
+    sub_scales: torch.Tensor  # int8 [rows, units]
+    super_scales: torch.Tensor  # float32 [rows, K / 256]
+    sub_zeros: torch.Tensor | None
+    super_zeros: torch.Tensor | None
 
 
-def _products(f: ScaleFactors) -> tuple[np.ndarray, np.ndarray | None]:
-    scale = f.sub_scales.astype(np.float32) * f.super_scales
-    return scale, None if f.sub_zeros is None else f.sub_zeros.astype(np.float32) * f.super_zeros
+K_QUANT_TYPES = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
+# A K-quant's factors per GGUF block, numpy: (sub-scales [B, units], super-scales [B, 1], sub-zeros or None,
+# super-zeros or None), as ScaleFactors holds them per row
+BlockFactors = tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]
 
 
-def block_scale_factors(raw: np.ndarray, qtype: Q) -> ScaleFactors | None:
+def _products(f: BlockFactors) -> tuple[np.ndarray, np.ndarray | None]:
+    sub_scales, super_scales, sub_zeros, super_zeros = f
+    scale = sub_scales.astype(np.float32) * super_scales
+    return scale, None if sub_zeros is None else sub_zeros.astype(np.float32) * super_zeros
+
+
+def block_scale_factors(raw: np.ndarray, qtype: Q) -> BlockFactors | None:
     """The factors of a K-quant's scales and zeros, per GGUF block (the `gguf` package's layouts); None for the
     other types, whose scale is one float16 per group."""
     from gguf.quants import Q4_K
@@ -341,10 +357,10 @@ def block_scale_factors(raw: np.ndarray, qtype: Q) -> ScaleFactors | None:
     if qtype in (Q.Q4_K, Q.Q5_K):
         b = raw.reshape(-1, 144 if qtype == Q.Q4_K else 176)
         sc, mn = Q4_K.get_scale_min(b[:, 4:16].copy())  # 6-bit, 0..63
-        return ScaleFactors(sc.astype(np.int8), _f16(b[:, 0:2]), mn.astype(np.int8), -_f16(b[:, 2:4]))
+        return sc.astype(np.int8), _f16(b[:, 0:2]), mn.astype(np.int8), -_f16(b[:, 2:4])
     if qtype == Q.Q6_K:
         b = raw.reshape(-1, 210)
-        return ScaleFactors(b[:, 192:208].copy().view(np.int8), _f16(b[:, 208:210]), None, None)
+        return b[:, 192:208].copy().view(np.int8), _f16(b[:, 208:210]), None, None
     return None
 
 
@@ -374,44 +390,45 @@ def load_packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
     if any(info.type in FLOAT_TYPES for info in infos):
         weight = torch.cat([remap(name)(g.load(name)) for name in names])
         return PackedLinear(KIND_F32, weight.float(), torch.empty(0), None, 32, weight.shape[0], k)
-    parts, factors = [], []
+    parts = []
     for info in infos:
         raw = g.raw(info.name)
-        codes, scale, zero, group = block_codes(raw, info.type)
-        rows = lambda a: torch.from_numpy(np.ascontiguousarray(a)).reshape(info.shape[0], -1)
-        parts.append((rows(codes), rows(scale), None if zero is None else rows(zero), group))
-        f = block_scale_factors(raw, info.type) if native.load().FACTORED_SCALES else None
-        factors.append(None if f is None else ScaleFactors(*(None if a is None else rows(a) for a in f)))
+        factors = block_scale_factors(raw, info.type)
+        codes, scale, zero, group = block_codes(raw, info.type, factors)
+        rows = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a)).reshape(info.shape[0], -1)
+        parts.append((rows(codes), rows(scale), rows(zero), group,
+                      None if factors is None else [rows(a) for a in factors]))
+    factored = _factored_scales_wanted() and all(p[4] is not None for p in parts)
     group = min(p[3] for p in parts)
     with_zero = any(p[2] is not None for p in parts)
     four_bit = all(info.type in INT4_TYPES for info in infos)
     five_bit = all(info.type in INT4_TYPES | INT5_TYPES for info in infos)
     kind = KIND_Q4 if four_bit else KIND_Q5 if five_bit else KIND_Q8
     pack = {KIND_Q4: _pack_nibbles, KIND_Q5: _pack_5bit, KIND_Q8: lambda c: c.to(torch.int8)}[kind]
-    codes, scales, zeros = [], [], []
-    for info, (c, s, z, gsize) in zip(infos, parts):
-        z = torch.zeros_like(s) if z is None else z
-        repeat = gsize // group  # per-32 scales where per-16 are held: each scale serves two groups of 16
-        s, z = s.repeat_interleave(repeat, dim=1), z.repeat_interleave(repeat, dim=1)
-        c = pack(c)
+    codes, scales, zeros, factor_columns = [], [], [], []
+    for info, (c, s, z, gsize, f) in zip(infos, parts):
         fix = remap(info.name)
-        codes.append(fix(c)), scales.append(fix(s)), zeros.append(fix(z))
+        repeat = gsize // group  # per-32 scales where per-16 are held: each serves two groups of 16
+
+        def per_unit(t, like):  # a part without zeros has zeros of 0
+            return fix((torch.zeros_like(like) if t is None else t).repeat_interleave(repeat, dim=1))
+
+        codes.append(fix(pack(c))), scales.append(per_unit(s, s)), zeros.append(per_unit(z, s))
+        if factored:
+            sub_scales, super_scales, sub_zeros, super_zeros = f
+            factor_columns.append((per_unit(sub_scales, sub_scales), fix(super_scales),
+                                   per_unit(sub_zeros, sub_scales),
+                                   fix(torch.zeros_like(super_scales) if super_zeros is None else super_zeros)))
     codes = torch.cat(codes)  # rows as the maps left them: a map may also select rows (a reduced head)
+    factors = None
+    if factored:
+        sub_scales, super_scales, sub_zeros, super_zeros = (torch.cat(column) for column in zip(*factor_columns))
+        factors = ScaleFactors(sub_scales, super_scales, *((sub_zeros, super_zeros) if with_zero else (None, None)))
     return PackedLinear(kind, codes, torch.cat(scales), torch.cat(zeros) if with_zero else None, group,
-                        codes.shape[0], k, _joined_factors(infos, parts, factors, group, with_zero, remap))
+                        codes.shape[0], k, factors)
 
 
-def _joined_factors(infos, parts, factors, group: int, with_zero: bool, remap) -> ScaleFactors | None:
-    """The parts' scale factors stacked as load_packed stacks their scales: None unless every part has them."""
-    if not factors or any(f is None for f in factors):
-        return None
-    joined = []
-    for info, (_, _, _, gsize), f in zip(infos, parts, factors):
-        fix, repeat = remap(info.name), gsize // group
-        sub_zeros = f.sub_zeros if f.sub_zeros is not None else torch.zeros_like(f.sub_scales)
-        super_zeros = f.super_zeros if f.super_zeros is not None else torch.zeros_like(f.super_scales)
-        joined.append((fix(f.sub_scales.repeat_interleave(repeat, dim=1)), fix(f.super_scales),
-                       fix(sub_zeros.repeat_interleave(repeat, dim=1)), fix(super_zeros)))
-    sub_scales, super_scales, sub_zeros, super_zeros = (torch.cat(column) for column in zip(*joined))
-    return ScaleFactors(sub_scales, super_scales, sub_zeros if with_zero else None,
-                        super_zeros if with_zero else None)
+def _factored_scales_wanted() -> bool:
+    """Whether lane forms hold K-quants' scales factored: where the build's tiles read them, unless
+    OUTRIDER_FACTORED_SCALES=0 (to measure against)."""
+    return native.load().FACTORED_SCALES and os.environ.get("OUTRIDER_FACTORED_SCALES", "1") != "0"

@@ -9,11 +9,15 @@
 #include "row_ops.h"
 #include "weight_formats.h"
 
-static const float* held(const torch::Tensor& t) {
-  TORCH_CHECK(!t.numel() || (t.scalar_type() == torch::kFloat32 && t.is_contiguous()),
-              "scales and zeros must be contiguous float32");
-  return t.numel() ? t.data_ptr<float>() : nullptr;
+// A held tensor's data as T, its type and layout checked; null where it is empty (a weight without zeros)
+template <class T>
+static const T* held_as(const torch::Tensor& t, const char* what) {
+  constexpr auto type = c10::CppTypeToScalarType<T>::value;
+  TORCH_CHECK(!t.numel() || (t.scalar_type() == type && t.is_contiguous()), what, " must be contiguous ", type);
+  return t.numel() ? t.data_ptr<T>() : nullptr;
 }
+
+static const float* held(const torch::Tensor& t) { return held_as<float>(t, "scales and zeros"); }
 
 // The row form's codes, checked for the type their kind holds (see with_format)
 static const void* row_codes(int64_t kind, const torch::Tensor& codes) {
@@ -34,16 +38,9 @@ void set_int8_activations(bool on) {
 
 bool int8_activations() { return int8_activations_on.load(); }
 
-static const int8_t* held_int8(const torch::Tensor& t) {
-  TORCH_CHECK(!t.numel() || (t.scalar_type() == torch::kInt8 && t.is_contiguous()), "sub-scales must be contiguous int8");
-  return t.numel() ? t.data_ptr<int8_t>() : nullptr;
-}
+static const int8_t* held_int8(const torch::Tensor& t) { return held_as<int8_t>(t, "sub-scales and sub-zeros"); }
 
-static const at::Half* held_f16(const torch::Tensor& t) {
-  TORCH_CHECK(!t.numel() || (t.scalar_type() == torch::kHalf && t.is_contiguous()),
-              "super-scales must be contiguous float16");
-  return t.numel() ? t.data_ptr<at::Half>() : nullptr;
-}
+static const at::Half* held_f16(const torch::Tensor& t) { return held_as<at::Half>(t, "super-scales and super-zeros"); }
 
 // A lane form's scales and zeros checked for their sizes: 3 tensors (codes, scales, zeros) or 5 (codes,
 // sub-scales, sub-zeros, super-scales, super-zeros; see LaneWeights), zeros either empty or all there
@@ -196,7 +193,7 @@ torch::Tensor dequantize_rows(torch::Tensor rows, int64_t kind, torch::Tensor co
 // and zeros as PackedLinear holds them, for the row lookups of an embedding and for float32 activations.
 std::vector<torch::Tensor> lane_rows(torch::Tensor rows, int64_t kind, std::vector<torch::Tensor> lanes, int64_t group,
                                      int64_t k) {
-  TORCH_CHECK(!lanes.empty() && k % 32 == 0, "lane_rows: no lane form");
+  TORCH_CHECK(lanes.size() >= 3 && k % 32 == 0, "lane_rows: no lane form");
   const int64_t count = (k / 32) * (kind == KIND_Q8 ? 32 / group : 1);
   const int64_t n_out = lanes[1].numel() / count;
   check_lane_scales(lanes, kind, group, n_out, k);
