@@ -40,12 +40,14 @@ bool int8_activations() { return int8_activations_on.load(); }
 
 static const int8_t* held_int8(const torch::Tensor& t) { return held_as<int8_t>(t, "sub-scales and sub-zeros"); }
 
-static const at::Half* held_f16(const torch::Tensor& t) { return held_as<at::Half>(t, "super-scales and super-zeros"); }
+static const uint16_t* held_f16_bits(const torch::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(held_as<at::Half>(t, "super-scales and super-zeros"));
+}
 
-// A lane form's scales and zeros checked for their sizes: 3 tensors (codes, scales, zeros) or 5 (codes,
-// sub-scales, sub-zeros, super-scales, super-zeros; see LaneWeights), zeros either empty or all there
-static void check_lane_scales(const std::vector<torch::Tensor>& lanes, int64_t kind, int64_t group, int64_t n_out,
-                              int64_t k) {
+// A lane form's pointers, its sizes checked: 3 tensors (codes, scales, zeros) or 5 (codes, sub-scales,
+// sub-zeros, super-scales, super-zeros; see LaneWeights), zeros either empty or all there
+static LaneWeights lane_weights(const std::vector<torch::Tensor>& lanes, int64_t kind, int64_t group, int64_t n_out,
+                                int64_t k) {
   TORCH_CHECK((lanes.size() == 3 || (FACTORED_SCALES && lanes.size() == 5)) && n_out % 16 == 0,
               "a lane form is 3 tensors (5 with factored scales, AVX2 builds) over a multiple of 16 rows");
   const int64_t count = n_out * (k / 32) * (kind == KIND_Q8 ? 32 / group : 1);
@@ -55,17 +57,10 @@ static void check_lane_scales(const std::vector<torch::Tensor>& lanes, int64_t k
     TORCH_CHECK(k % 256 == 0 && lanes[3].numel() == n_out * (k / 256) &&
                 lanes[4].numel() == (lanes[2].numel() ? lanes[3].numel() : 0),
                 "factored scales need K a multiple of 256 and a super-scale (and zero) per 256 weights of a row");
-}
-
-// A lane form's pointers (see check_lane_scales)
-static LaneWeights lane_weights(const std::vector<torch::Tensor>& lanes, int64_t kind, int64_t group, int64_t n_out,
-                                int64_t k) {
-  check_lane_scales(lanes, kind, group, n_out, k);
   if (lanes.size() == 3) return LaneWeights{lanes[0].data_ptr<uint8_t>(), held(lanes[1]), held(lanes[2])};
   LaneWeights w{lanes[0].data_ptr<uint8_t>(), nullptr, nullptr};
   w.sub_scales = held_int8(lanes[1]), w.sub_zeros = held_int8(lanes[2]);
-  w.super_scales = reinterpret_cast<const uint16_t*>(held_f16(lanes[3]));
-  w.super_zeros = reinterpret_cast<const uint16_t*>(held_f16(lanes[4]));
+  w.super_scales = held_f16_bits(lanes[3]), w.super_zeros = held_f16_bits(lanes[4]);
   return w;
 }
 
@@ -196,7 +191,7 @@ std::vector<torch::Tensor> lane_rows(torch::Tensor rows, int64_t kind, std::vect
   TORCH_CHECK(lanes.size() >= 3 && k % 32 == 0, "lane_rows: no lane form");
   const int64_t count = (k / 32) * (kind == KIND_Q8 ? 32 / group : 1);
   const int64_t n_out = lanes[1].numel() / count;
-  check_lane_scales(lanes, kind, group, n_out, k);
+  const LaneWeights w = lane_weights(lanes, kind, group, n_out, k);
   const bool six_bit = lane_kind(kind, group, lanes, n_out, k) == KIND_Q6_LANES;
   auto idx = rows.to(torch::kInt64).contiguous();
   const int64_t n = idx.numel(), groups = k / 32, blocks = n_out / 16;
@@ -206,16 +201,16 @@ std::vector<torch::Tensor> lane_rows(torch::Tensor rows, int64_t kind, std::vect
   torch::Tensor scales = torch::empty({n, count}, torch::dtype(torch::kFloat32));
   torch::Tensor zeros = lanes[2].numel() ? torch::empty({n, count}, torch::dtype(torch::kFloat32)) : torch::empty({0});
   const uint8_t* lc = lanes[0].data_ptr<uint8_t>();
-  const bool factored = lanes.size() == 5;
+  const bool factored = w.sub_scales != nullptr;
   const int64_t supers = k / 256, per_super = factored ? count / supers : 0;
-  const float* as_held[2] = {factored ? nullptr : held(lanes[1]), factored ? nullptr : held(lanes[2])};
-  const int8_t* sub[2] = {factored ? held_int8(lanes[1]) : nullptr, factored ? held_int8(lanes[2]) : nullptr};
-  const at::Half* super[2] = {factored ? held_f16(lanes[3]) : nullptr, factored ? held_f16(lanes[4]) : nullptr};
+  const float* as_held[2] = {w.scales, w.zeros};
+  const int8_t* sub[2] = {w.sub_scales, w.sub_zeros};
+  const uint16_t* super[2] = {w.super_scales, w.super_zeros};
   // scale (0) or zero (1) c of row j of block b: as held, or its factors' product (float32, the same bits)
   auto held_value = [&](int which, int64_t b, int64_t j, int64_t c) {
     if (!factored) return as_held[which][(b * count + c) * 16 + j];
-    return static_cast<float>(sub[which][(b * count + c) * 16 + j]) *
-           static_cast<float>(super[which][(b * supers + c / per_super) * 16 + j]);
+    const c10::Half super_value(super[which][(b * supers + c / per_super) * 16 + j], c10::Half::from_bits());
+    return static_cast<float>(sub[which][(b * count + c) * 16 + j]) * static_cast<float>(super_value);
   };
   uint8_t* out = static_cast<uint8_t*>(codes.data_ptr());
   for (int64_t i = 0; i < n; ++i) {
