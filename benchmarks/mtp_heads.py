@@ -4,11 +4,14 @@ The target is the catalog's Qwen2.5-Coder-1.5B (Q4_K_M); the head is the one `ou
 (or `--head`). The prompts are the three code-generation prompts distill never trains on
 (`prompts.HELD_OUT_PROMPTS`) and qwen_pair's code edit (where lookup has text to copy), each through the file's
 chat template. Every configuration runs at T=0 (greedy acceptor) and at T=0.7 (no other warper; the
-sampled acceptor with the head's q), the same seed per round for every configuration; rounds interleave the
-configurations, a warm-up round first. Printed: decode tok/s (medians), the speed-up over plain as the median
-of each round's ratio, llama-server in the same run as the peer (`--engines`): its plain decode and its
-speculative configurations (`--llama-configs=...`, qwen_pair's: n-gram lookup, the 0.5B draft model), and
-each Outrider row's speed over the best of them on that prompt and T; and acceptance per draft position j:
+sampled acceptor with the head's q), the same seed per round for every configuration; a warm-up round first.
+llama-server is the peer in the same run (`--engines`): its plain decode and its speculative configurations
+(`--llama-configs=...`, qwen_pair's: n-gram lookup, the 0.5B draft model), one server per configuration, all
+started before the first round and idle while another engine decodes. Every round runs each prompt and T
+through every configuration of both engines in turn, so a machine that drifts over the run moves both engines
+alike. Printed: decode tok/s (medians), the speed-up over plain as the median of each round's ratio, each
+Outrider row's speed over the best llama.cpp configuration on that prompt and T, as a median of per-round
+ratios too (the best chosen by median tok/s); and acceptance per draft position j:
 rounds that accepted position j / rounds that drafted at least j tokens, pooled over the measured rounds
 (cumulative: accepting position 2 means position 1 was accepted too). `--other-head` adds a second head's
 mtp as one more configuration (two heads compared side by side).
@@ -32,9 +35,9 @@ CONFIGS = ("none", "mtp", "lookup,mtp")
 OTHER_HEAD = "mtp, other head"  # --other-head's configuration
 
 
-def outrider_runs(target_path: Path, head: Path, prompts: dict[str, list[int]], temperatures: list[float],
-                  tokens: int, runs: int, threads: int, draft_max: str, other_head: Path | None = None) -> dict:
-    """{(prompt, T, config): [(tok/s, generated, drafted_at, accepted_at), ...]} over the measured rounds."""
+def outrider_runners(target_path: Path, head: Path, temperatures: list[float], threads: int, draft_max: str,
+                     other_head: Path | None = None) -> tuple:
+    """(target, {(T, config): Runner}) for every configuration at every temperature."""
     from outrider.plugins.acceptors.greedy import GreedyAcceptor
     from outrider.plugins.acceptors.sampled import SampledAcceptor
     from outrider.plugins.drafters.lookup import LookupDrafter
@@ -43,7 +46,6 @@ def outrider_runs(target_path: Path, head: Path, prompts: dict[str, list[int]], 
     from outrider.spec.chain import DrafterChain
     from outrider.spec.drafter_traits import DrafterTraits
     from outrider.spec.runner import Runner
-    from outrider.spec.sampling import SamplingParams
 
     target = cpu_target(target_path, threads)
     mtp, lookup = MTPDrafter(model=str(head), sample=True), LookupDrafter()
@@ -53,21 +55,25 @@ def outrider_runs(target_path: Path, head: Path, prompts: dict[str, list[int]], 
     if other_head is not None:
         drafters[OTHER_HEAD] = MTPDrafter(model=str(other_head), sample=True)
         drafters[OTHER_HEAD].setup(target)
-    runners = {(t, name): Runner(target, drafter, (SampledAcceptor if t > 0 else GreedyAcceptor)(),
-                                 DrafterTraits.of(drafter, draft_max=0 if name == "none" else draft_max), context=4096)
-               for t in temperatures for name, drafter in drafters.items()}
-    results = {}
-    for run in range(runs + 1):  # the first is a warm-up
-        for label, ids in prompts.items():
-            for (t, name), runner in runners.items():
-                params = SamplingParams(t, seed=1 + run) if t > 0 else SamplingParams()
-                list(runner.generate(ids, tokens, params, stop_ids=target.tokenizer.eog_ids))
-                s = runner.stats
-                if run:
-                    results.setdefault((label, t, name), []).append(
-                        (s.generated_tokens / s.decode_s, s.generated_tokens, list(s.drafted_at),
-                         list(s.accepted_at)))
-    return results
+    return target, {(t, name): Runner(target, drafter, (SampledAcceptor if t > 0 else GreedyAcceptor)(),
+                                      DrafterTraits.of(drafter, draft_max=0 if name == "none" else draft_max),
+                                      context=4096)
+                    for t in temperatures for name, drafter in drafters.items()}
+
+
+def outrider_round(target, runner, ids: list[int], tokens: int, t: float, seed: int) -> tuple:
+    """(tok/s, generated, drafted_at, accepted_at) of one generation."""
+    from outrider.spec.sampling import SamplingParams
+
+    params = SamplingParams(t, seed=seed) if t > 0 else SamplingParams()
+    list(runner.generate(ids, tokens, params, stop_ids=target.tokenizer.eog_ids))
+    s = runner.stats
+    return s.generated_tokens / s.decode_s, s.generated_tokens, list(s.drafted_at), list(s.accepted_at)
+
+
+def round_ratio(rows: list[tuple], base: list[tuple]) -> float:
+    """The median over rounds of one configuration's tok/s over another's in the same round."""
+    return statistics.median(r[0] / b[0] for r, b in zip(rows, base))
 
 
 def per_position(rows: list[tuple]) -> list[float]:
@@ -119,7 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {label: tokenizer.encode(text) for label, text in rendered.items()}
     temperatures = [float(t) for t in args.temperatures.split(",")]
 
-    peer = {}  # {(prompt, T, llama config): (median decode tok/s, median acceptance or nan)}
     llama_configs = args.llama_configs.split(",") if args.llama_configs else []
     unknown = [c for c in llama_configs if c not in LLAMA_CONFIGS]
     if unknown:
@@ -127,21 +132,29 @@ def main(argv: list[str] | None = None) -> int:
     server_path = llama_server_binary() if "llama.cpp" in args.engines.split(",") else None
     draft_path = resolve_model(args.draft) if server_path and any("-md" in LLAMA_CONFIGS[c] for c in llama_configs) \
         else target_path
-    for config in llama_configs if server_path else ():
-        server = LlamaServer(server_path, target_path, draft_path, LLAMA_CONFIGS[config], args.threads)
-        try:
-            for label, text in rendered.items():
-                server.decode(text, 16)  # warm-up
+    target, runners = outrider_runners(target_path, head, temperatures, args.threads, args.draft_max,
+                                       Path(args.other_head) if args.other_head else None)
+    servers = {}
+    peer, results = {}, {}  # {(prompt, T, config): [row per measured round]}
+    try:
+        for config in llama_configs if server_path else ():
+            servers[config] = LlamaServer(server_path, target_path, draft_path, LLAMA_CONFIGS[config], args.threads)
+        for run in range(args.runs + 1):  # the first is a warm-up
+            for label, ids in prompts.items():
                 for t in temperatures:
-                    rows = [server.decode(text, args.tokens, t, 1 + run, top_k=0, top_p=1.0)
-                            for run in range(args.runs)]
-                    accepted = [r[2] for r in rows if r[2] == r[2]]
-                    peer[label, t, config] = (statistics.median(r[0] for r in rows),
-                                              statistics.median(accepted) if accepted else float("nan"))
-        finally:
+                    for config, server in servers.items():
+                        row = server.decode(rendered[label], args.tokens, t, 1 + run, top_k=0, top_p=1.0)
+                        if run:
+                            peer.setdefault((label, t, config), []).append(row)
+                    for (runner_t, name), runner in runners.items():
+                        if runner_t == t:
+                            row = outrider_round(target, runner, ids, args.tokens, t, 1 + run)
+                            if run:
+                                results.setdefault((label, t, name), []).append(row)
+            print(f"round {run} of {args.runs} done" + (" (warm-up)" if not run else ""), file=sys.stderr)
+    finally:
+        for server in servers.values():
             server.close()
-    results = outrider_runs(target_path, head, prompts, temperatures, args.tokens, args.runs, args.threads,
-                            args.draft_max, Path(args.other_head) if args.other_head else None)
 
     print(f"CPU vector extensions: {' '.join(vector_extensions())}; "
           f"Outrider's kernels built with {' '.join(cflags())}; "
@@ -153,23 +166,24 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for label in prompts:
         for t in temperatures:
-            speeds = {c: peer[label, t, c][0] for c in llama_configs if (label, t, c) in peer}
+            speeds = {c: statistics.median(r[0] for r in peer[label, t, c]) for c in llama_configs
+                      if (label, t, c) in peer}
             best = max(speeds, key=speeds.get) if speeds else None
             for config, speed in speeds.items():
-                acceptance = peer[label, t, config][1]
-                vs_plain = f"{speed / speeds['plain']:.2f}x" if "plain" in speeds else ""
+                accepted = [r[2] for r in peer[label, t, config] if r[2] == r[2]]
+                vs_plain = f"{round_ratio(peer[label, t, config], peer[label, t, 'plain']):.2f}x" \
+                    if "plain" in speeds else ""
                 print(f"| {label} | {t:g} | llama.cpp {config} | {speed:.1f} | | {vs_plain} | | "
-                      + (f"{acceptance:.2f} (pooled)" if acceptance == acceptance else "") + " |")
+                      + (f"{statistics.median(accepted):.2f} (pooled)" if accepted else "") + " |")
             plain = results[label, t, "none"]
             for name in CONFIGS + ((OTHER_HEAD,) if args.other_head else ()):
                 rows = results[label, t, name]
                 speed = statistics.median(r[0] for r in rows)
-                ratio = statistics.median(r[0] / p[0] for r, p in zip(rows, plain))
-                vs_plain = f"{speed / speeds['plain']:.2f}x" if "plain" in speeds else ""
-                vs_best = f"{speed / speeds[best]:.2f}x ({best})" if best else ""
+                vs_plain = f"{round_ratio(rows, peer[label, t, 'plain']):.2f}x" if "plain" in speeds else ""
+                vs_best = f"{round_ratio(rows, peer[label, t, best]):.2f}x ({best})" if best else ""
                 positions = " ".join(f"{a:.2f}" for a in per_position(rows)[:6])
-                print(f"| {label} | {t:g} | {name} | {speed:.1f} | {ratio:.2f}x | {vs_plain} | {vs_best} "
-                      f"| {positions} |")
+                print(f"| {label} | {t:g} | {name} | {speed:.1f} | {round_ratio(rows, plain):.2f}x | {vs_plain} "
+                      f"| {vs_best} | {positions} |")
     return 0
 
 
