@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 vs_plain = f"{round_ratio(peer[label, t, config], peer[label, t, 'plain']):.2f}x" \
                     if "plain" in speeds else ""
                 print(f"| {label} | {t:g} | llama.cpp {config} | {speed:.1f} | | {vs_plain} | | "
-                      + (f"{statistics.median(accepted):.2f} (pooled)" if accepted else "") + " |")
+                      + (f"{statistics.median(accepted):.2f} (median)" if accepted else "") + " |")
             plain = results[label, t, "none"]
             for name in CONFIGS + ((OTHER_HEAD,) if args.other_head else ()):
                 rows = results[label, t, name]

@@ -29,6 +29,7 @@ from outrider.spec.drafter import (
     Drafter,
     DrafterBase,
     DraftKind,
+    DraftStepClock,
     Target,
     draft_loop,
 )
@@ -51,7 +52,7 @@ __all__ = [
     "Backend", "load_model",
     # drafters
     "Drafter", "DrafterBase", "Draft", "DraftKind", "DEFAULT_KIND", "DraftControls", "Target", "draft_loop",
-    "DrafterTraits",
+    "DraftStepClock", "DrafterTraits",
     "NEEDS_DRAFT_MODEL", "NEEDS_TARGET_HIDDEN", "NEEDS_TARGET_KV", "NEEDS_MTP_HEAD",
     # acceptors and the acceptance rules
     "Acceptor", "VerifyRound", "AcceptResult", "greedy_round", "sampled_round",

@@ -76,6 +76,33 @@ def test_a_stale_high_cost_is_measured_again():
     assert chosen[:7] == [1] * 7 and chosen[7] == 3
 
 
+def test_a_slow_verify_does_not_price_its_length_out_when_a_longer_one_costs_less():
+    # A round costs what a 1.5B target's does on a 2-core CPU: verify(n) = 1 + 0.085 (n - 1), a drafted token
+    # 0.07, each position accepted with 0.6. By hand: E(1) = 1.6, E(2) = 1.96, E(3) = 2.176 tokens for costs
+    # 1.155, 1.31, 1.465: rates 1.385, 1.496, 1.485, so k = 2 is best. One slow round left verify(3) at 10:
+    # k = 2 was never chosen again, so never measured again. Priced no higher than verify(4) once a round has
+    # measured that (an exploring round asks for 2k + 1 = 3 tokens), it is.
+    verify = lambda n: 1 + 0.085 * (n - 1)  # noqa: E731
+    p = AdaptiveDraftLength(cap=8, verify_s={n: verify(n) for n in range(1, 18)}, draft_s_per_token=0.07)
+    p.verify_s[3] = 10.0
+    assert p.verify_cost(3) == 10.0  # carried costs cap nothing: this generation has measured none
+    _, _, chosen = simulate(p, 300, 0.6, 0.07, verify, seed=1)
+    assert chosen[-100:].count(2) >= 20, chosen
+    assert p.verify_s[3] < 2.0
+
+
+def test_a_draft_step_clock_bills_a_catch_up_beyond_one_step_as_upkeep():
+    from outrider.spec.drafter import DraftStepClock
+
+    clock = DraftStepClock()
+    assert clock.charge(0.3, 3) == pytest.approx(0.2)  # no step timed yet: a row's share stands for it
+    assert clock.charge(0.1, 1) == 0.0 and clock.step_s == pytest.approx(0.1)
+    assert clock.charge(0.25, 3) == pytest.approx(0.15)
+    assert clock.charge(0.05, 2) == 0.0  # never below nothing
+    clock.teach(0.2)
+    assert clock.step_s == pytest.approx(0.1 + 0.3 * 0.1)
+
+
 def test_each_kind_of_draft_learns_its_own_acceptance_from_its_own_prior():
     # verify(n) = 1 + 0.1 (n - 1). A kind with prior 0.5 gets k = 2 (see the first test); one with prior
     # 0.2: rate(1) = 1.2 / 1.1 = 1.09 > 1, rate(2) = 1.24 / 1.2 = 1.03, so k = 1.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import gguf
 import numpy as np
@@ -218,6 +219,36 @@ def test_reject_then_continue_equals_a_fresh_run(fx, sidecars, arch):
     ca, cb = a.heads[0].cache, b.heads[0].cache
     assert ca.length == cb.length == len(after)
     torch.testing.assert_close(ca.values[0][:, : ca.length], cb.values[0][:, : cb.length], atol=1e-5, rtol=1e-5)
+
+
+def test_the_forward_that_makes_the_first_draft_is_billed_as_a_draft_step(fx, sidecars, monkeypatch):
+    """The catch-up forward of the rows a round accepted also makes the next round's first draft: `auto` prices
+    one step of it as drafting (else a one-token draft looks free) and the rest as upkeep. Every head forward
+    here takes 40 ms more per row, so a two-row catch-up is one step of drafting and one of upkeep."""
+    target = fx.target("llama")
+    drafter = MTPDrafter(model=str(sidecars["llama"]))
+    drafter.setup(target)
+    head = drafter.heads[0]
+    forward = head.forward
+
+    def slow_forward(tokens, hidden, start):
+        time.sleep(0.04 * len(tokens))
+        return forward(tokens, hidden, start)
+
+    monkeypatch.setattr(head, "forward", slow_forward)
+    tokens = PROMPT + [9]
+    drafter.begin(list(PROMPT), SamplingParams(), DraftControls())
+    hidden = _target_hidden(target, tokens + [1, 2])
+    drafter.observe(hidden[: len(PROMPT)], 0, None)
+    first = drafter.propose(list(tokens), 2)  # the prompt's catch-up, then a one-row step that times the step
+    assert len(first.tokens) == 2 and first.upkeep_s >= 0.04 * (len(PROMPT) - 1)
+    n = len(tokens) - 1
+    drafter.rollback(n + 2)  # the first draft accepted: t0's row and the draft's are certain
+    after = tokens + first.tokens[:1] + [(first.tokens[1] + 1) % 200]
+    drafter.observe(_target_hidden(target, after)[n: n + 2], n, None)
+    second = drafter.propose(list(after), 1)  # one forward of those two rows, which makes the draft
+    assert len(second.tokens) == 1
+    assert 0.02 < second.upkeep_s < 0.06, second.upkeep_s
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -73,9 +73,36 @@ def default_draft_kind(tokens: list[int]) -> DraftKind:
 class Draft:
     tokens: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # [len(tokens), vocab] q rows, only if the drafter sampled from them
-    # seconds of the propose spent keeping up with the target rather than drafting (an MTP head's catch-up
-    # of rows accepted in other rounds): `--draft-max auto` does not bill it per drafted token
+    # seconds of the propose spent keeping up with the target rather than drafting (what a catch-up forward of
+    # rows accepted in other rounds took beyond the draft step it also made: `DraftStepClock`; an MTP head's
+    # learning): `--draft-max auto` does not bill it per drafted token
     upkeep_s: float = 0.0
+
+
+@dataclass
+class DraftStepClock:
+    """A drafter's running cost of one draft step, a forward of one row. A drafter that catches up with the
+    target's accepted tokens in the same forward that makes its first draft (a draft model, an MTP head) bills
+    that forward as one draft step and only the rest as upkeep: on a CPU a forward's cost grows little with its
+    rows (the weights are read once), so the catch-up of several rows costs about one step more than drafting
+    nothing, and a round that drafts nothing saves that step, its rows joining the next catch-up."""
+
+    smoothing: float = 0.3  # as auto's running averages: a slow step moves the estimate, one does not decide it
+    step_s: float | None = None
+
+    def teach(self, took: float) -> None:
+        """A one-row forward took `took` seconds."""
+        self.step_s = took if self.step_s is None else self.step_s + self.smoothing * (took - self.step_s)
+
+    def charge(self, took: float, rows: int) -> float:
+        """The upkeep in a forward of `rows` rows that took `took` seconds and made a draft step; a one-row
+        forward is all drafting, and teaches the step's cost. Before any has, a row's share stands for the step
+        (an MTP head's first catch-up carries the prompt): cheap, so a cold start does not price drafting out,
+        and the length it picks is timed again."""
+        if rows == 1:
+            self.teach(took)
+            return 0.0
+        return max(took - (self.step_s if self.step_s is not None else took / rows), 0.0)
 
 
 class Drafter(Protocol):

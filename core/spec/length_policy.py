@@ -5,12 +5,14 @@
 
 - the verify cost curve: seconds for a target forward over n = k + 1 tokens (a running average per n;
   an n not yet seen is interpolated linearly from the ones that were, or extrapolated with a small
-  slope, which is optimistic so that longer drafts get tried);
+  slope, which is optimistic so that longer drafts get tried). A forward over more rows never costs
+  less, so no n > 1 is priced above what a longer verify has cost in this generation: one slow round would
+  otherwise price its length out for good, since a length not chosen is not measured again;
 - the drafter's cost per drafted token (a running average per kind of draft: in a chain a lookup draft is
   nearly free and an MTP draft costs head forwards; a kind not yet timed takes the average over all kinds).
-  What a drafter spends keeping up with the target rather than drafting (the MTP head's catch-up of rows
-  accepted in other rounds, a draft model's catch-up beyond one step, reported as `upkeep_s`) does not grow
-  with k and is not billed per token;
+  What a drafter spends keeping up with the target rather than drafting (what a catch-up of rows accepted
+  in other rounds took beyond the draft step it also made, an MTP head's learning, reported as `upkeep_s`)
+  does not grow with k and is not billed per token;
 - the per-position conditional acceptance a_j = P(draft j accepted | draft j-1 accepted), as running
   averages over the rounds that reached position j; a position no round has reached yet is assumed to
   do as well as the deepest one measured, so a drafter that is always right gets to draft further.
@@ -140,6 +142,11 @@ class AdaptiveDraftLength:
     def verify_cost(self, n: int) -> float:
         if not self.timed:
             return 1.0 + self.initial_slope * (n - 1)
+        # plain decoding's price (n = 1) stays as measured; a cost carried from another generation caps nothing
+        longer = [s for m, s in self.verify_s.items() if m > n > 1 and ("verify", m) in self.measured]
+        return min(self._verify_estimate(n), *longer) if longer else self._verify_estimate(n)
+
+    def _verify_estimate(self, n: int) -> float:
         if n in self.verify_s:
             return self.verify_s[n]
         known = sorted(self.verify_s)

@@ -28,7 +28,15 @@ from outrider.io.gguf import GGUFFile, stored_weight_bytes
 from outrider.io.tokenizer import Tokenizer, TokenType
 from outrider.models.layers import trunk_layers
 from outrider.models.weight_forms import load_linear
-from outrider.spec.drafter import NEEDS_DRAFT_MODEL, Draft, DraftControls, DrafterBase, DraftKind, Target
+from outrider.spec.drafter import (
+    NEEDS_DRAFT_MODEL,
+    Draft,
+    DraftControls,
+    DrafterBase,
+    DraftKind,
+    DraftStepClock,
+    Target,
+)
 from outrider.spec.sampling import SamplingParams
 
 # llama.cpp's rule: ids below this may differ (special tokens), the rest must spell the same.
@@ -38,7 +46,6 @@ _MAX_VOCAB_SIZE_DIFFERENCE = 128
 # rarely wrong where it is sure and often where it is not, and each token drafted costs a draft step and a
 # verify row whether it is kept or not (docs/bench/qwen-pair.md: what a round of the AVX2 path costs).
 DEFAULT_P_MIN = 0.75
-STEP_SMOOTHING = 0.3  # as auto's running averages: a slow step moves the estimate, one does not decide it
 
 
 def check_vocab_compatible(target: Tokenizer, draft: Tokenizer, draft_name: str) -> None:
@@ -101,7 +108,7 @@ class DraftModelDrafter(DrafterBase):
             torch.set_num_threads(targets_threads)
         self.vocab_size = min(target.tokenizer.vocab_size, self.model.config.vocab_size)
         self.cache = self.model.new_cache(min(self.context, self.model.config.context_length))
-        self.step_s: float | None = None  # running average (weight STEP_SMOOTHING) of a one-token draft forward
+        self.step_clock = DraftStepClock()
         self.device = self.model.device
         self.head_ids = None  # token id of each row of a reduced head; None: the whole head
         if 0 < self.head_rows < self.vocab_size:
@@ -183,13 +190,10 @@ class DraftModelDrafter(DrafterBase):
             t = time.perf_counter()
             logits = self.model.forward(torch.tensor(pending, device=self.device), start, self.cache, last_only=True)[-1]
             took = time.perf_counter() - t
-            if len(pending) == 1:
-                self.step_s = took if self.step_s is None else self.step_s + STEP_SMOOTHING * (took - self.step_s)
-            elif self.step_s is not None:
-                # catching up with tokens the target made certain (after rounds that drafted nothing, as many
-                # as there were): a step of it is the first draft's, the rest keeps up and is not billed per
-                # drafted token, or one round after a stretch without drafts would price drafting out
-                upkeep_s += max(took - self.step_s, 0.0)
+            # catching up with tokens the target made certain (after rounds that drafted nothing, as many as there
+            # were): a step of it is the first draft's, the rest keeps up and is not billed per drafted token, or
+            # one round after a stretch without drafts would price drafting out
+            upkeep_s += self.step_clock.charge(took, len(pending))
             start += len(pending)
             if self.head_ids is None:
                 return logits[: self.vocab_size].float().cpu()

@@ -42,6 +42,7 @@ from outrider.spec.drafter import (
     DraftControls,
     DrafterBase,
     DraftKind,
+    DraftStepClock,
     Target,
 )
 from outrider.spec.sampling import SamplingParams
@@ -119,6 +120,7 @@ class MTPDrafter(DrafterBase):
         self.hidden = torch.zeros(self.max_len, target.model.config.hidden_size, dtype=target.model.dtype,
                                   device=target.model.device)
         self.device = target.model.device
+        self.step_clock = DraftStepClock()
 
     def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
         super().begin(prompt, params, controls)
@@ -158,14 +160,19 @@ class MTPDrafter(DrafterBase):
             h = torch.cat([torch.zeros_like(self.hidden[:1]), h])
         return ids, h
 
-    def _catch_up(self, head: MTPHead, tokens: list[int], end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _catch_up(self, head: MTPHead, tokens: list[int], end: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Fill `head`'s cache with the target-made rows up to position end-1; the last row's logits and
-        post-norm hidden [1, H]."""
+        post-norm hidden [1, H], and the seconds of the last forward that count as a draft step (it made the
+        logits a draft starts from; the rest of it, and every forward before it, kept up with the target)."""
+        assert head.cache.length < end, "propose cuts the head's cache below t0's row: the last forward remakes it"
         while head.cache.length < end:
             stop = min(end, head.cache.length + PREFILL_CHUNK)
             ids, h = self._rows(head, tokens, stop)
+            t = time.perf_counter()
             logits, hidden = head.forward(ids, h, head.cache.length)
-        return logits, hidden[-1:]
+            took = time.perf_counter() - t
+            step_s = took - self.step_clock.charge(took, len(ids))
+        return logits, hidden[-1:], step_s
 
     def propose(self, tokens: list[int], k: int) -> Draft:
         k = min(k, self.max_len - len(tokens))
@@ -182,10 +189,10 @@ class MTPDrafter(DrafterBase):
         for head in self.heads:
             head.cache.truncate(min(head.cache.length, n))
         seeds = [self._catch_up(head, tokens, n + 1) for head in self.heads]
-        # keeping the heads' caches up with the target (and learning): its size follows the rows accepted since
-        # the last MTP round (in a chain, lookup's), not the draft length, so `auto` does not bill it per token
-        upkeep_s = time.perf_counter() - start
-        logits, hidden = seeds[0]
+        # all of it but the first draft's step keeps up with the target (learning, the rows accepted since the last
+        # MTP round, in a chain lookup's, beyond that step, the other heads' catch-up): not billed per drafted token
+        logits, hidden, first_step_s = seeds[0]
+        upkeep_s = time.perf_counter() - start - first_step_s
         chain = [hidden]  # chain[m]: the hidden that made draft m + 1
 
         def next_logits(drafted: list[int]) -> torch.Tensor:
@@ -195,7 +202,10 @@ class MTPDrafter(DrafterBase):
             if i > 0:  # rows n+1..n+i of this head: draft m at n+m with chain[m-1], those it lacks
                 first = head.cache.length
                 ids = torch.tensor(drafted[first - n - 1:i], device=self.device)
+                t = time.perf_counter()
                 logits, h = head.forward(ids, torch.cat(chain[first - n - 1:i]), first)
+                if len(ids) == 1:
+                    self.step_clock.teach(time.perf_counter() - t)
                 chain.append(h[-1:])
             return head.full_logits(logits, self.vocab).float().cpu()
 
