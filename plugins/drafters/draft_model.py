@@ -28,15 +28,8 @@ from outrider.io.gguf import GGUFFile, stored_weight_bytes
 from outrider.io.tokenizer import Tokenizer, TokenType
 from outrider.models.layers import trunk_layers
 from outrider.models.weight_forms import load_linear
-from outrider.spec.drafter import (
-    NEEDS_DRAFT_MODEL,
-    Draft,
-    DraftControls,
-    DrafterBase,
-    DraftKind,
-    DraftStepClock,
-    Target,
-)
+from outrider.spec.drafter import (NEEDS_DRAFT_MODEL, Draft, DraftControls, DrafterBase, DraftKind, DraftStepClock,
+                                   Target)
 from outrider.spec.sampling import SamplingParams
 
 # llama.cpp's rule: ids below this may differ (special tokens), the rest must spell the same.

@@ -189,8 +189,8 @@ class MTPDrafter(DrafterBase):
         for head in self.heads:
             head.cache.truncate(min(head.cache.length, n))
         seeds = [self._catch_up(head, tokens, n + 1) for head in self.heads]
-        # all of it but the first draft's step keeps up with the target (learning, the rows accepted since the last
-        # MTP round, in a chain lookup's, beyond that step, the other heads' catch-up): not billed per drafted token
+        # all but head 0's draft step is upkeep, not billed per drafted token: learning, the catch-up of rows accepted
+        # since the last MTP round (in a chain, lookup's too) beyond that step, and the other heads' catch-up
         logits, hidden, first_step_s = seeds[0]
         upkeep_s = time.perf_counter() - start - first_step_s
         chain = [hidden]  # chain[m]: the hidden that made draft m + 1
