@@ -142,9 +142,12 @@ class AdaptiveDraftLength:
     def verify_cost(self, n: int) -> float:
         if not self.timed:
             return 1.0 + self.initial_slope * (n - 1)
-        # plain decoding's price (n = 1) stays as measured; a cost carried from another generation caps nothing
-        longer = [s for m, s in self.verify_s.items() if m > n > 1 and ("verify", m) in self.measured]
-        return min(self._verify_estimate(n), *longer) if longer else self._verify_estimate(n)
+        estimate = self._verify_estimate(n)
+        if n == 1:  # plain decoding's price stays as measured
+            return estimate
+        # a cost carried from another generation caps nothing
+        longer = [s for m, s in self.verify_s.items() if m > n and ("verify", m) in self.measured]
+        return min([estimate, *longer])
 
     def _verify_estimate(self, n: int) -> float:
         if n in self.verify_s:

@@ -183,8 +183,7 @@ class DraftModelDrafter(DrafterBase):
             t = time.perf_counter()
             logits = self.model.forward(torch.tensor(pending, device=self.device), start, self.cache, last_only=True)[-1]
             took = time.perf_counter() - t
-            # catching up with tokens the target made certain (after rounds that drafted nothing, as many as there
-            # were): a step of it is the first draft's, the rest keeps up and is not billed per drafted token, or
+            # a catch-up after rounds that drafted nothing: one step of it is the first draft's (DraftStepClock), or
             # one round after a stretch without drafts would price drafting out
             upkeep_s += self.step_clock.charge(took, len(pending))
             start += len(pending)
