@@ -54,3 +54,40 @@ def qwen15_path() -> Path:
     return _real_model_path("OUTRIDER_TEST_QWEN15", "qwen2.5-coder-1.5b")
 
 # ------------------------------------------------------------------------------------------------------
+
+# ------------------------------------------------------------------------------------------------------
+# transformers' reading of a real GGUF file, the oracle of the slow tests: loaded once per session, since
+# transformers parses the file's metadata (the whole vocabulary) in Python for the tokenizer and again for the
+# model, a minute and more for a 150k-token vocabulary on 2 cores.
+
+
+class TransformersGGUF:
+    def __init__(self):
+        self._loaded: dict[tuple[str, str], object] = {}
+
+    def _load(self, kind: str, path: Path):
+        key = (kind, str(path))
+        if key not in self._loaded:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            transformers = pytest.importorskip("transformers")
+            import torch
+
+            folder, name = os.path.split(str(path))
+            if kind == "tokenizer":
+                self._loaded[key] = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            else:
+                self._loaded[key] = transformers.AutoModelForCausalLM.from_pretrained(
+                    folder, gguf_file=name, dtype=torch.float32).eval()
+        return self._loaded[key]
+
+    def tokenizer(self, path: Path):
+        return self._load("tokenizer", path)
+
+    def model(self, path: Path):
+        """In float32 and eval mode; shared, so a test must not change it."""
+        return self._load("model", path)
+
+
+@pytest.fixture(scope="session")
+def transformers_gguf() -> TransformersGGUF:
+    return TransformersGGUF()

@@ -83,11 +83,12 @@ def _read_available(stream) -> str:
 
 
 @pytest.mark.slow
-def test_a_build_killed_midway_builds_again_on_the_next_run(tmp_path):
+def test_a_build_killed_midway_builds_again_on_the_next_run(tmp_path, monkeypatch):
     try:
         native.load()
     except native.NativeUnavailable as e:
         pytest.skip(f"no kernels on this machine: {e}")
+    monkeypatch.setenv("OUTRIDER_NATIVE_CFLAGS", "-O0")  # what is checked is the lock, not the code: a quick build
     home = tmp_path / "home"
     folder = home / "native" / native.build_key()
     first = subprocess.Popen([sys.executable, "-c", LOAD], env=_env(home), stdout=subprocess.PIPE,
@@ -102,3 +103,12 @@ def test_a_build_killed_midway_builds_again_on_the_next_run(tmp_path):
     assert (folder / "lock").exists() and not list(folder.glob("*.so"))
     again = subprocess.run([sys.executable, "-c", LOAD], env=_env(home), capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and "loaded True" in again.stdout, again.stderr
+
+
+def test_extra_compiler_flags_come_after_ours_and_key_a_build_of_their_own(monkeypatch):
+    monkeypatch.delenv("OUTRIDER_NATIVE_CFLAGS", raising=False)
+    ours = native.cflags()
+    key = native.build_key()
+    monkeypatch.setenv("OUTRIDER_NATIVE_CFLAGS", "-O0 -g")
+    assert native.cflags() == [*ours, "-O0", "-g"]  # after -O3: the compiler takes the last -O
+    assert native.build_key() != key

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -108,21 +107,18 @@ def test_the_command_prints_llama_perplexity_lines_and_json(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_model_perplexity_matches_transformers(smollm2_path):
+def test_real_model_perplexity_matches_transformers(smollm2_path, transformers_gguf):
     """transformers computes the same chunks' log-likelihood from the dequantized GGUF: the oracle."""
-    transformers = pytest.importorskip("transformers")
     from outrider.io.gguf import GGUFFile
     from outrider.io.tokenizer import Tokenizer
     from outrider.native import activations as native_activations
     from outrider.plugins.backends.cpu import CPUBackend
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from pydoc_data.topics import topics
 
     text = "\n\n".join(topics[k] for k in sorted(topics))[:12000]
     n_ctx, chunks = 256, 3
-    folder, name = os.path.split(str(smollm2_path))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf = transformers_gguf.model(smollm2_path)
     gguf_file = GGUFFile(smollm2_path)
     tokenizer = Tokenizer.from_gguf(gguf_file)
     tokens = tokenizer.encode(text, add_bos=tokenizer.add_bos, parse_special=False, add_eos=False)

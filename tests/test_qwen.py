@@ -8,7 +8,6 @@ GGUF loader and tokenizer.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -208,11 +207,8 @@ CORPUS = [
 
 
 @pytest.fixture(scope="module")
-def real_qwen(qwen05_path):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    folder, name = os.path.split(str(qwen05_path))
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+def real_qwen(qwen05_path, transformers_gguf):
+    hf_tokenizer, hf_model = transformers_gguf.tokenizer(qwen05_path), transformers_gguf.model(qwen05_path)
     return qwen05_path, hf_model, hf_tokenizer
 
 
@@ -268,15 +264,20 @@ def test_real_pair_speculation_equals_plain_greedy(qwen15_path, qwen05_path):
     target = cpu_target(qwen15_path)
     prompt = target.tokenizer.encode(PAIR_PROMPT)
 
-    def generate(drafter, draft_max):
+    def set_up(drafter):
         drafter.setup(target)
+        return drafter
+
+    # each drafter is set up once and then runs one generation after another, as a server's does (a set-up
+    # 0.5B also spares this test a load per run)
+    def generate(drafter, draft_max):
         runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=draft_max), context=512)
         return list(runner.generate(prompt, 40, SamplingParams())), runner.stats
 
-    expected, _ = generate(NoDrafter(), 0)
-    draft = DraftModelDrafter(model=str(qwen05_path))
-    for drafter, draft_max in [(draft, 4), (draft, "auto"),
-                               (DrafterChain([LookupDrafter(), draft], ["lookup", "draft-model"]), "auto")]:
+    expected, _ = generate(set_up(NoDrafter()), 0)
+    draft = set_up(DraftModelDrafter(model=str(qwen05_path)))
+    chain = DrafterChain([set_up(LookupDrafter()), draft], ["lookup", "draft-model"])  # its members set up
+    for drafter, draft_max in [(draft, 4), (draft, "auto"), (chain, "auto")]:
         out, stats = generate(drafter, draft_max)
         assert out == expected, (draft_max, target.tokenizer.decode(out), target.tokenizer.decode(expected))
         assert stats.drafted > 0
@@ -293,12 +294,11 @@ def test_real_pair_speculation_equals_plain_greedy(qwen15_path, qwen05_path):
     params = SamplingParams(temperature=0.7, top_p=0.95, seed=7)
 
     def sample(drafter, draft_max):
-        drafter.setup(target)
         runner = Runner(target, drafter, SampledAcceptor(), DrafterTraits.of(drafter, draft_max=draft_max), context=512)
         return list(runner.generate(prompt, 40, params)), runner.stats
 
-    expected, _ = sample(NoDrafter(), 0)
-    out, stats = sample(DraftModelDrafter(model=str(qwen05_path)), 4)
+    expected, _ = sample(set_up(NoDrafter()), 0)
+    out, stats = sample(draft, 4)
     assert out == expected and stats.drafted > 0, (target.tokenizer.decode(out), target.tokenizer.decode(expected))
-    out, stats = sample(DraftModelDrafter(model=str(qwen05_path), sample=True), 4)
+    out, stats = sample(set_up(DraftModelDrafter(model=str(qwen05_path), sample=True)), 4)
     assert len(out) == 40 and stats.accepted >= 0.6 * stats.drafted > 0, (stats.drafted, stats.accepted)  # 31 of 31

@@ -10,7 +10,6 @@ says why.
 from __future__ import annotations
 
 import json
-import os
 
 import gguf
 import pytest
@@ -384,18 +383,15 @@ GEMMA3_LONG_SPACE_RUN = "x" + " " * 40 + "y"
 
 
 @pytest.fixture(scope="module")
-def real_models(request):
+def real_models(request, transformers_gguf):
     """Per model name: (path, our tokenizer, transformers' tokenizer), loaded once for this module."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
     loaded = {}
 
     def load(name):
         if name not in loaded:
             path = request.getfixturevalue(f"{name}_path")
             ours = Tokenizer.from_gguf(GGUFFile(path))
-            theirs = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            theirs = transformers_gguf.tokenizer(path)
             loaded[name] = (path, ours, theirs)
         return loaded[name]
 

@@ -223,7 +223,7 @@ def lane_form(kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch
         nibbles = _nibble_lanes(g[..., :16])
         c = nibbles
         if kind == KIND_Q5:  # bit 4 of each code as 64-bit masks: (low, high) x four dwords, bit 4j + t
-            bits = torch.from_numpy(_high_bits(g[..., 16:].contiguous().numpy(), 32))  # [block x 16 x groups, 32]
+            bits = torch.from_numpy(_high_bits(g[..., 16:].numpy()))  # [block x 16 x groups, 32]
             bits = bits.reshape(blocks, LANES, groups, 2, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(-1, 64)
             masks = torch.from_numpy(np.packbits(bits.numpy(), axis=-1, bitorder="little")).reshape(blocks, groups, 64)
             c = torch.cat([nibbles, masks], dim=-1)
@@ -276,10 +276,9 @@ def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
     return (qs & np.uint8(0x0F)).reshape(qs.shape[0], -1)
 
 
-def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
-    """Bit i of each block's little-endian 32-bit qh, for i < count (Q5_0, Q5_1)."""
-    bits = qh.copy().view(np.uint32).reshape(-1, 1) >> np.arange(count, dtype=np.uint32).reshape(1, -1)
-    return (bits & 1).astype(np.uint8)
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Bit i of each block's little-endian 32-bit qh (Q5_0, Q5_1) at [block, i], as uint8 0/1."""
+    return np.unpackbits(np.ascontiguousarray(qh).reshape(-1, 4), axis=-1, bitorder="little")
 
 
 def block_codes(raw: np.ndarray, qtype: Q, factors: BlockFactors | None = None
@@ -305,7 +304,7 @@ def block_codes(raw: np.ndarray, qtype: Q, factors: BlockFactors | None = None
     if qtype in (Q.Q5_0, Q.Q5_1):
         size = 22 if qtype == Q.Q5_0 else 24
         b = raw.reshape(-1, size)
-        q = _nibbles(b[:, size - 16:].copy(), 16) | (_high_bits(b[:, size - 20:size - 16], 32) << 4)
+        q = _nibbles(b[:, size - 16:].copy(), 16) | (_high_bits(b[:, size - 20:size - 16]) << 4)
         if qtype == Q.Q5_0:
             return q, _f16(b[:, 0:2]), -16 * _f16(b[:, 0:2]), 32
         return q, _f16(b[:, 0:2]), _f16(b[:, 2:4]), 32
@@ -374,10 +373,9 @@ def _pack_5bit(codes: torch.Tensor) -> torch.Tensor:
     """[N, K] codes 0..31 -> [N, K/32 * 20] bytes: per group of 32 the low 4 bits as `_pack_nibbles`, then
     a little-endian 32-bit word whose bit j is bit 4 of code j."""
     n = codes.shape[0]
-    c = codes.to(torch.int64).reshape(n, -1, 32)
+    c = codes.to(torch.uint8).reshape(n, -1, 32)
     nibbles = _pack_nibbles((c & 15).reshape(n, -1)).reshape(n, -1, 16)
-    word = ((c >> 4) << torch.arange(32)).sum(-1)  # [N, groups]
-    high = torch.stack([(word >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
+    high = torch.from_numpy(np.packbits((c >> 4).numpy(), axis=-1, bitorder="little"))  # the word's 4 bytes
     return torch.cat([nibbles, high], dim=-1).reshape(n, -1)
 
 

@@ -18,6 +18,10 @@ Where the build fails (no compiler, no ninja, a compile error) `load()` raises `
 reason, and the CPU backend falls back to torch's own ops. The failure is remembered in a marker file in
 that folder, keyed by the compiler too, so later processes fall back at once instead of trying again;
 deleting the marker, a different compiler (`CXX`) or ninja, or `OUTRIDER_NATIVE_RETRY=1` tries again.
+
+`OUTRIDER_NATIVE_MARCH` builds for another CPU level than `native`; `OUTRIDER_NATIVE_CFLAGS` adds compiler
+flags after Outrider's own, so that they win (`-g` to debug a kernel, `-O0` for a quick build). Both are part
+of the key: each setting has its own build.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import hashlib
 import io
 import os
 import platform
+import shlex
 import shutil
 import sys
 import tempfile
@@ -51,7 +56,7 @@ def cflags() -> list[str]:
         # lost the bits of single steps. Fusing every one keeps -ffp-contract=fast the same whatever
         # -mtune says.
         flags.append("--param=avoid-fma-max-bits=0")
-    return flags
+    return flags + shlex.split(os.environ.get("OUTRIDER_NATIVE_CFLAGS", ""))
 
 
 def _compiler() -> str:
