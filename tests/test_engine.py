@@ -36,6 +36,19 @@ def tiny_paths(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------- GGUF
 
 
+def test_an_untied_quantized_token_table_is_held_in_its_codes_and_gives_the_gguf_rows(tiny_paths):
+    """Compact weights keep the token table quantized (a 150k-token float32 table is most of a gigabyte) and
+    dequantize the rows looked up: the `gguf` package's dequantization of those rows, bit for bit."""
+    path = tiny_paths["llama"]  # untied, its table Q8_0
+    reference = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+    assert reference.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    table = torch.from_numpy(gguf.quants.dequantize(reference.data, reference.tensor_type)).float()
+    model = load_model(GGUFFile(path), weights="compact")
+    assert model.embed.table is None
+    ids = torch.tensor([0, 5, 5, table.shape[0] - 1, 17])
+    assert torch.equal(model.embed(ids), table[ids])
+
+
 def test_dequantization_matches_the_gguf_reference(tiny_paths):
     for path in tiny_paths.values():
         ours = GGUFFile(path)

@@ -239,6 +239,21 @@ def test_real_qwen_logits_match_transformers(real_qwen, weights):
             torch.testing.assert_close(ours, theirs, atol=REAL_LOGIT_ATOL, rtol=0)
 
 
+@pytest.mark.slow
+def test_real_quantized_token_tables_are_held_in_their_codes(qwen05_path):
+    """The 0.5B's Q5_0 table (its rows of 896 fit no K-quant): held as codes, its rows the `gguf` package's."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    reference = next(t for t in GGUFReader(qwen05_path).tensors if t.name == "token_embd.weight")
+    assert reference.tensor_type == GGMLQuantizationType.Q5_0
+    ids = torch.arange(0, int(reference.shape[1]), 101)
+    rows = torch.from_numpy(dequantize(reference.data[ids.numpy()], reference.tensor_type)).float()
+    model = load_model(GGUFFile(qwen05_path), weights="compact")
+    assert model.embed.table is None
+    assert torch.equal(model.embed(ids), rows)
+
+
 # ------------------------------------------------------------------------ the real pair: 1.5B with its 0.5B
 
 PAIR_PROMPT = ("<|im_start|>user\nRename x to count and return the code:\ndef f(items):\n    x = 0\n"

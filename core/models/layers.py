@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from outrider.errors import ModelFileError
 from outrider.models.kv_cache import KVCache
-from outrider.models.linear import rms_norm
+from outrider.models.linear import FLOAT_TYPES, rms_norm
 from outrider.models.weight_forms import load_linear
 
 ATTENTION_DTYPE = torch.float64  # torch attention and its KV cache with batch_invariant; see attention()
@@ -183,11 +183,12 @@ def default_scale(head_dim: int) -> float:
 
 
 class TokenEmbedding:
-    """Row lookup in the token table. With tied embeddings the rows come from the output head, in
-    whatever form it is held, so the table is held once."""
+    """Row lookup in the token table: a dense `table`, or the rows of `packed` (the output head, when the file
+    ties them, or the file's own quantized codes), dequantized as they are looked up, as llama.cpp's get_rows
+    does: a 150k-token table in float32 is most of a gigabyte."""
 
-    def __init__(self, table: torch.Tensor | None, head, dtype: torch.dtype):
-        self.head, self.dtype = head, dtype
+    def __init__(self, table: torch.Tensor | None, packed, dtype: torch.dtype):
+        self.head, self.dtype = packed, dtype
         self.table = None if table is None else table.to(dtype)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -204,6 +205,11 @@ def load_ends(g, packed: bool | str, dtype: torch.dtype, device) -> tuple[object
     `output.weight`, or the embedding table when the file ties them (then held once, in the head)."""
     tied = "output.weight" not in g.tensors
     head = load_linear(g, ["token_embd.weight" if tied else "output.weight"], packed, dtype, device)
-    # a tied head serves the embedding's rows where its form can (int4 tiles cannot: they get a table)
-    table = None if tied and hasattr(head, "rows") else g.load("token_embd.weight").to(device)
-    return head, TokenEmbedding(table, head, dtype), g.load("output_norm.weight").to(dtype).to(device)
+    # a tied head serves the embedding's rows where its form can (int4 tiles cannot: they get a table); an
+    # untied quantized table is held in its codes where the native kernels read them
+    rows, table = head if tied and hasattr(head, "rows") else None, None
+    if rows is None and packed in (True, "native") and g.tensors["token_embd.weight"].type not in FLOAT_TYPES:
+        rows = load_linear(g, ["token_embd.weight"], packed, dtype, device, lanes=False)
+    if not hasattr(rows, "rows"):
+        rows, table = None, g.load("token_embd.weight").to(device)
+    return head, TokenEmbedding(table, rows, dtype), g.load("output_norm.weight").to(dtype).to(device)

@@ -128,7 +128,7 @@ class StackedLinear(DenseLinear):
 
 class PackedLinear:
     def __init__(self, kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                 group: int, n_out: int, k: int, factors: ScaleFactors | None = None):
+                 group: int, n_out: int, k: int, factors: ScaleFactors | None = None, lanes: bool = True):
         self.kernels = native.load()
         self.kind, self.group, self.n_out, self.k = kind, group, n_out, k
         self.codes = codes.contiguous()
@@ -136,7 +136,8 @@ class PackedLinear:
         self.zeros = (torch.empty(0) if zeros is None else zeros.to(torch.float32)).contiguous()
         # AVX2 and AVX512-VNNI builds hold the lane form, what the int8 kernels read; with int8 activations
         # it is the only form held (see hold_rows). OUTRIDER_LANE_TILES=0 leaves it out (to measure against).
-        use_lanes = self.kernels.HAS_LANE_TILES and os.environ.get("OUTRIDER_LANE_TILES", "1") != "0"
+        # A table only read by rows (`lanes=False`: an input embedding) holds the row form alone.
+        use_lanes = lanes and self.kernels.HAS_LANE_TILES and os.environ.get("OUTRIDER_LANE_TILES", "1") != "0"
         if not _factored_scales_wanted():
             factors = None
         # the int8 codes of a Q6_K weight fit six bits (OUTRIDER_SIX_BIT_LANES=0: held as eight, to measure
@@ -379,7 +380,7 @@ def _pack_5bit(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat([nibbles, high], dim=-1).reshape(n, -1)
 
 
-def load_packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
+def load_packed(g: GGUFFile, names: Sequence[str], remap, lanes: bool = True) -> PackedLinear:
     """Stack the tensors `names` (fused projections) in one form they all fit exactly: 4-bit nibbles if
     every part is 4-bit, 5-bit codes if every part is 4- or 5-bit, else int8 codes (per 16 if any part
     needs it, zeros if any part has them), else float32 when any part is a float tensor."""
@@ -423,7 +424,7 @@ def load_packed(g: GGUFFile, names: Sequence[str], remap) -> PackedLinear:
         sub_scales, super_scales, sub_zeros, super_zeros = (torch.cat(column) for column in zip(*factor_columns))
         factors = ScaleFactors(sub_scales, super_scales, *((sub_zeros, super_zeros) if with_zero else (None, None)))
     return PackedLinear(kind, codes, torch.cat(scales), torch.cat(zeros) if with_zero else None, group,
-                        codes.shape[0], k, factors)
+                        codes.shape[0], k, factors, lanes)
 
 
 def _factored_scales_wanted() -> bool:
