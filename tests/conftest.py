@@ -53,7 +53,6 @@ def qwen05_path() -> Path:
 def qwen15_path() -> Path:
     return _real_model_path("OUTRIDER_TEST_QWEN15", "qwen2.5-coder-1.5b")
 
-# ------------------------------------------------------------------------------------------------------
 
 # ------------------------------------------------------------------------------------------------------
 # transformers' reading of a real GGUF file, the oracle of the slow tests: loaded once per session, since
@@ -90,4 +89,5 @@ class TransformersGGUF:
 
 @pytest.fixture(scope="session")
 def transformers_gguf() -> TransformersGGUF:
+    pytest.importorskip("transformers")  # before a test's real model is fetched
     return TransformersGGUF()

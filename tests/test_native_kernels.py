@@ -950,8 +950,8 @@ def test_every_default_kernel_path_compiles_here(label, tmp_path):
     assert all(f"#define {m} " in probe.stdout for m in wanted), f"{label} does not define {wanted}"
 
     def compile_one(source):
-        # -O0: this checks that each path compiles (intrinsics inline into their callers at any level); the
-        # optimiser's time is what the bit-exactness tests on such CPUs pay for
+        # -O0: what is checked here is that each path compiles (intrinsics inline into their callers at any
+        # level); the optimised code is tested by the bit-exactness tests on CPUs that have these instructions
         command = [native._compiler(), *flags, *march, "-O0", "-std=c++20", "-fPIC",
                    "-DTORCH_EXTENSION_NAME=compile_check", "-DTORCH_API_INCLUDE_EXTENSION_H", *includes, "-c",
                    str(source), "-o", str(tmp_path / f"{source.stem}.o")]

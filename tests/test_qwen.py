@@ -8,7 +8,6 @@ GGUF loader and tokenizer.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from oracles.llama_cpp import ReferenceUnavailable
@@ -241,17 +240,22 @@ def test_real_qwen_logits_match_transformers(real_qwen, weights):
 
 @pytest.mark.slow
 def test_real_quantized_token_tables_are_held_in_their_codes(qwen05_path):
-    """The 0.5B's Q5_0 table (its rows of 896 fit no K-quant): held as codes, its rows the `gguf` package's."""
+    """The 0.5B's Q5_0 table (its rows of 896 fit no K-quant): held as codes, its rows the `gguf` package's,
+    and with int8 activations too, where the other weights keep only their lane tiles."""
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
+
+    from outrider.native import activations as native_activations
 
     reference = next(t for t in GGUFReader(qwen05_path).tensors if t.name == "token_embd.weight")
     assert reference.tensor_type == GGMLQuantizationType.Q5_0
     ids = torch.arange(0, int(reference.shape[1]), 101)
     rows = torch.from_numpy(dequantize(reference.data[ids.numpy()], reference.tensor_type)).float()
-    model = load_model(GGUFFile(qwen05_path), weights="compact")
-    assert model.embed.table is None
-    assert torch.equal(model.embed(ids), rows)
+    with native_activations("int8"):
+        model = load_model(GGUFFile(qwen05_path), weights="compact")
+        table = model.embed.row_source
+        assert model.embed.table is None and table.codes.numel() > 0 and not table.lanes
+        assert torch.equal(model.embed(ids), rows)
 
 
 # ------------------------------------------------------------------------ the real pair: 1.5B with its 0.5B

@@ -177,12 +177,16 @@ class TensorsInMemory(GGUFFile):
         self._data.clear()
 
 
-def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
-               path: Path | str = "", name: str = "") -> torch.Tensor:
-    """Raw GGUF bytes -> float32 tensor of `shape`."""
+def check_supported(qtype: GGMLQuantizationType, path: Path | str, name: str) -> None:
     if qtype not in SUPPORTED_TYPES:
         raise ModelFileError(f"{path}: tensor {name} uses quantization {qtype.name}, which Outrider does not support; "
                              f"re-quantize the model to one of {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}")
+
+
+def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
+               path: Path | str = "", name: str = "") -> torch.Tensor:
+    """Raw GGUF bytes -> float32 tensor of `shape`."""
+    check_supported(qtype, path, name)
     if qtype == GGMLQuantizationType.F32:
         return torch.from_numpy(data.view(np.float32).copy()).reshape(shape)
     if qtype == GGMLQuantizationType.F16:

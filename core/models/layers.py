@@ -183,18 +183,18 @@ def default_scale(head_dim: int) -> float:
 
 
 class TokenEmbedding:
-    """Row lookup in the token table: a dense `table`, or the rows of `packed` (the output head, when the file
-    ties them, or the file's own quantized codes), dequantized as they are looked up, as llama.cpp's get_rows
-    does: a 150k-token table in float32 is most of a gigabyte."""
+    """Row lookup in the token table: a dense `table`, or the rows of `row_source` (the output head, when the
+    file ties them, or a layer holding the table's own quantized codes), dequantized as they are looked up, as
+    llama.cpp's get_rows does: a 150k-token table in float32 is most of a gigabyte."""
 
-    def __init__(self, table: torch.Tensor | None, packed, dtype: torch.dtype):
-        self.head, self.dtype = packed, dtype
+    def __init__(self, table: torch.Tensor | None, row_source, dtype: torch.dtype):
+        self.row_source, self.dtype = row_source, dtype
         self.table = None if table is None else table.to(dtype)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
             return self.table[tokens]
-        return self.head.rows(tokens).to(self.dtype)
+        return self.row_source.rows(tokens).to(self.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [] if self.table is None else [self.table]
@@ -207,9 +207,8 @@ def load_ends(g, packed: bool | str, dtype: torch.dtype, device) -> tuple[object
     head = load_linear(g, ["token_embd.weight" if tied else "output.weight"], packed, dtype, device)
     # a tied head serves the embedding's rows where its form can (int4 tiles cannot: they get a table); an
     # untied quantized table is held in its codes where the native kernels read them
-    rows, table = head if tied and hasattr(head, "rows") else None, None
-    if rows is None and packed in (True, "native") and g.tensors["token_embd.weight"].type not in FLOAT_TYPES:
-        rows = load_linear(g, ["token_embd.weight"], packed, dtype, device, lanes=False)
-    if not hasattr(rows, "rows"):
-        rows, table = None, g.load("token_embd.weight").to(device)
-    return head, TokenEmbedding(table, rows, dtype), g.load("output_norm.weight").to(dtype).to(device)
+    row_source = head if tied and hasattr(head, "rows") else None
+    if row_source is None and packed in (True, "native") and g.tensors["token_embd.weight"].type not in FLOAT_TYPES:
+        row_source = load_linear(g, ["token_embd.weight"], packed, dtype, device, lanes=False)
+    table = None if row_source is not None else g.load("token_embd.weight").to(device)
+    return head, TokenEmbedding(table, row_source, dtype), g.load("output_norm.weight").to(dtype).to(device)

@@ -37,7 +37,7 @@ from gguf import GGMLQuantizationType as Q
 
 from outrider.errors import ConfigError
 from outrider import native
-from outrider.io.gguf import GGUFFile
+from outrider.io.gguf import GGUFFile, check_supported
 from outrider.native import when_float32
 from outrider.native.codes import ACTIVATIONS as ACTIVATION_CODES
 from outrider.native.codes import WEIGHT_KINDS
@@ -138,12 +138,12 @@ class PackedLinear:
         # it is the only form held (see hold_rows). OUTRIDER_LANE_TILES=0 leaves it out (to measure against).
         # A table only read by rows (`lanes=False`: an input embedding) holds the row form alone.
         use_lanes = lanes and self.kernels.HAS_LANE_TILES and os.environ.get("OUTRIDER_LANE_TILES", "1") != "0"
-        if not _factored_scales_wanted():
+        if not use_lanes or not _factored_scales_wanted():
             factors = None
         # the int8 codes of a Q6_K weight fit six bits (OUTRIDER_SIX_BIT_LANES=0: held as eight, to measure
         # against); per-32 int8 codes (Q8_0's) all but never do, so the six-bit tiles are per-16 ones only
-        six_bit = (kind == KIND_Q8 and group == 16 and self.kernels.SIX_BIT_LANES and fits_six_bits(self.codes)
-                   and os.environ.get("OUTRIDER_SIX_BIT_LANES", "1") != "0")
+        six_bit = (use_lanes and kind == KIND_Q8 and group == 16 and self.kernels.SIX_BIT_LANES
+                   and fits_six_bits(self.codes) and os.environ.get("OUTRIDER_SIX_BIT_LANES", "1") != "0")
         self.lanes = lane_form(kind, self.codes, self.scales, self.zeros, group, n_out, k, factors,
                                six_bit) if use_lanes else []
         if self.lanes and self.kernels.int8_activations():
@@ -391,13 +391,14 @@ def load_packed(g: GGUFFile, names: Sequence[str], remap, lanes: bool = True) ->
         return PackedLinear(KIND_F32, weight.float(), torch.empty(0), None, 32, weight.shape[0], k)
     parts = []
     for info in infos:
+        check_supported(info.type, g.path, info.name)
         raw = g.raw(info.name)
         factors = block_scale_factors(raw, info.type)
         codes, scale, zero, group = block_codes(raw, info.type, factors)
         rows = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a)).reshape(info.shape[0], -1)
         parts.append((rows(codes), rows(scale), rows(zero), group,
                       None if factors is None else [rows(a) for a in factors]))
-    factored = _factored_scales_wanted() and all(p[4] is not None for p in parts)
+    factored = lanes and _factored_scales_wanted() and all(p[4] is not None for p in parts)
     group = min(p[3] for p in parts)
     with_zero = any(p[2] is not None for p in parts)
     four_bit = all(info.type in INT4_TYPES for info in infos)

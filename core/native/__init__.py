@@ -56,7 +56,10 @@ def cflags() -> list[str]:
         # lost the bits of single steps. Fusing every one keeps -ffp-contract=fast the same whatever
         # -mtune says.
         flags.append("--param=avoid-fma-max-bits=0")
-    return flags + shlex.split(os.environ.get("OUTRIDER_NATIVE_CFLAGS", ""))
+    try:
+        return flags + shlex.split(os.environ.get("OUTRIDER_NATIVE_CFLAGS", ""))
+    except ValueError as e:
+        raise ConfigError(f"OUTRIDER_NATIVE_CFLAGS: {e}; quote it as a shell would") from None
 
 
 def _compiler() -> str:
