@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -61,30 +62,28 @@ def qwen15_path() -> Path:
 
 
 class TransformersGGUF:
-    def __init__(self):
-        self._loaded: dict[tuple[str, str], object] = {}
+    """transformers' tokenizer and float32 model of a GGUF file, each read once; shared, so a test must not
+    change them."""
 
-    def _load(self, kind: str, path: Path):
-        key = (kind, str(path))
-        if key not in self._loaded:
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            transformers = pytest.importorskip("transformers")
-            import torch
+    @staticmethod
+    def _args(path: Path) -> tuple[str, str]:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        return os.path.split(str(path))
 
-            folder, name = os.path.split(str(path))
-            if kind == "tokenizer":
-                self._loaded[key] = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-            else:
-                self._loaded[key] = transformers.AutoModelForCausalLM.from_pretrained(
-                    folder, gguf_file=name, dtype=torch.float32).eval()
-        return self._loaded[key]
-
+    @functools.cache
     def tokenizer(self, path: Path):
-        return self._load("tokenizer", path)
+        import transformers
 
+        folder, name = self._args(path)
+        return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+    @functools.cache
     def model(self, path: Path):
-        """In float32 and eval mode; shared, so a test must not change it."""
-        return self._load("model", path)
+        import torch
+        import transformers
+
+        folder, name = self._args(path)
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
