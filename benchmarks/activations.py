@@ -11,7 +11,7 @@ modes alternated within every repetition, in one run.
 
 For each model and mode it prints the median time per k in ms, and int8's time over float32's for the
 same k (below 1: int8 is faster); with --scales, int8 with K-quants' scales held factored and Q6_K's codes
-in six bits, as the file holds them (AVX2 builds), against int8 with float32 scales and eight-bit codes
+in six bits, as the file holds them (builds with F16C), against int8 with float32 scales and eight-bit codes
 (OUTRIDER_FACTORED_SCALES=0 OUTRIDER_SIX_BIT_LANES=0), the model loaded in each form, with the megabytes of
 weights a step reads; with --amx, int8 with AMX tiles from --amx-min-rows rows against int8
 without them (CPUs with amx_int8); with --floor, int8 alone beside the least time its products can take:
@@ -114,7 +114,7 @@ def main() -> None:
     if args.floor and 1 not in args.rows:
         args.rows = [1] + args.rows  # the step the floor is counted in
     if args.scales and not native.load().FACTORED_SCALES:
-        parser.error("--scales needs a build whose lane tiles read factored scales (AVX2 without AVX512-VNNI)")
+        parser.error("--scales needs a build whose lane tiles read factored scales (AVX2 and F16C)")
     models = args.models + [synthetic(spec) for spec in args.synthetic]
     forms = {"": None}  # OUTRIDER_FACTORED_SCALES and _SIX_BIT_LANES each mode's model is loaded with (None: as set)
     if args.scales:

@@ -597,7 +597,7 @@ FACTORED_NAMES = [["k.Q4_K"], ["k.Q5_K"], ["k.Q6_K"], ["p.Q6_K"], ["k.Q5_K", "k.
 
 @pytest.mark.parametrize("names", FACTORED_NAMES, ids=["+".join(names) for names in FACTORED_NAMES])
 def test_factored_k_quant_scales_give_the_float32_scales_bits(int8_kernels, weights, names, monkeypatch):
-    """Where the build reads them so (AVX2 lane tiles), a K-quant's lane form holds its scales and zeros as the
+    """Where the build reads them so (lane tiles with F16C), a K-quant's lane form holds its scales and zeros as the
     file does: int8 sub-scales per unit times a float16 super-scale per 256 weights of a row, fused tensors of
     mixed K-quants too, their rows selected and reordered by row maps (a reduced head, llama's q/k order).
     Every such product is exact in float32, so for every row count (1-40: one-row steps, the tiles and their
@@ -641,7 +641,7 @@ SIX_BIT_NAMES = [["k.Q6_K"], ["p.Q6_K"], ["w.Q6_K"], ["k.Q4_K", "k.Q6_K"], ["k.Q
 
 @pytest.mark.parametrize("names", SIX_BIT_NAMES, ids=["+".join(names) for names in SIX_BIT_NAMES])
 def test_six_bit_lanes_give_the_eight_bit_lanes_bits(int8_kernels, weights, names, monkeypatch):
-    """Where the build reads them (AVX2 lane tiles), int8 codes within -32..31 (Q6_K's, and K-quants fused
+    """Where the build reads them (lane tiles with F16C), int8 codes within -32..31 (Q6_K's, and K-quants fused
     with it) are held in six bits, as the file holds them: their integer sums are the int8 codes' to the
     integer, so for every row count (1-40) the products are the bits of the eight-bit form, in 3/4 of its
     code bytes, and the row form comes back exactly; codes beyond six bits (Q8_0) keep eight."""

@@ -10,8 +10,8 @@ how a weight is held decides the speed. Two forms:
   (Q4_0, Q4_1, Q4_K) as packed nibbles, 5-bit types (Q5_0, Q5_1, Q5_K) as nibbles plus a word of high
   bits, Q6_K and Q8_0 as int8 codes, one scale (and zero) per 32 weights, per 16 for Q6_K; float tensors
   as float32. With int8 activations on AVX2 or AVX512-VNNI the same codes are held in the lane form
-  instead (`lane_form`: 16 weight rows interleaved per block, what the kernels' lane tiles read); where
-  the tiles are AVX2 ones, that form keeps K-quants' scales factored (`ScaleFactors`) and Q6_K's codes in
+  instead (`lane_form`: 16 weight rows interleaved per block, what the kernels' lane tiles read); with
+  F16C (every such CPU), that form keeps K-quants' scales factored (`ScaleFactors`) and Q6_K's codes in
   six bits, as the file does, the same bits in fewer bytes.
 - `DenseLinear` (`weights = dense`, the CUDA backend, or where the kernels cannot be built): the
   dequantized matrix in the model's dtype, through torch.

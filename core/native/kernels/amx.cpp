@@ -39,7 +39,7 @@ int amx_from_rows() { return amx_min_rows.load(std::memory_order_relaxed); }
 #if defined(INT8_AMX)
 // AMX (Intel since Sapphire Rapids): TDPBSUD multiplies a tile of up to 16 rows of x's signed codes by a
 // tile of unsigned weight codes laid out four adjacent codes of 16 weight rows to a 64-byte row, which is
-// the lane form itself: 8-bit codes are read in place, 4- and 5-bit ones unpacked to bytes once per group
+// the lane form itself: 8-bit codes are read in place, 4-, 5- and six-bit ones unpacked to bytes once per group
 // for all of a tile's rows. One instruction gives every row's 16 sums of a group (of each half, with
 // scales per 16), the integers the dpbusd chains of int8_avx512_vnni.cpp's lane tile give, and the float steps after it
 // are that tile's, op for op: so the bits are the same whichever of the two runs a tile, and a verify pass over k
@@ -74,7 +74,7 @@ static void amx_lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t
   constexpr int64_t BYTES = lane_group_bytes(KIND);
   constexpr int K = 32 / S;  // codes per product
   constexpr int SLOTS = 4 / S, AHEAD = SLOTS - 1;
-  const int64_t groups = xq.groups, count = groups * S;
+  const int64_t groups = xq.groups, count = groups * S, supers = groups / 8;
   const GroupMajorRows<R, S> rows(xq, r0);
   alignas(64) uint8_t unpacked[SLOTS][512];
   alignas(64) int32_t sums[SLOTS][S][R * 16];
@@ -84,22 +84,34 @@ static void amx_lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t
   for (int t = 4; t < 6; ++t) config.rows[t] = R, config.colsb[t] = K;
   for (int t = 6; t < 8; ++t) config.rows[t] = K / 4, config.colsb[t] = 64;
   _tile_loadconfig(&config);
-  // a group's 4- or 5-bit codes as bytes: rows 0-3 the codes 4m.. (low nibbles), 4-7 the codes 16 + 4m..
+  // a group's 4-, 5- or six-bit codes as bytes: rows 0-3 the codes 4m.., 4-7 the codes 16 + 4m.. (8-bit
+  // codes are held so)
   auto weight_bytes = [&](const uint8_t* pg, uint8_t* out) __attribute__((always_inline)) {
     if constexpr (KIND == KIND_Q8) return pg;
-    for (int m = 0; m < 4; ++m) {
-      __m512i lo, hi;
-      zmm_lane_codes<KIND>(pg, m, lo, hi);
-      _mm512_store_si512(out + 64 * m, lo);
-      _mm512_store_si512(out + 256 + 64 * m, hi);
+    if constexpr (KIND == KIND_Q6_LANES) {
+      for (int q = 0; q < 2; ++q) {
+        __m512i lo[2], hi[2];
+        zmm_lane_codes6(pg, q, lo, hi);
+        for (int i = 0; i < 2; ++i) {
+          _mm512_store_si512(out + 64 * (2 * q + i), lo[i]);
+          _mm512_store_si512(out + 256 + 64 * (2 * q + i), hi[i]);
+        }
+      }
+    } else {
+      for (int m = 0; m < 4; ++m) {
+        __m512i lo, hi;
+        zmm_lane_codes<KIND>(pg, m, lo, hi);
+        _mm512_store_si512(out + 64 * m, lo);
+        _mm512_store_si512(out + 256 + 64 * m, hi);
+      }
     }
     return static_cast<const uint8_t*>(out);
   };
   const auto* x = reinterpret_cast<const uint8_t*>(rows.codes(0, 0));  // group g's rows at x + g * R * 32
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* p = w.codes + b * groups * BYTES;
-    const float* s = w.scales + b * count * 16;
-    const float* z = w.zeros ? w.zeros + b * count * 16 : nullptr;
+    const BlockScales<8 * S> scale(w.scales, w.sub_scales, w.super_scales, b, count, supers);
+    const BlockScales<8 * S> zero(w.zeros, w.sub_zeros, w.super_zeros, b, count, supers);
     auto products = [&](int64_t g) __attribute__((always_inline)) {
       const uint8_t* pg = p + g * BYTES;
       for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + LANE_PREFETCH_BYTES + i), _MM_HINT_T0);
@@ -131,7 +143,7 @@ static void amx_lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t
       if (g + AHEAD < groups) products(g + AHEAD);
       const auto& sum = sums[g % SLOTS];
       if constexpr (S == 1) {
-        const __m512 ws = _mm512_loadu_ps(s + g * 16);
+        const __m512 ws = scale(g);
         for (int r = 0; r < R; ++r) {
           __m512i total = _mm512_load_si512(sum[0] + 16 * r);
           if constexpr (KIND == KIND_Q8) total = _mm512_add_epi32(_mm512_set1_epi32(rows.start(g, 0, r)), total);
@@ -139,18 +151,20 @@ static void amx_lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t
           acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws, d), _mm512_cvtepi32_ps(total), acc[r]);
         }
       } else {
-        const __m512 ws_a = _mm512_loadu_ps(s + g * 32), ws_b = _mm512_loadu_ps(s + g * 32 + 16);
+        const __m512 ws_a = scale(g * 2), ws_b = scale(g * 2 + 1);
         for (int r = 0; r < R; ++r) {
-          const __m512i a = _mm512_add_epi32(_mm512_set1_epi32(rows.start(g, 0, r)), _mm512_load_si512(sum[0] + 16 * r));
-          const __m512i e = _mm512_add_epi32(_mm512_set1_epi32(rows.start(g, 1, r)), _mm512_load_si512(sum[1] + 16 * r));
+          const __m512i a = _mm512_add_epi32(_mm512_set1_epi32(lane_start<KIND>(rows.start(g, 0, r))),
+                                             _mm512_load_si512(sum[0] + 16 * r));
+          const __m512i e = _mm512_add_epi32(_mm512_set1_epi32(lane_start<KIND>(rows.start(g, 1, r))),
+                                             _mm512_load_si512(sum[1] + 16 * r));
           const __m512 d = _mm512_set1_ps(rows.d(g, r));
           acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws_a, d), _mm512_cvtepi32_ps(a), acc[r]);
           acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws_b, d), _mm512_cvtepi32_ps(e), acc[r]);
         }
       }
-      if (z) {  // as in the dpbusd tile
+      if (w.zeros || w.sub_zeros) {  // as in the dpbusd tile
         for (int h = 0; h < S; ++h) {
-          const __m512 wz = _mm512_loadu_ps(z + (g * S + h) * 16);
+          const __m512 wz = zero(g * S + h);
           for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(wz, _mm512_set1_ps(rows.zero_sum(g, h, r)), acc[r]);
         }
       }

@@ -237,6 +237,51 @@ static inline void zmm_lane_codes(const uint8_t* pg, int m, __m512i& lo, __m512i
     hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mask_hi, bit4));
   }
 }
+
+// Registers 2p and 2p + 1 of a group's six-bit lane codes (KIND_Q6_LANES) as bytes 0..63 (w + 32): lo[i] the
+// codes 4(2p + i).. of the group, hi[i] 16 + 4(2p + i)..; bits 4-5 from register p of the high bits (see
+// "Lane tiles"). 16-bit shifts: each byte's bits 4-5 come from its own byte, whatever the neighbour shifts in.
+static inline void zmm_lane_codes6(const uint8_t* pg, int p, __m512i lo[2], __m512i hi[2]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  const __m512i high = _mm512_loadu_si512(pg + 256 + 64 * p);
+  const __m512i lo_bits[2] = {_mm512_slli_epi16(high, 4), high};
+  const __m512i hi_bits[2] = {_mm512_slli_epi16(high, 2), _mm512_srli_epi16(high, 2)};
+  for (int i = 0; i < 2; ++i) {
+    const __m512i raw = _mm512_loadu_si512(pg + 64 * (2 * p + i));
+    lo[i] = _mm512_or_si512(_mm512_and_si512(raw, nibble), _mm512_and_si512(lo_bits[i], bits45));
+    hi[i] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble), _mm512_and_si512(hi_bits[i], bits45));
+  }
+}
+
+// A block's scales (or zeros) in the form its lane form holds them, from pointers at that block: float32, or
+// (factored) int8 sub-scales per unit times the float16 super-scale of their 256 weights, PER_SUPER units
+// (LaneWeights). Each product is exact in float32, so a unit's 16 lanes have the held scales' bits either way.
+template <int PER_SUPER>
+struct BlockScales {
+  const float* held;
+  const int8_t* sub;
+  const uint16_t* super;
+  BlockScales(const float* held_all, const int8_t* sub_all, const uint16_t* super_all, int64_t b, int64_t count,
+              int64_t supers)
+      : held(held_all ? held_all + b * count * 16 : nullptr), sub(sub_all ? sub_all + b * count * 16 : nullptr),
+        super(super_all ? super_all + b * supers * 16 : nullptr) {}
+  // the 16 lanes (weight rows) of unit `unit`; the form is the weight's, so the branch goes one way throughout
+  __m512 operator()(int64_t unit) const {
+    if (sub) {
+      const __m512i sub32 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + unit * 16)));
+      const __m256i super16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + unit / PER_SUPER * 16));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(sub32), _mm512_cvtph_ps(super16));
+    }
+    return _mm512_loadu_ps(held + unit * 16);
+  }
+};
+
+// Where a lane sum of int8 codes starts, given the +128 form's start (-128 x the sum of x's codes): that start
+// for 8-bit codes (held + 128), a quarter of it for six-bit ones (held + 32); 4- and 5-bit codes start at zero.
+template <int KIND>
+static inline int32_t lane_start(int32_t eight_bit_start) {
+  return KIND == KIND_Q6_LANES ? eight_bit_start / 4 : KIND == KIND_Q8 ? eight_bit_start : 0;
+}
 #endif
 
 // Rows of x per pass over a lane-form weight: a verify of up to 16 rows (a draft of 15) reads the weights
@@ -268,7 +313,7 @@ static inline void with_lane_shape(int64_t kind, int scales, int rows, F&& f) {
   using Q5 = std::integral_constant<int, KIND_Q5>;
   using Q8 = std::integral_constant<int, KIND_Q8>;
   using Q6 = std::integral_constant<int, KIND_Q6_LANES>;
-  if constexpr (SIX_BIT_LANES) {  // only the AVX2 tiles have a six-bit form
+  if constexpr (SIX_BIT_LANES) {
     if (kind == KIND_Q6_LANES) {
       TORCH_CHECK(scales == 2, "linear: six-bit lanes hold per-16 codes only");
       with_kind(Q6{}, std::integral_constant<int, 2>{});

@@ -215,12 +215,12 @@ template <int KIND, int S, int R>
 static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0, float* y,
                       int64_t ldy, int64_t b0, int64_t b1) {
   constexpr int64_t BYTES = lane_group_bytes(KIND);
-  const int64_t groups = xq.groups, count = groups * S;
+  const int64_t groups = xq.groups, count = groups * S, supers = groups / 8;
   const GroupMajorRows<R, S> rows(xq, r0);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* p = w.codes + b * groups * BYTES;
-    const float* s = w.scales + b * count * 16;
-    const float* z = w.zeros ? w.zeros + b * count * 16 : nullptr;
+    const BlockScales<8 * S> scale(w.scales, w.sub_scales, w.super_scales, b, count, supers);
+    const BlockScales<8 * S> zero(w.zeros, w.sub_zeros, w.super_zeros, b, count, supers);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -228,14 +228,20 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
       // the weights stream from memory once per pass: ask for those LANE_PREFETCH_BYTES ahead (the next
       // block's too), every line of them
       for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + LANE_PREFETCH_BYTES + i), _MM_HINT_T0);
-      if constexpr (KIND == KIND_Q8) {
+      if constexpr (KIND == KIND_Q8 || KIND == KIND_Q6_LANES) {
+        // register i: codes 4i.. of the group (i < 4: the first 16), unsigned as dpbusd takes them (+ 128,
+        // or + 32 in six bits), each sum started where that makes it the signed codes' sum (lane_start)
         __m512i c[8];
-        for (int i = 0; i < 8; ++i) c[i] = _mm512_loadu_si512(pg + 64 * i);
-        const __m512 ws_a = _mm512_loadu_ps(s + g * S * 16), ws_b = S == 2 ? _mm512_loadu_ps(s + g * S * 16 + 16) : ws_a;
+        if constexpr (KIND == KIND_Q8) {
+          for (int i = 0; i < 8; ++i) c[i] = _mm512_loadu_si512(pg + 64 * i);
+        } else {
+          for (int q = 0; q < 2; ++q) zmm_lane_codes6(pg, q, c + 2 * q, c + 4 + 2 * q);
+        }
+        const __m512 ws_a = scale(g * S), ws_b = S == 2 ? scale(g * S + 1) : ws_a;
         for (int r = 0; r < R; ++r) {
           const int32_t* x = rows.codes(g, r);
-          __m512i a = _mm512_set1_epi32(rows.start(g, 0, r));
-          __m512i e = S == 1 ? _mm512_setzero_si512() : _mm512_set1_epi32(rows.start(g, 1, r));
+          __m512i a = _mm512_set1_epi32(lane_start<KIND>(rows.start(g, 0, r)));
+          __m512i e = S == 1 ? _mm512_setzero_si512() : _mm512_set1_epi32(lane_start<KIND>(rows.start(g, 1, r)));
           for (int i = 0; i < 4; ++i) {
             a = _mm512_dpbusd_epi32(a, c[i], _mm512_set1_epi32(x[i]));
             e = _mm512_dpbusd_epi32(e, c[4 + i], _mm512_set1_epi32(x[4 + i]));
@@ -251,7 +257,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
       } else {
         __m512i lo[4], hi[4];
         for (int m = 0; m < 4; ++m) zmm_lane_codes<KIND>(pg, m, lo[m], hi[m]);
-        const __m512 ws = _mm512_loadu_ps(s + g * 16);
+        const __m512 ws = scale(g);
         for (int r = 0; r < R; ++r) {
           const int32_t* x = rows.codes(g, r);
           __m512i a = _mm512_setzero_si512(), e = _mm512_setzero_si512();
@@ -263,9 +269,9 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
           acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(ws, d), _mm512_cvtepi32_ps(_mm512_add_epi32(a, e)), acc[r]);
         }
       }
-      if (z) {  // each group's zero times x's block sum (per 16 where the scales are)
+      if (w.zeros || w.sub_zeros) {  // each group's zero times x's block sum (per 16 where the scales are)
         for (int h = 0; h < S; ++h) {
-          const __m512 wz = _mm512_loadu_ps(z + (g * S + h) * 16);
+          const __m512 wz = zero(g * S + h);
           for (int r = 0; r < R; ++r) {
             const float sum = rows.zero_sum(g, h, r);
             acc[r] = _mm512_fmadd_ps(wz, _mm512_set1_ps(sum), acc[r]);

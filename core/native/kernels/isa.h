@@ -22,10 +22,9 @@ constexpr bool HAS_LANE_TILES = false;
 #define INT8_VNNI512 1  // the int8 tiles take the AVX512-VNNI form (int8_avx512_vnni.cpp), else the AVX2 one
 #endif
 
-// Whether lane forms may hold K-quant scales factored (LaneWeights; float16 super-scales, F16C): the AVX2
-// lane tiles read them; the AVX512-VNNI and AMX ones read float32 scales only. So may they hold Q6_K's
-// codes in six bits (KIND_Q6_LANES).
-#if defined(INT8_KERNELS) && !defined(INT8_VNNI512) && defined(__F16C__)
+// Whether lane forms may hold K-quant scales factored (LaneWeights; float16 super-scales, F16C) and Q6_K's
+// codes in six bits (KIND_Q6_LANES): every lane tile reads them (AVX2, AVX512-VNNI, AMX).
+#if defined(INT8_KERNELS) && defined(__F16C__)
 constexpr bool FACTORED_SCALES = true;
 constexpr bool SIX_BIT_LANES = true;
 #else

@@ -49,7 +49,7 @@ static const uint16_t* held_f16_bits(const torch::Tensor& t) {
 static LaneWeights lane_weights(const std::vector<torch::Tensor>& lanes, int64_t kind, int64_t group, int64_t n_out,
                                 int64_t k) {
   TORCH_CHECK((lanes.size() == 3 || (FACTORED_SCALES && lanes.size() == 5)) && n_out % 16 == 0,
-              "a lane form is 3 tensors (5 with factored scales, AVX2 builds) over a multiple of 16 rows");
+              "a lane form is 3 tensors (5 with factored scales, F16C builds) over a multiple of 16 rows");
   const int64_t count = n_out * (k / 32) * (kind == KIND_Q8 ? 32 / group : 1);
   TORCH_CHECK(lanes[1].numel() == count && (lanes[2].numel() == 0 || lanes[2].numel() == count),
               "a lane form needs a scale (and zero) per ", kind == KIND_Q8 ? group : 32, " weights of a row");
@@ -74,7 +74,7 @@ static int64_t lane_kind(int64_t kind, int64_t group, const std::vector<torch::T
     TORCH_CHECK(lanes[0].numel() == blocks_groups * lane_group_bytes(kind), "a lane form of the wrong size");
     return kind;
   }
-  TORCH_CHECK(SIX_BIT_LANES && group == 16, "six-bit lanes of per-16 codes only, read by the AVX2 tiles only");
+  TORCH_CHECK(SIX_BIT_LANES && group == 16, "six-bit lanes of per-16 codes only, in builds that read them (F16C)");
   return KIND_Q6_LANES;
 }
 
