@@ -37,7 +37,8 @@ from gguf import GGMLQuantizationType as Q
 
 from outrider.errors import ConfigError
 from outrider import native
-from outrider.io.gguf import GGUFFile, check_supported
+from outrider.io.gguf import GGUFFile, TensorsInMemory, check_supported
+from outrider.models import packed_cache
 from outrider.native import when_float32
 from outrider.native.codes import ACTIVATIONS as ACTIVATION_CODES
 from outrider.native.codes import WEIGHT_KINDS
@@ -150,6 +151,22 @@ class PackedLinear:
             self.codes, self.scales = self.codes.new_empty(0), self.scales.new_empty(0)
             self.zeros = self.zeros.new_empty(0)
             _LANES_ONLY.add(self)
+
+    def held_tensors(self) -> dict:
+        """What this weight holds, as `from_held` takes it back (`packed_cache` keeps it on disk)."""
+        return {"kind": self.kind, "group": self.group, "n_out": self.n_out, "k": self.k, "codes": self.codes,
+                "scales": self.scales, "zeros": self.zeros, "lanes": list(self.lanes)}
+
+    @classmethod
+    def from_held(cls, held: dict) -> PackedLinear:
+        """A weight holding what `held_tensors` gave, as it was: nothing is packed again."""
+        self = cls.__new__(cls)
+        self.kernels = native.load()
+        self.kind, self.group, self.n_out, self.k = (int(held[key]) for key in ("kind", "group", "n_out", "k"))
+        self.codes, self.scales, self.zeros, self.lanes = held["codes"], held["scales"], held["zeros"], held["lanes"]
+        if self.lanes and not self.codes.numel() and self.kind != KIND_F32:
+            _LANES_ONLY.add(self)
+        return self
 
     def hold_rows(self) -> None:
         """The row form back, from the lane form, for float32 activations (`outrider.native.use_activations`
@@ -383,7 +400,21 @@ def _pack_5bit(codes: torch.Tensor) -> torch.Tensor:
 def load_packed(g: GGUFFile, names: Sequence[str], remap, lanes: bool = True) -> PackedLinear:
     """Stack the tensors `names` (fused projections) in one form they all fit exactly: 4-bit nibbles if
     every part is 4-bit, 5-bit codes if every part is 4- or 5-bit, else int8 codes (per 16 if any part
-    needs it, zeros if any part has them), else float32 when any part is a float tensor."""
+    needs it, zeros if any part has them), else float32 when any part is a float tensor. Packed once per
+    file and form, then mapped from `$OUTRIDER_HOME/packed` (`packed_cache`)."""
+    if isinstance(g, TensorsInMemory):  # made while the program runs: no file to key an entry by
+        return _pack(g, names, remap, lanes)
+    kernels = native.load()
+    env = lambda name: os.environ.get(name, "1") != "0"
+    picked = [remap(name)(torch.arange(g.tensors[name].shape[0]).unsqueeze(1)).reshape(-1) for name in names]
+    parts = [list(names), *picked, lanes, kernels.HAS_LANE_TILES, kernels.FACTORED_SCALES, kernels.SIX_BIT_LANES,
+             env("OUTRIDER_LANE_TILES"), env("OUTRIDER_FACTORED_SCALES"), env("OUTRIDER_SIX_BIT_LANES"),
+             kernels.int8_activations()]
+    held = packed_cache.cached(g.path, parts, lambda: _pack(g, names, remap, lanes).held_tensors())
+    return PackedLinear.from_held(held)
+
+
+def _pack(g: GGUFFile, names: Sequence[str], remap, lanes: bool) -> PackedLinear:
     infos = [g.tensors[name] for name in names]
     k = infos[0].shape[1]
     if any(info.type in FLOAT_TYPES for info in infos):
