@@ -89,6 +89,10 @@ class GGUFFile:
                 self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except ValueError:
                 raise ModelFileError(f"{self.path}: file is empty; fetch it again") from None
+            # the contents this object maps, told from those of a file replaced or rewritten at the same path
+            # later (`outrider.models.packed_cache` keys what it keeps by it)
+            st = os.fstat(f.fileno())
+            self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         self._buf = memoryview(self._mmap)
         cur = _Cursor(self._buf, self.path)
         if bytes(cur.take(4)) != _MAGIC:

@@ -37,7 +37,7 @@ from gguf import GGMLQuantizationType as Q
 
 from outrider.errors import ConfigError
 from outrider import native
-from outrider.io.gguf import GGUFFile, TensorsInMemory, check_supported
+from outrider.io.gguf import GGUFFile, check_supported
 from outrider.models import packed_cache
 from outrider.native import when_float32
 from outrider.native.codes import ACTIVATIONS as ACTIVATION_CODES
@@ -402,7 +402,8 @@ def load_packed(g: GGUFFile, names: Sequence[str], remap, lanes: bool = True) ->
     every part is 4-bit, 5-bit codes if every part is 4- or 5-bit, else int8 codes (per 16 if any part
     needs it, zeros if any part has them), else float32 when any part is a float tensor. Packed once per
     file and form, then mapped from `$OUTRIDER_HOME/packed` (`packed_cache`)."""
-    if isinstance(g, TensorsInMemory):  # made while the program runs: no file to key an entry by
+    identity = getattr(g, "identity", None)
+    if identity is None:  # tensors made while the program runs (TensorsInMemory): no file to key an entry by
         return _pack(g, names, remap, lanes)
     kernels = native.load()
     env = lambda name: os.environ.get(name, "1") != "0"
@@ -410,7 +411,7 @@ def load_packed(g: GGUFFile, names: Sequence[str], remap, lanes: bool = True) ->
     parts = [list(names), *picked, lanes, kernels.HAS_LANE_TILES, kernels.FACTORED_SCALES, kernels.SIX_BIT_LANES,
              env("OUTRIDER_LANE_TILES"), env("OUTRIDER_FACTORED_SCALES"), env("OUTRIDER_SIX_BIT_LANES"),
              kernels.int8_activations()]
-    held = packed_cache.cached(g.path, parts, lambda: _pack(g, names, remap, lanes).held_tensors())
+    held = packed_cache.cached(g.path, identity, parts, lambda: _pack(g, names, remap, lanes).held_tensors())
     return PackedLinear.from_held(held)
 
 

@@ -6,11 +6,13 @@ llama.cpp maps its file and starts. So the first load of a file saves what it ma
 `$OUTRIDER_HOME/packed/`, one folder per model file, and later loads map those tensors (`torch.load(mmap=True)`):
 no copy is made until a page is read, as with the GGUF file itself.
 
-An entry is found by everything its tensors depend on: the file (path, size, modification time), the tensors
-and the rows each takes (a row map is known by the rows it picks), the form asked for (lane form or not), this
-build's and environment's choices of form (lane tiles, factored scales, six-bit codes, int8 activations), and
-the source of the code that packs (`linear.py` and this file), so a change there makes new entries. A folder
-whose file changed or is gone is removed when the next entry is written.
+An entry is found by everything its tensors depend on: the file's contents as the loading process opened them
+(device, inode, size, modification and change times: a file replaced or rewritten at the same path is another
+file), the tensors and the rows each takes (a row map is known by the rows it picks), the form asked for (lane
+form or not), this build's and environment's choices of form (lane tiles, factored scales, six-bit codes, int8
+activations), and the source of the code that packs, so a change there makes new entries. Writing an entry
+removes the folder's entries made by other code; a new folder removes the folders of files changed or gone.
+What was packed from a file that changed while it was packed is not kept.
 
 `OUTRIDER_PACKED_CACHE=0` turns it off, `=1` keeps files of any size; by default files of MIN_FILE_BYTES or
 more, so the small files tests and tools write and delete leave nothing behind. A cache that cannot be
@@ -26,6 +28,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -47,77 +50,96 @@ def enabled_for(path: Path) -> bool:
         return False
 
 
+def file_identity(path: Path) -> tuple[int, ...]:
+    """What tells a file's present contents from another's at the same path (as GGUFFile.identity)."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 @functools.cache
 def _code_version() -> str:
     """The packing code's own source: entries made by other code are not found."""
-    here = Path(__file__).parent
-    return hashlib.sha256((here / "linear.py").read_bytes() + Path(__file__).read_bytes()).hexdigest()
+    core = Path(__file__).parents[1]
+    sources = [core / "models" / "linear.py", Path(__file__), core / "io" / "gguf.py", core / "native" / "codes.py"]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
 
 
-def file_folder(path: Path) -> tuple[Path, dict[str, Any]]:
-    """The folder of a model file's entries, and what identifies the file's present contents."""
-    real = os.path.realpath(path)
-    stat = os.stat(real)
-    source = {"path": real, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    digest = hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:20]
-    return outrider_home() / "packed" / f"{Path(real).stem[:60]}-{digest}", source
+def _folder(path: Path, identity: tuple[int, ...]) -> Path:
+    digest = hashlib.sha256(repr((os.path.realpath(path), identity)).encode()).hexdigest()[:20]
+    return outrider_home() / "packed" / f"{Path(path).stem[:60]}-{digest}"
 
 
 def entry_name(parts: list[Any]) -> str:
-    """A name for an entry from what it depends on: strings, numbers and tensors (by their values)."""
-    h = hashlib.sha256(_code_version().encode())
+    """An entry's file name: the packing code's version, then a digest of what it depends on (strings, numbers
+    and tensors, by their values)."""
+    h = hashlib.sha256()
     for part in parts:
         if isinstance(part, torch.Tensor):
             h.update(part.contiguous().numpy().tobytes())
         else:
             h.update(repr(part).encode())
         h.update(b"\0")
-    return h.hexdigest()[:32] + ".pt"
+    return f"{_code_version()}-{h.hexdigest()[:32]}.pt"
 
 
-def load(path: Path, parts: list[Any]) -> dict[str, Any] | None:
-    """The entry for these parts of the model file at `path`, its tensors mapped, or None."""
-    folder, _ = file_folder(path)
-    entry = folder / entry_name(parts)
-    if not entry.is_file():
+def load(path: Path, identity: tuple[int, ...], parts: list[Any]) -> dict[str, Any] | None:
+    """The entry for these parts of the model file, its tensors mapped, or None."""
+    try:
+        entry = _folder(path, identity) / entry_name(parts)
+        if not entry.is_file():
+            return None
+    except OSError:
         return None
     try:
         return torch.load(entry, mmap=True, weights_only=True)
     except Exception:  # a torn or foreign file: pack again, and let the new entry replace it
-        entry.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            entry.unlink()
         return None
 
 
-def save(path: Path, parts: list[Any], held: dict[str, Any]) -> None:
-    """Keep `held` (tensors, lists of tensors, numbers) as the entry for these parts, written whole or not at all."""
+def save(path: Path, identity: tuple[int, ...], parts: list[Any], held: dict[str, Any]) -> None:
+    """Keep `held` (tensors, lists of tensors, numbers) as the entry for these parts, written whole (synced
+    before it takes its name) or not at all."""
     global _warned
-    folder, source = file_folder(path)
-    entry = folder / entry_name(parts)
-    tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
+    folder = _folder(path, identity)
+    tmp = None
     try:
-        if not folder.is_dir():
+        if file_identity(path) != identity:  # replaced or rewritten while it was packed
+            return
+        if folder.is_dir():
+            _remove_other_versions(folder)
+        else:
             _remove_stale(folder.parent)
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / "source.json").write_text(json.dumps(source))
-        torch.save({key: _own(value) for key, value in held.items()}, tmp)
-        os.replace(tmp, entry)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+            _write_whole(folder / "source.json", json.dumps({"path": os.path.realpath(path),
+                                                             "identity": list(identity)}).encode())
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            torch.save({key: _own(value) for key, value in held.items()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / entry_name(parts))
+    except Exception as e:  # torch.save reports a full disk as a RuntimeError
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         if not _warned:
             _warned = True
-            print(f"outrider: cannot keep packed weights under {folder.parent} ({e.strerror or e}); each load "
-                  "packs its file again (OUTRIDER_PACKED_CACHE=0 stops trying)", file=sys.stderr)
+            reason = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+            print(f"outrider: cannot keep packed weights under {folder.parent} ({reason}); each load packs its "
+                  "file again (OUTRIDER_PACKED_CACHE=0 stops trying)", file=sys.stderr)
 
 
-def cached(path: Path, parts: list[Any], make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def cached(path: Path, identity: tuple[int, ...], parts: list[Any],
+           make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """The held tensors for these parts: mapped from the cache, or made and kept there."""
     if not enabled_for(path):
         return make()
-    held = load(path, parts)
+    held = load(path, identity, parts)
     if held is None:
         held = make()
-        save(path, parts, held)
+        save(path, identity, parts, held)
     return held
 
 
@@ -132,16 +154,35 @@ def _own(value):
     return value
 
 
+def _write_whole(target: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _remove_other_versions(folder: Path) -> None:
+    """Entries made by other packing code, which no load of this code finds."""
+    for entry in folder.glob("*.pt"):
+        if not entry.name.startswith(_code_version() + "-"):
+            with contextlib.suppress(OSError):
+                entry.unlink()
+
+
 def _remove_stale(root: Path) -> None:
-    """Folders whose model file changed since, or is gone."""
+    """Folders whose model file changed since, or is gone, or whose source.json (written whole) makes no sense."""
     if not root.is_dir():
         return
     for source_file in root.glob("*/source.json"):
         try:
             source = json.loads(source_file.read_text())
-            stat = os.stat(source["path"])
-            if stat.st_size == source["size"] and stat.st_mtime_ns == source["mtime_ns"]:
+            if file_identity(Path(source["path"])) == tuple(source["identity"]):
                 continue
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError):
             pass
         shutil.rmtree(source_file.parent, ignore_errors=True)
