@@ -177,15 +177,20 @@ def test_what_was_packed_from_a_file_that_changed_meanwhile_is_not_kept(tmp_path
     assert not list((tmp_path / "home").glob("packed/*/*.pt"))
 
 
-def test_entries_of_other_packing_code_go_when_an_entry_is_written(tmp_path, cache, monkeypatch):
+def test_entries_of_other_packing_code_and_stopped_writes_go_when_an_entry_is_written(tmp_path, cache, monkeypatch):
     path = _write(tmp_path / "m.gguf", 8)
     version = packed_cache._code_version()
     monkeypatch.setattr(packed_cache, "_code_version", lambda: "0ld")
     _load(path, FUSED)
     monkeypatch.setattr(packed_cache, "_code_version", lambda: version)
+    (folder,) = (tmp_path / "home" / "packed").iterdir()
+    stopped, recent = folder / "stopped.tmp", folder / "writing.tmp"  # temporary files of writers, stopped or not
+    stopped.write_bytes(b"x"), recent.write_bytes(b"x")
+    os.utime(stopped, (0, 0))
     _load(path, FUSED)  # not found: packed again
     assert len(cache) == 2
-    assert [p.name.split("-")[0] for p in (tmp_path / "home").glob("packed/*/*.pt")] == [version]
+    assert [p.name.split("-")[0] for p in folder.glob("*.pt")] == [version]
+    assert not stopped.exists() and recent.exists()
 
 
 def test_a_failed_write_leaves_nothing_and_warns(tmp_path, cache, monkeypatch, capfd):

@@ -29,6 +29,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -167,11 +168,16 @@ def _write_whole(target: Path, data: bytes) -> None:
 
 
 def _remove_other_versions(folder: Path) -> None:
-    """Entries made by other packing code, which no load of this code finds."""
+    """Entries made by other packing code, which no load of this code finds, and temporary files an hour old
+    (left by a process stopped while it wrote)."""
     for entry in folder.glob("*.pt"):
         if not entry.name.startswith(_code_version() + "-"):
             with contextlib.suppress(OSError):
                 entry.unlink()
+    for tmp in folder.glob("*.tmp"):
+        with contextlib.suppress(OSError):
+            if tmp.stat().st_mtime < time.time() - 3600:
+                tmp.unlink()
 
 
 def _remove_stale(root: Path) -> None:
