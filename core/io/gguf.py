@@ -169,6 +169,7 @@ class TensorsInMemory(GGUFFile):
     def __init__(self, name: str, metadata: dict[str, Any],
                  tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType, tuple[int, ...]]]):
         self.path, self.metadata = Path(name), dict(metadata)
+        self.identity = None  # no file: nothing outlives the program (see GGUFFile.identity)
         self._data = {key: np.ascontiguousarray(array).view(np.uint8).reshape(-1)
                       for key, (array, _, _) in tensors.items()}
         self.tensors = {key: TensorInfo(key, tuple(shape), qtype, 0, self._data[key].nbytes)

@@ -135,19 +135,19 @@ class PackedLinear:
         self.codes = codes.contiguous()
         self.scales = scales.to(torch.float32).contiguous()  # why not float16: RowReader, weight_formats.h
         self.zeros = (torch.empty(0) if zeros is None else zeros.to(torch.float32)).contiguous()
-        # AVX2 and AVX512-VNNI builds hold the lane form, what the int8 kernels read; with int8 activations
-        # it is the only form held (see hold_rows). OUTRIDER_LANE_TILES=0 leaves it out (to measure against).
-        # A table only read by rows (`lanes=False`: an input embedding) holds the row form alone.
-        use_lanes = lanes and self.kernels.HAS_LANE_TILES and os.environ.get("OUTRIDER_LANE_TILES", "1") != "0"
-        if not use_lanes or not _factored_scales_wanted():
+        # Builds with lane tiles hold the lane form, what the int8 kernels read; with int8 activations it is
+        # the only form held (see hold_rows). A table only read by rows (`lanes=False`: an input embedding)
+        # holds the row form alone.
+        forms = held_forms()
+        use_lanes = lanes and forms.lane_tiles
+        if not use_lanes or not forms.factored_scales:
             factors = None
-        # the int8 codes of a Q6_K weight fit six bits (OUTRIDER_SIX_BIT_LANES=0: held as eight, to measure
-        # against); per-32 int8 codes (Q8_0's) all but never do, so the six-bit tiles are per-16 ones only
-        six_bit = (use_lanes and kind == KIND_Q8 and group == 16 and self.kernels.SIX_BIT_LANES
-                   and fits_six_bits(self.codes) and os.environ.get("OUTRIDER_SIX_BIT_LANES", "1") != "0")
+        # per-32 int8 codes (Q8_0's) all but never fit six bits, so the six-bit tiles are per-16 ones only
+        six_bit = (use_lanes and kind == KIND_Q8 and group == 16 and forms.six_bit_codes
+                   and fits_six_bits(self.codes))
         self.lanes = lane_form(kind, self.codes, self.scales, self.zeros, group, n_out, k, factors,
                                six_bit) if use_lanes else []
-        if self.lanes and self.kernels.int8_activations():
+        if self.lanes and forms.int8_activations:
             self.codes, self.scales = self.codes.new_empty(0), self.scales.new_empty(0)
             self.zeros = self.zeros.new_empty(0)
             _LANES_ONLY.add(self)
@@ -402,16 +402,11 @@ def load_packed(g: GGUFFile, names: Sequence[str], remap, lanes: bool = True) ->
     every part is 4-bit, 5-bit codes if every part is 4- or 5-bit, else int8 codes (per 16 if any part
     needs it, zeros if any part has them), else float32 when any part is a float tensor. Packed once per
     file and form, then mapped from `$OUTRIDER_HOME/packed` (`packed_cache`)."""
-    identity = getattr(g, "identity", None)
-    if identity is None:  # tensors made while the program runs (TensorsInMemory): no file to key an entry by
+    if g.identity is None:  # tensors made while the program runs (TensorsInMemory): no file to key an entry by
         return _pack(g, names, remap, lanes)
-    kernels = native.load()
-    env = lambda name: os.environ.get(name, "1") != "0"
     picked = [remap(name)(torch.arange(g.tensors[name].shape[0]).unsqueeze(1)).reshape(-1) for name in names]
-    parts = [list(names), *picked, lanes, kernels.HAS_LANE_TILES, kernels.FACTORED_SCALES, kernels.SIX_BIT_LANES,
-             env("OUTRIDER_LANE_TILES"), env("OUTRIDER_FACTORED_SCALES"), env("OUTRIDER_SIX_BIT_LANES"),
-             kernels.int8_activations()]
-    held = packed_cache.cached(g.path, identity, parts, lambda: _pack(g, names, remap, lanes).held_tensors())
+    parts = [list(names), *picked, lanes, *held_forms()]
+    held = packed_cache.cached(g.path, g.identity, parts, lambda: _pack(g, names, remap, lanes).held_tensors())
     return PackedLinear.from_held(held)
 
 
@@ -430,7 +425,7 @@ def _pack(g: GGUFFile, names: Sequence[str], remap, lanes: bool) -> PackedLinear
         rows = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a)).reshape(info.shape[0], -1)
         parts.append((rows(codes), rows(scale), rows(zero), group,
                       None if factors is None else [rows(a) for a in factors]))
-    factored = lanes and _factored_scales_wanted() and all(p[4] is not None for p in parts)
+    factored = lanes and held_forms().factored_scales and all(p[4] is not None for p in parts)
     group = min(p[3] for p in parts)
     with_zero = any(p[2] is not None for p in parts)
     four_bit = all(info.type in INT4_TYPES for info in infos)
@@ -460,7 +455,19 @@ def _pack(g: GGUFFile, names: Sequence[str], remap, lanes: bool) -> PackedLinear
                         codes.shape[0], k, factors, lanes)
 
 
-def _factored_scales_wanted() -> bool:
-    """Whether lane forms hold K-quants' scales factored: where the build's tiles read them, unless
-    OUTRIDER_FACTORED_SCALES=0 (to measure against)."""
-    return native.load().FACTORED_SCALES and os.environ.get("OUTRIDER_FACTORED_SCALES", "1") != "0"
+class HeldForms(NamedTuple):
+    """Which forms a packed weight is held in, as this build and environment choose them: every choice that
+    `PackedLinear` makes beyond the file's tensors, so `packed_cache` keys its entries by all of them.
+    Each OUTRIDER_* switch set to 0 leaves its form out, to measure against."""
+    lane_tiles: bool  # the lane form (builds with lane tiles; OUTRIDER_LANE_TILES)
+    factored_scales: bool  # K-quants' scales factored in it (OUTRIDER_FACTORED_SCALES)
+    six_bit_codes: bool  # Q6_K's codes in six bits in it (OUTRIDER_SIX_BIT_LANES)
+    int8_activations: bool  # the lane form alone, no row form (`outrider.native.use_activations`)
+
+
+def held_forms() -> HeldForms:
+    kernels = native.load()
+    switch = lambda name: os.environ.get(name, "1") != "0"
+    return HeldForms(kernels.HAS_LANE_TILES and switch("OUTRIDER_LANE_TILES"),
+                     kernels.FACTORED_SCALES and switch("OUTRIDER_FACTORED_SCALES"),
+                     kernels.SIX_BIT_LANES and switch("OUTRIDER_SIX_BIT_LANES"), kernels.int8_activations())

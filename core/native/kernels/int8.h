@@ -221,6 +221,14 @@ struct GroupMajorRows {
   int32_t start(int64_t g, int h, int r) const { return starts[(g * S + h) * R + r]; }
 };
 
+// Where a lane sum of int8 codes starts, given the +128 form's start (-128 x the sum of x's codes,
+// GroupMajorRows::start): that start for 8-bit codes (held + 128), a quarter of it for six-bit ones (held + 32);
+// 4- and 5-bit codes start at zero. Exact: the start is a multiple of 128.
+template <int KIND>
+static inline int32_t lane_start(int32_t eight_bit_start) {
+  return KIND == KIND_Q6_LANES ? eight_bit_start / 4 : KIND == KIND_Q8 ? eight_bit_start : 0;
+}
+
 #if defined(INT8_VNNI512)
 // Register m of a group's 4- or 5-bit lane codes as bytes: lo the codes 4m.. of the group, hi 16 + 4m..
 template <int KIND>
@@ -276,12 +284,6 @@ struct BlockScales {
   }
 };
 
-// Where a lane sum of int8 codes starts, given the +128 form's start (-128 x the sum of x's codes): that start
-// for 8-bit codes (held + 128), a quarter of it for six-bit ones (held + 32); 4- and 5-bit codes start at zero.
-template <int KIND>
-static inline int32_t lane_start(int32_t eight_bit_start) {
-  return KIND == KIND_Q6_LANES ? eight_bit_start / 4 : KIND == KIND_Q8 ? eight_bit_start : 0;
-}
 #endif
 
 // Rows of x per pass over a lane-form weight: a verify of up to 16 rows (a draft of 15) reads the weights

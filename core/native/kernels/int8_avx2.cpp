@@ -266,8 +266,8 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
           const __m256 ws_a = scale(g * 2), ws_b = scale(g * 2 + 1);
           __m256i a[R], e[R];
           for (int r = 0; r < R; ++r) {
-            a[r] = _mm256_set1_epi32(rows.start(g, 0, r) / 4);
-            e[r] = _mm256_set1_epi32(rows.start(g, 1, r) / 4);
+            a[r] = _mm256_set1_epi32(lane_start<KIND>(rows.start(g, 0, r)));
+            e[r] = _mm256_set1_epi32(lane_start<KIND>(rows.start(g, 1, r)));
           }
           for (int p = 0; p < 2; ++p) {
             __m256i lo[2], hi[2];
