@@ -85,6 +85,21 @@ def _mapped_from(t: torch.Tensor, path) -> bool:
     return any(int(a, 16) <= t.data_ptr() < int(b, 16) for a, b in (span.split("-") for span in spans))
 
 
+def _resident_bytes(path) -> int | None:
+    """Bytes of the file at path that this process has mapped in (Linux's /proc/self/smaps Rss; None elsewhere)."""
+    if not os.path.exists("/proc/self/smaps"):
+        return None
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and ":" not in head[0]:  # a mapping's first line
+                inside = line.rstrip().endswith(str(path))
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
 FUSED = ["a.weight", "b.weight", "c.weight"]
 REVERSED = {"b.weight": lambda rows: rows.flip(0)}
 
@@ -101,6 +116,19 @@ def test_a_second_load_maps_what_the_first_packed(tmp_path, cache, monkeypatch):
     monkeypatch.setenv("OUTRIDER_PACKED_CACHE", "0")
     _same(_load(path, FUSED, REVERSED), second)  # and both are what packing gives
     assert len(cache) == 2
+
+
+def test_a_mapped_entry_is_in_memory_before_its_first_product(tmp_path, cache):
+    """As llama.cpp maps its file with MAP_POPULATE: the first forward after a load does not fault its weights in."""
+    path = _write(tmp_path / "m.gguf", 4)
+    _load(path, FUSED)
+    second = _load(path, FUSED)
+    (entry,) = (tmp_path / "home").glob("packed/*/*.pt")
+    resident = _resident_bytes(entry)
+    if resident is None or packed_cache._madvise() is None:
+        pytest.skip("no /proc/self/smaps or madvise here")
+    held = sum(t.numel() * t.element_size() for t in [second.codes, second.scales, second.zeros, *second.lanes])
+    assert resident >= held > 0
 
 
 def test_an_entry_is_found_only_by_a_load_that_packs_the_same(tmp_path, cache, monkeypatch):

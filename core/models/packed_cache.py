@@ -4,7 +4,9 @@ Turning a GGUF file's blocks into the forms the kernels read (`outrider.models.l
 scales, the lane form) is numpy and torch work over every weight, seconds per model on a small machine, where
 llama.cpp maps its file and starts. So the first load of a file saves what it made under
 `$OUTRIDER_HOME/packed/`, one folder per model file, and later loads map those tensors (`torch.load(mmap=True)`):
-no copy is made until a page is read, as with the GGUF file itself.
+no copy is made until a page is read, as with the GGUF file itself. A mapped entry's pages are put in place at load
+(`madvise(MADV_POPULATE_READ)`, as llama.cpp maps its file with MAP_POPULATE), so the first forward does not take a
+page fault per 4 KiB of weights.
 
 An entry is found by everything its tensors depend on: the file's contents as the loading process opened them
 (device, inode, size, modification and change times: a file replaced or rewritten at the same path is another
@@ -22,9 +24,11 @@ written (a full disk, a read-only home) costs a warning, once; an entry that can
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import sys
@@ -92,11 +96,57 @@ def load(path: Path, identity: tuple[int, ...], parts: list[Any]) -> dict[str, A
     except OSError:
         return None
     try:
-        return torch.load(entry, mmap=True, weights_only=True)
+        held = torch.load(entry, mmap=True, weights_only=True)
     except Exception:  # a torn or foreign file: pack again, and let the new entry replace it
         with contextlib.suppress(OSError):
             entry.unlink()
         return None
+    prefault(held)
+    return held
+
+
+_MADV_WILLNEED = 3
+_MADV_POPULATE_READ = 22  # Linux 5.14 and later
+
+
+@functools.cache
+def _madvise() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def prefault(held: dict[str, Any]) -> None:
+    """Map the pages of `held`'s tensors now: one call per storage, where the first forward would otherwise fault
+    each page in. An older kernel without MADV_POPULATE_READ gets MADV_WILLNEED (the file read ahead into memory)."""
+    madvise = _madvise()
+    if madvise is None:
+        return
+    page = mmap.PAGESIZE
+    seen = set()
+    for tensor in _tensors(held.values()):
+        storage = tensor.untyped_storage()
+        start, size = storage.data_ptr(), storage.nbytes()
+        if size == 0 or start in seen:
+            continue
+        seen.add(start)
+        low = start - start % page
+        if madvise(low, start + size - low, _MADV_POPULATE_READ) != 0:
+            madvise(low, start + size - low, _MADV_WILLNEED)
+
+
+def _tensors(values):
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, list):
+            yield from _tensors(value)
 
 
 def save(path: Path, identity: tuple[int, ...], parts: list[Any], held: dict[str, Any]) -> None:
