@@ -4,9 +4,9 @@ Turning a GGUF file's blocks into the forms the kernels read (`outrider.models.l
 scales, the lane form) is numpy and torch work over every weight, seconds per model on a small machine, where
 llama.cpp maps its file and starts. So the first load of a file saves what it made under
 `$OUTRIDER_HOME/packed/`, one folder per model file, and later loads map those tensors (`torch.load(mmap=True)`):
-no copy is made until a page is read, as with the GGUF file itself. A mapped entry's pages are put in place at load
-(`madvise(MADV_POPULATE_READ)`, as llama.cpp maps its file with MAP_POPULATE), so the first forward does not take a
-page fault per 4 KiB of weights.
+no copy is made: the pages are the page cache's, shared between processes, as with the GGUF file itself. They are
+put in place at load (`madvise(MADV_POPULATE_READ)`, as llama.cpp maps its file with MAP_POPULATE), so the first
+forward does not fault the weights in 4 KiB at a time, from disk where the file is not cached.
 
 An entry is found by everything its tensors depend on: the file's contents as the loading process opened them
 (device, inode, size, modification and change times: a file replaced or rewritten at the same path is another
