@@ -78,28 +78,35 @@ def _same(a: PackedLinear, b: PackedLinear):
     assert torch.equal(a.rows(ids), b.rows(ids))
 
 
-def _mapped_from(t: torch.Tensor, path) -> bool:
-    """Whether the tensor's memory is a mapping of the file at path (Linux's /proc/self/maps; True elsewhere)."""
-    if not os.path.exists("/proc/self/maps"):
-        return True
-    with open("/proc/self/maps") as f:
-        spans = [line.split()[0] for line in f if line.rstrip().endswith(str(path))]
-    return any(int(a, 16) <= t.data_ptr() < int(b, 16) for a, b in (span.split("-") for span in spans))
-
-
-def _resident_bytes(path) -> int | None:
-    """Bytes of the file at path that this process has mapped in (Linux's /proc/self/smaps Rss; None elsewhere)."""
+def _mappings_of(path) -> list[tuple[int, int, int]] | None:
+    """(start, end, resident bytes) of each mapping of the file at path in this process (Linux's /proc/self/smaps;
+    None elsewhere)."""
     if not os.path.exists("/proc/self/smaps"):
         return None
-    total, inside = 0, False
+    spans, mapped = [], False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()
             if head and "-" in head[0] and ":" not in head[0]:  # a mapping's first line
-                inside = line.rstrip().endswith(str(path))
-            elif inside and head and head[0] == "Rss:":
-                total += int(head[1]) * 1024
-    return total
+                mapped = line.rstrip().endswith(str(path))
+                if mapped:
+                    start, end = (int(x, 16) for x in head[0].split("-"))
+                    spans.append([start, end, 0])
+            elif mapped and head and head[0] == "Rss:":
+                spans[-1][2] = int(head[1]) * 1024
+    return [tuple(span) for span in spans]
+
+
+def _mapped_from(t: torch.Tensor, path) -> bool:
+    """Whether the tensor's memory is a mapping of the file at path (True where that cannot be read)."""
+    spans = _mappings_of(path)
+    return spans is None or any(start <= t.data_ptr() < end for start, end, _ in spans)
+
+
+def _resident_bytes(path) -> int | None:
+    """Bytes of the file at path that this process has mapped in (None where that cannot be read)."""
+    spans = _mappings_of(path)
+    return None if spans is None else sum(rss for _, _, rss in spans)
 
 
 def _populate_works() -> bool:

@@ -129,13 +129,11 @@ def prefault(held: dict[str, Any]) -> None:
     if madvise is None:
         return
     page = mmap.PAGESIZE
-    seen = set()
-    for tensor in _tensors(held.values()):
+    for tensor in _tensors(held.values()):  # each owns its storage (`_own`, when the entry was saved)
         storage = tensor.untyped_storage()
         start, size = storage.data_ptr(), storage.nbytes()
-        if size == 0 or start in seen:
+        if size == 0:
             continue
-        seen.add(start)
         low = start - start % page
         if madvise(low, start + size - low, _MADV_POPULATE_READ) != 0:
             madvise(low, start + size - low, _MADV_WILLNEED)
