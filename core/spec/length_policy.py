@@ -35,8 +35,11 @@ A policy at k = 0 measures nothing about drafting, so one noisy early round (a s
 token) could decide a whole generation, and a kind of draft that was poor in one stretch of text would never
 be tried in the next. It therefore drafts one token from 0 (an exploring round) whenever what exploring rounds
 have lost against plain decoding (a won round counts as a negative loss), plus what the next one could lose,
-stays within `explore_budget` of the run's time: trying again never costs more than
-that share, and it measures the draft's cost, the two-token verify and the first position's acceptance anew.
+stays within `explore_budget` of the run's time, plus `explore_allowance` rejected exploring rounds: trying again
+never costs more than that, and it measures the draft's cost, the two-token verify and the first position's
+acceptance anew. The allowance is for a run's start, where a share of little time buys no second look: a streak
+of misses early in a first generation (every `outrider generate` is one) would otherwise leave a drafter that pays
+at 0 for most of it, since one rejected look spends the share for many rounds.
 
 A runner keeps one policy across generations (`begin_generation`). Acceptance starts again from each kind's
 prior, since the next text is another text. Costs carry over, being the machine's, but only until this
@@ -107,6 +110,7 @@ class AdaptiveDraftLength:
     initial_slope: float = 0.03  # assumed extra verify cost per extra token before any is measured
     explore_every: int = 8
     explore_budget: float = 0.01  # share of the run's time that exploring rounds from k = 0 may lose
+    explore_allowance: float = 3.0  # rejected exploring rounds a run may lose beyond that share
     timed: bool = True  # False: the fixed cost model above, for runs whose output the lengths change
     untimed_draft_cost: float = 0.1  # a drafted token's cost in one-token verifies, when not timed
     rounds: int = 0
@@ -239,7 +243,7 @@ class AdaptiveDraftLength:
         # no spacing between exploring rounds: the budget spaces them where they lose, and where they win
         # (the policy priced out what pays) the sooner the better
         worst = self._draft_cost(kind) + self.verify_cost(2) - self.verify_cost(1)  # the draft rejected
-        return self.explore_loss_s + worst <= self.explore_budget * self.run_s
+        return self.explore_loss_s + worst <= self.explore_budget * self.run_s + self.explore_allowance * worst
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
                kind: DraftKind | None = DEFAULT_KIND, upkeep_s: float = 0.0, asked: int | None = None) -> None:
