@@ -1037,6 +1037,47 @@ def test_the_head_rebuilt_in_memory_is_the_head_its_file_holds(fx, tmp_path, arc
     assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])
 
 
+def test_a_q4_0_head_holds_the_trained_weights_to_a_step_and_learning_keeps_that_form(fx, tmp_path):
+    """The default sidecar holds the head's matrices as Q4_0: read back, every weight is within one Q4_0 step
+    of the trained one, a block's largest magnitude m / 8 (ggml's d = m / -8 rounds to half a step, but codes
+    stop at 15: a weight near -m lands on 7 steps); its float16 scale adds under 0.5%. Vectors stay float32.
+    `drafter.learn` rebuilds and saves the head in the form its file holds."""
+    from gguf import GGMLQuantizationType as Q
+
+    from outrider.plugins.drafters.mtp.head import TrainableHead
+    from outrider.plugins.drafters.mtp.sidecar import matrices_of, write_sidecar as write_trained
+
+    target = fx.target("qwen2")
+    model, g = target.model, target.gguf
+    vocab_ids = torch.arange(0, model.config.vocab_size, 3)
+    head = TrainableHead(model, g, vocab_ids)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in head.w.values():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    path = tmp_path / "head.mtp.gguf"
+    write_trained(path, head, g, vocab_ids)
+    on_disk = GGUFFile(path)
+    kinds = {info.type for info in on_disk.tensors.values() if len(info.shape) == 2}
+    assert kinds == {Q.Q4_0} and matrices_of(on_disk) == "Q4_0"
+    again = TrainableHead.from_sidecar(model, g, on_disk)
+    for name, param in head.w.items():
+        want = param.detach()
+        if want.dim() == 1:
+            assert torch.equal(again.w[name], want), name
+            continue
+        blocks = want.reshape(-1, 32)
+        bound = blocks.abs().amax(-1, keepdim=True) * (1 / 8 + 0.005)
+        assert ((again.w[name].detach().reshape(-1, 32) - blocks).abs() <= bound).all(), name
+    drafter = MTPDrafter(model=str(path), learn=True, learn_share=1.0)
+    drafter.setup(target)
+    learner = drafter.learner
+    assert {t.type for t in learner._rebuild().tensors.values() if len(t.shape) == 2} == {Q.Q4_0}
+    learner.unsaved = True
+    learner.save()
+    assert matrices_of(GGUFFile(path)) == "Q4_0"
+
+
 def _learning_runner(fx, tmp_path, **options):
     target = fx.target("llama")
     tmp_path.mkdir(exist_ok=True)

@@ -23,6 +23,8 @@ from outrider.cli import friendly_errors
               help="Uniform noise on the hidden states the head reads in training, as a share of their RMS "
                    "(EAGLE's regulariser; 0: none).")
 @click.option("--weight-decay", type=float, default=0.0, show_default=True, help="AdamW's weight decay.")
+@click.option("--matrices", type=click.Choice(["Q4_0", "Q8_0", "F16"]), default="Q4_0", show_default=True,
+              help="Form of the head's matrices in the sidecar: Q4_0 drafts from about half Q8_0's bytes.")
 @click.option("--tokens", "generate_tokens", type=int, default=256, show_default=True,
               help="Tokens the target writes per built-in prompt.")
 @click.option("--rounds", "generate_rounds", type=click.IntRange(min=1), default=4, show_default=True,
@@ -36,7 +38,7 @@ from outrider.cli import friendly_errors
 @click.option("--out", type=click.Path(dir_okay=False), help="Sidecar path [the cache, where --drafter mtp looks].")
 @click.option("--seed", type=int, default=0, show_default=True)
 @friendly_errors
-def distill(model, minutes, steps, draft_vocab, depth, precision, noise, weight_decay, generate_tokens,
+def distill(model, minutes, steps, draft_vocab, depth, precision, noise, weight_decay, matrices, generate_tokens,
             generate_rounds, stdlib_chunks, fresh, out, seed):
     """Train an MTP head for MODEL (catalog name or .gguf) on the CPU and cache it for `--drafter mtp`."""
     from pathlib import Path
@@ -45,7 +47,8 @@ def distill(model, minutes, steps, draft_vocab, depth, precision, noise, weight_
     from outrider.plugins.drafters.mtp.distill import distill as run_distill
 
     settings = DistillSettings(minutes=minutes, steps=steps, draft_vocab=draft_vocab, depth=depth, precision=precision,
-                               noise=noise, weight_decay=weight_decay, generate_tokens=generate_tokens,
+                               noise=noise, weight_decay=weight_decay, matrices=matrices,
+                               generate_tokens=generate_tokens,
                                generate_rounds=generate_rounds, stdlib_chunks=stdlib_chunks, fresh=fresh, seed=seed)
     report = run_distill(model, settings, Path(out) if out else None, echo=lambda line: click.echo(line, err=True))
     click.echo(f"{report.sidecar} ({report.head_bytes / 1e6:.1f} MB) in {report.seconds / 60:.1f} min, "

@@ -84,7 +84,7 @@ class DistillSettings:
     temperature: float = 0.7  # of the target's own generations
     prompts: tuple[str, ...] = PROMPTS
     eval_tokens: int = 64
-    matrices: str = "Q8_0"  # the sidecar's matrices (`write_sidecar`)
+    matrices: str = "Q4_0"  # the sidecar's matrices (`sidecar.MATRICES`)
 
     @property
     def answer_rounds(self) -> int:

@@ -40,7 +40,7 @@ import torch
 
 from outrider.io.gguf import GGUFFile, TensorsInMemory
 from outrider.plugins.drafters.mtp.head import TrainableHead, target_logits
-from outrider.plugins.drafters.mtp.sidecar import head_in_memory, write_sidecar
+from outrider.plugins.drafters.mtp.sidecar import head_in_memory, matrices_of, write_sidecar
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,7 @@ class HeadLearner:
     def __init__(self, model, g, sidecar: GGUFFile, settings: LearnSettings):
         self.model, self.g, self.settings, self.source = model, g, settings, Path(sidecar.path)
         self.head = TrainableHead.from_sidecar(model, g, sidecar)
+        self.matrices = matrices_of(sidecar)  # rebuilt and saved as the file holds them: a draft costs what it did
         # the target's output rows over the draft vocabulary (a distilled head's own rows are these; another's
         # need not be): they turn a verified hidden state into the target's logits there
         self.target_rows = model.output.rows(self.head.vocab_ids).float()
@@ -181,13 +182,14 @@ class HeadLearner:
     def _rebuild(self) -> TensorsInMemory:
         """The drafting head's tensors from the trained parameters, as the sidecar would hold them."""
         self.built_at, self.refreshes = self.steps, self.refreshes + 1
-        return head_in_memory(self.head, self.g, self.head.vocab_ids, f"{self.source.name} (learning, in memory)")
+        return head_in_memory(self.head, self.g, self.head.vocab_ids, f"{self.source.name} (learning, in memory)",
+                              self.matrices)
 
     def save(self) -> None:
         """The learned head over the sidecar it came from (the distilled one kept once beside it)."""
         if not self.unsaved or not self.source.parent.is_dir():  # nothing new, or its folder is gone
             return
-        write_sidecar(self.staged, self.head, self.g, self.head.vocab_ids)
+        write_sidecar(self.staged, self.head, self.g, self.head.vocab_ids, self.matrices)
         keep = self.source.with_suffix(".distilled.gguf")
         if not keep.exists():
             shutil.copy2(self.source, keep)

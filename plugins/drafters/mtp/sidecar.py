@@ -11,12 +11,17 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
 
 from outrider.io.gguf import TensorsInMemory
 from outrider.models.llama import permute_qk
 from outrider.plugins.drafters.mtp.head import NEXTN_NAMES, QKV_BIAS, TrainableHead
 
 Q8_BLOCK = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][0]  # weights a block
+# a head's matrices, as `outrider distill --matrices` names them: Q4_0 (the default: a draft reads about half the
+# bytes of Q8_0 and, in docs/bench/mtp.md, was accepted as often), Q8_0, F16 (exact to the trained head's float16)
+MATRICES = ("Q4_0", "Q8_0", "F16")
+QUANTIZED = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)  # written as their raw blocks
 
 
 def quantize_q8_0(t: torch.Tensor, chunk_rows: int = 256) -> np.ndarray:
@@ -56,18 +61,21 @@ def sidecar_metadata(head: TrainableHead, g) -> dict[str, Any]:
     return out
 
 
-def sidecar_tensors(head: TrainableHead, vocab_ids: torch.Tensor, matrices: str = "Q8_0"
+def sidecar_tensors(head: TrainableHead, vocab_ids: torch.Tensor, matrices: str = "Q4_0"
                     ) -> dict[str, tuple[np.ndarray, GGMLQuantizationType, tuple[int, ...]]]:
-    """{name: (stored bytes or values, type, shape)} of block `n_trunk`. `matrices`: Q8_0 (the default: the drafter
-    reads a byte per weight, where F16 is held as float32 by the CPU kernels and a draft would cost four times the
-    bytes) or F16 (exact to the trained head's float16)."""
+    """{name: (stored bytes or values, type, shape)} of block `n_trunk`, its matrices in `matrices` (`MATRICES`;
+    the CPU kernels hold F16 as float32, so a draft from it reads eight times Q4_0's bytes). Q4_0's blocks are
+    gguf-py's (its quantizer is quick enough for the few matrices of a head); Q8_0's are ours, bit for bit the
+    same, since a rebuild of the learning head makes them often."""
     cfg, b = head.cfg, head.cfg.n_layers
     p = f"blk.{b}."
     out = {}
+    kind = GGMLQuantizationType[matrices]
 
     def add(name: str, t: torch.Tensor) -> None:
-        if t.dim() == 2 and matrices == "Q8_0" and t.shape[1] % Q8_BLOCK == 0:
-            out[name] = (quantize_q8_0(t), GGMLQuantizationType.Q8_0, tuple(t.shape))
+        if t.dim() == 2 and kind in QUANTIZED and t.shape[1] % Q8_BLOCK == 0:
+            blocks = quantize_q8_0(t) if kind == GGMLQuantizationType.Q8_0 else quantize(t.numpy(), kind)
+            out[name] = (blocks, kind, tuple(t.shape))
         elif t.dim() == 2:
             out[name] = (t.numpy().astype(np.float16), GGMLQuantizationType.F16, tuple(t.shape))
         else:
@@ -88,7 +96,7 @@ def sidecar_tensors(head: TrainableHead, vocab_ids: torch.Tensor, matrices: str 
     return out
 
 
-def write_sidecar(path: Path, head: TrainableHead, g, vocab_ids: torch.Tensor, matrices: str = "Q8_0") -> int:
+def write_sidecar(path: Path, head: TrainableHead, g, vocab_ids: torch.Tensor, matrices: str = "Q4_0") -> int:
     """The trained head as an MTP-only GGUF in llama.cpp's nextn layout (block `n_trunk`); its size in bytes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".partial")
@@ -105,7 +113,7 @@ def write_sidecar(path: Path, head: TrainableHead, g, vocab_ids: torch.Tensor, m
         else:
             w.add_array(key, value)
     for name, (array, kind, _) in sidecar_tensors(head, vocab_ids, matrices).items():
-        w.add_tensor(name, array, raw_dtype=kind if kind == GGMLQuantizationType.Q8_0 else None)
+        w.add_tensor(name, array, raw_dtype=kind if kind in QUANTIZED else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -114,7 +122,15 @@ def write_sidecar(path: Path, head: TrainableHead, g, vocab_ids: torch.Tensor, m
     return path.stat().st_size
 
 
-def head_in_memory(head: TrainableHead, g, vocab_ids: torch.Tensor, name: str) -> TensorsInMemory:
+def head_in_memory(head: TrainableHead, g, vocab_ids: torch.Tensor, name: str, matrices: str = "Q4_0"
+                   ) -> TensorsInMemory:
     """What `write_sidecar` would write, read back without the file (`name` stands for its path in messages)."""
     metadata = {"general.architecture": head.arch, **sidecar_metadata(head, g)}  # the writer's own first key
-    return TensorsInMemory(name, metadata, sidecar_tensors(head, vocab_ids))
+    return TensorsInMemory(name, metadata, sidecar_tensors(head, vocab_ids, matrices))
+
+
+def matrices_of(sidecar) -> str:
+    """The `MATRICES` form a sidecar holds its head's matrices in (the type of its FFN's up projection)."""
+    name = next(n for n in sidecar.tensors if n.endswith("ffn_up.weight"))
+    kind = sidecar.tensors[name].type
+    return kind.name if kind.name in MATRICES else "F16"
