@@ -12,7 +12,8 @@ kind of text distill trained on; other passages), against the distilled head's: 
 forgetting the other two. And the learning curve on the code base: after every fifth request, the head's
 first-position acceptance on `--probe` more functions of the code base (those after the requests', which may
 be in other files), which it never learns from: the same rows each time, so the curve is the head's change,
-not the requests' differences.
+not the requests' differences. The learned head is measured as it drafts: its weights rounded to the form the
+learner rebuilds it in (`HeadLearner.matrices`).
 
     python benchmarks/mtp_learn_rows.py --threads 2 --head ~/.cache/outrider/exp-120e/....mtp.gguf \\
         --setting anchor=0 --setting anchor=0.03
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from outrider.native import vector_extensions
     from outrider.plugins.drafters.mtp.head import TrainableHead
     from outrider.plugins.drafters.mtp.learn import HeadLearner, LearnSettings
+    from outrider.plugins.drafters.mtp.sidecar import head_in_memory
 
     torch.set_num_threads(args.threads)
     target_path = resolve_model(args.target)
@@ -172,19 +174,23 @@ def main(argv: list[str] | None = None) -> int:
         copy = work / head_path.name
         shutil.copy2(head_path, copy)
         learner = HeadLearner(model, g, GGUFFile(copy), LearnSettings(**parse_setting(text)))
-        gains, curve, seconds = [], [on_probe(learner.head)], 0.0
+        # what drafts: the trained weights rounded to the file's form (the learner's rebuild, without its counts)
+        drafting = lambda: TrainableHead.from_sidecar(model, g, head_in_memory(  # noqa: E731
+            learner.head, g, learner.head.vocab_ids, copy.name, learner.matrices))
+        gains, curve, seconds = [], [on_probe(drafting())], 0.0
         for i, ((tokens, hidden, prompt), before) in enumerate(zip(rows["requests"], base), start=1):
-            gains.append(first_acceptance(learner.head, tokens, hidden, prompt) - before)
+            gains.append(first_acceptance(drafting(), tokens, hidden, prompt) - before)
             t0 = time.perf_counter()
             learner.begin()
             while learner.idle(tokens, hidden, hidden.shape[0])[0]:
                 pass
             seconds += time.perf_counter() - t0
             if i in curve_at:
-                curve.append(on_probe(learner.head))
-        after = [first_acceptance(learner.head, *r) - a for r, a in zip(rows["held_out"], held)]
+                curve.append(on_probe(drafting()))
+        learned = drafting()
+        after = [first_acceptance(learned, *r) - a for r, a in zip(rows["held_out"], held)]
         print(f"| {text or 'default'} | {statistics.mean(gains[:half]):+.3f} | {statistics.mean(gains[half:]):+.3f} | "
-              f"{' / '.join(f'{a:+.3f}' for a in after)} | {general(learner.head) - passages:+.3f} | {learner.steps} | "
+              f"{' / '.join(f'{a:+.3f}' for a in after)} | {general(learned) - passages:+.3f} | {learner.steps} | "
               f"{seconds:.0f} | {' '.join(f'{a:.3f}' for a in curve)} |", flush=True)
         learner.unsaved = False
     shutil.rmtree(work, ignore_errors=True)

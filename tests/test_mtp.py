@@ -1037,11 +1037,11 @@ def test_the_head_rebuilt_in_memory_is_the_head_its_file_holds(fx, tmp_path, arc
     assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])
 
 
-def test_a_q4_0_head_holds_the_trained_weights_to_a_step_and_learning_keeps_that_form(fx, tmp_path):
+def test_a_q4_0_head_holds_the_trained_weights_to_a_step_and_learns_in_q8_0(fx, tmp_path):
     """The default sidecar holds the head's matrices as Q4_0: read back, every weight is within one Q4_0 step
     of the trained one, a block's largest magnitude m / 8 (ggml's d = m / -8 rounds to half a step, but codes
     stop at 15: a weight near -m lands on 7 steps); its float16 scale adds under 0.5%. Vectors stay float32.
-    `drafter.learn` rebuilds and saves the head in the form its file holds."""
+    `drafter.learn` rebuilds and saves it in Q8_0, whose steps its changes are not lost in."""
     from gguf import GGMLQuantizationType as Q
 
     from outrider.plugins.drafters.mtp.head import TrainableHead
@@ -1072,10 +1072,10 @@ def test_a_q4_0_head_holds_the_trained_weights_to_a_step_and_learning_keeps_that
     drafter = MTPDrafter(model=str(path), learn=True, learn_share=1.0)
     drafter.setup(target)
     learner = drafter.learner
-    assert {t.type for t in learner._rebuild().tensors.values() if len(t.shape) == 2} == {Q.Q4_0}
+    assert {t.type for t in learner._rebuild().tensors.values() if len(t.shape) == 2} == {Q.Q8_0}
     learner.unsaved = True
     learner.save()
-    assert matrices_of(GGUFFile(path)) == "Q4_0"
+    assert matrices_of(GGUFFile(path)) == "Q8_0"
 
 
 def _learning_runner(fx, tmp_path, **options):

@@ -93,7 +93,10 @@ class HeadLearner:
     def __init__(self, model, g, sidecar: GGUFFile, settings: LearnSettings):
         self.model, self.g, self.settings, self.source = model, g, settings, Path(sidecar.path)
         self.head = TrainableHead.from_sidecar(model, g, sidecar)
-        self.matrices = matrices_of(sidecar)  # rebuilt and saved as the file holds them: a draft costs what it did
+        # what a request teaches moves a weight far less than a Q4_0 step (its block's largest weight / 8): rounded
+        # to Q4_0, the learned head drafted as the distilled one did (docs/bench/mtp.md). So a head learns, drafts
+        # and is saved in Q8_0 whatever form it came in (an F16 one stays F16).
+        self.matrices = "F16" if matrices_of(sidecar) == "F16" else "Q8_0"
         # the target's output rows over the draft vocabulary (a distilled head's own rows are these; another's
         # need not be): they turn a verified hidden state into the target's logits there
         self.target_rows = model.output.rows(self.head.vocab_ids).float()
