@@ -127,7 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     from outrider.native import vector_extensions
     from outrider.plugins.drafters.mtp.head import TrainableHead
     from outrider.plugins.drafters.mtp.learn import HeadLearner, LearnSettings
-    from outrider.plugins.drafters.mtp.sidecar import head_in_memory
 
     torch.set_num_threads(args.threads)
     target_path = resolve_model(args.target)
@@ -174,9 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         copy = work / head_path.name
         shutil.copy2(head_path, copy)
         learner = HeadLearner(model, g, GGUFFile(copy), LearnSettings(**parse_setting(text)))
-        # what drafts: the trained weights rounded to the file's form (the learner's rebuild, without its counts)
-        drafting = lambda: TrainableHead.from_sidecar(model, g, head_in_memory(  # noqa: E731
-            learner.head, g, learner.head.vocab_ids, copy.name, learner.matrices))
+        # what drafts: the trained weights rounded to the learner's form
+        drafting = lambda: TrainableHead.from_sidecar(model, g, learner.drafting_tensors())  # noqa: E731
         gains, curve, seconds = [], [on_probe(drafting())], 0.0
         for i, ((tokens, hidden, prompt), before) in enumerate(zip(rows["requests"], base), start=1):
             gains.append(first_acceptance(drafting(), tokens, hidden, prompt) - before)

@@ -22,7 +22,7 @@ def test_picks_the_length_with_the_best_tokens_per_second():
     assert abs(p.expected_tokens(3) - 1.875) < 1e-12
 
 
-def test_never_drafts_when_nothing_is_accepted_and_always_when_everything_is():
+def test_prices_drafting_out_when_nothing_is_accepted_and_drafts_the_cap_when_everything_is():
     rising = {n: 1 + 0.05 * (n - 1) for n in range(1, 10)}
     assert policy(0.0, rising).best_length() == 0  # choose() may still look, from the exploring allowance
     assert policy(1.0, rising).choose() == 8
@@ -205,7 +205,8 @@ def simulate(p: AdaptiveDraftLength, rounds: int, acceptance: float, draft_s: fl
 
 def test_exploring_from_zero_costs_at_most_its_budget():
     # Nothing is ever accepted: plain decoding (1 token per second here) is the best there is. Exploring
-    # rounds from 0 each lose a draft and a longer verify; together at most explore_budget (2%) of the run.
+    # rounds from 0 each lose a draft and a longer verify; together at most explore_budget (1%) of the run and
+    # the allowance's three rejected looks.
     p = AdaptiveDraftLength(cap=8)
     seconds, tokens, chosen = simulate(p, 3000, 0.0, 0.3, lambda n: 1 + 0.1 * (n - 1))
     explored = sum(1 for k in chosen[200:] if k)
@@ -230,9 +231,8 @@ def test_a_streak_of_misses_early_in_a_first_generation_does_not_leave_it_at_zer
     # An MTP head's costs on a 1.5B target (a draft token 0.08 of a one-row verify, two rows 1.07, three 1.10):
     # drafting one token pays from an acceptance of 0.15. Right 55% of the time, it starts with six misses in
     # a row, which take the running average to 0.6 x 1/2 x 2/3 x 0.7^4 = 0.048 and the policy to 0; with 1% of
-    # the few rounds run so far to spend, one rejected look keeps it there for about twenty rounds. Over 40
-    # such first generations of 60 rounds, the rounds after the streak left at 0 average 17 without the
-    # allowance of three looks; with it, a handful.
+    # the few rounds run so far to spend, one rejected look keeps it there for about twenty rounds. The
+    # allowance of three looks must bring it back within a few rounds, on average over 40 such first generations.
     import random
     verify = lambda n: 1 + 0.07 * (n > 1) + 0.03 * max(n - 2, 0)  # noqa: E731
     left_at_zero = []

@@ -592,7 +592,7 @@ def test_distill_reduces_the_held_out_kl(distilled):
 
 def test_a_distilled_head_drafts_what_the_spec_equations_give(fx, distilled):
     """The written sidecar (q/k rows permuted back to llama.cpp's order, float16 matrices (exact; the default
-    Q8_0 is what a user drafts with), the reduced head) read by the drafter gives the oracle's distributions."""
+    Q4_0 is what a user drafts with), the reduced head) read by the drafter gives the oracle's distributions."""
     target = fx.target("llama")
     drafter = MTPDrafter(model=str(distilled.sidecar), sample=True)
     drafter.setup(target)
@@ -612,6 +612,20 @@ def test_a_gemma4_target_is_refused_in_one_line(fx):
 
     with pytest.raises(ConfigError, match="gemma-assistant"):
         MTPDrafter().setup(fx.target("gemma4"))
+
+
+def _perturbed_head(target, seed: int):
+    """(a TrainableHead of `target` moved off the trunk's last layer by noise, its draft vocabulary: every third id),
+    a head as training leaves one, for tests of how it is written and read."""
+    from outrider.plugins.drafters.mtp.head import TrainableHead
+
+    vocab_ids = torch.arange(0, target.model.config.vocab_size, 3)
+    head = TrainableHead(target.model, target.gguf, vocab_ids)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.w.values():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return head, vocab_ids
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "gemma3-period-4-softcap", "qwen2", "qwen3"])
@@ -638,12 +652,9 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
     else:
         target = fx.target(arch)
     model, g = target.model, target.gguf
-    vocab_ids = torch.arange(0, model.config.vocab_size, 3)  # a reduced draft vocabulary, as distill keeps
-    head = TrainableHead(model, g, vocab_ids)
-    gen = torch.Generator().manual_seed(5)
+    head, vocab_ids = _perturbed_head(target, seed=5)  # a reduced draft vocabulary, as distill keeps
     with torch.no_grad():
         for p in head.w.values():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))  # not the trunk's last layer any more
             if p.dim() == 2:
                 p.copy_(p.half().float())
     path = tmp_path / f"{arch}.mtp.gguf"
@@ -1003,25 +1014,21 @@ def test_the_q8_0_quantizer_is_gguf_pys_bit_for_bit():
     assert got[5, 2:8].view(np.int8).tolist() == [127, 1, -1, 2, -3, 4]  # by hand: half away from zero
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_head_rebuilt_in_memory_is_the_head_its_file_holds(fx, tmp_path, arch):
+@pytest.mark.parametrize("arch,matrices", [("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen2", "Q4_0")])
+def test_the_head_rebuilt_in_memory_is_the_head_its_file_holds(fx, tmp_path, arch, matrices):
     """`drafter.learn` swaps in the head it trains without writing it: the tensors held in memory are, byte for
     byte, those `write_sidecar` writes and `GGUFFile` reads back (llama's permuted q/k rows, Qwen2's three
-    biases), with the same metadata, and the drafting head built from either gives the same rows."""
-    from outrider.plugins.drafters.mtp.head import MTPHead, TrainableHead, shifted
+    biases), with the same metadata, and the drafting head built from either gives the same rows; in the form a
+    learner holds (Q8_0) and the one distill writes (Q4_0)."""
+    from outrider.plugins.drafters.mtp.head import MTPHead, shifted
     from outrider.plugins.drafters.mtp.sidecar import head_in_memory, write_sidecar as write_trained
 
     target = fx.target(arch)
     model, g = target.model, target.gguf
-    vocab_ids = torch.arange(0, model.config.vocab_size, 3)
-    head = TrainableHead(model, g, vocab_ids)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in head.w.values():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    head, vocab_ids = _perturbed_head(target, seed=7)
     path = tmp_path / "head.mtp.gguf"
-    write_trained(path, head, g, vocab_ids)
-    on_disk, in_memory = GGUFFile(path), head_in_memory(head, g, vocab_ids, "learning")
+    write_trained(path, head, g, vocab_ids, matrices)
+    on_disk, in_memory = GGUFFile(path), head_in_memory(head, g, vocab_ids, "learning", matrices)
     assert sorted(in_memory.tensors) == sorted(on_disk.tensors)
     for name, info in on_disk.tensors.items():
         held = in_memory.tensors[name]
@@ -1049,17 +1056,12 @@ def test_a_q4_0_head_holds_the_trained_weights_to_a_step_and_learns_in_q8_0(fx, 
 
     target = fx.target("qwen2")
     model, g = target.model, target.gguf
-    vocab_ids = torch.arange(0, model.config.vocab_size, 3)
-    head = TrainableHead(model, g, vocab_ids)
-    gen = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for p in head.w.values():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    head, vocab_ids = _perturbed_head(target, seed=9)
     path = tmp_path / "head.mtp.gguf"
     write_trained(path, head, g, vocab_ids)
     on_disk = GGUFFile(path)
     kinds = {info.type for info in on_disk.tensors.values() if len(info.shape) == 2}
-    assert kinds == {Q.Q4_0} and matrices_of(on_disk) == "Q4_0"
+    assert kinds == {Q.Q4_0} and matrices_of(on_disk, model.config.n_layers) == "Q4_0"
     again = TrainableHead.from_sidecar(model, g, on_disk)
     for name, param in head.w.items():
         want = param.detach()
@@ -1075,7 +1077,7 @@ def test_a_q4_0_head_holds_the_trained_weights_to_a_step_and_learns_in_q8_0(fx, 
     assert {t.type for t in learner._rebuild().tensors.values() if len(t.shape) == 2} == {Q.Q8_0}
     learner.unsaved = True
     learner.save()
-    assert matrices_of(GGUFFile(path)) == "Q8_0"
+    assert matrices_of(GGUFFile(path), model.config.n_layers) == "Q8_0"
 
 
 def _learning_runner(fx, tmp_path, **options):

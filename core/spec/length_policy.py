@@ -110,7 +110,7 @@ class AdaptiveDraftLength:
     initial_slope: float = 0.03  # assumed extra verify cost per extra token before any is measured
     explore_every: int = 8
     explore_budget: float = 0.01  # share of the run's time that exploring rounds from k = 0 may lose
-    explore_allowance: float = 3.0  # rejected exploring rounds a run may lose beyond that share
+    explore_allowance: float = 3.0  # rejected exploring rounds (at the asking kind's price) beyond that share
     timed: bool = True  # False: the fixed cost model above, for runs whose output the lengths change
     untimed_draft_cost: float = 0.1  # a drafted token's cost in one-token verifies, when not timed
     rounds: int = 0

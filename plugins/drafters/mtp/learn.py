@@ -24,7 +24,8 @@ back to the distilled head's (L2-SP's pull toward the starting weights, applied 
 do not wear away what it knew of code in general.
 
 The learned head replaces the sidecar it came from when the process exits (the distilled one is kept once,
-beside it, as `*.distilled.gguf`), so the next run starts where this one stopped.
+beside it, as `*.distilled.gguf`), so the next run starts where this one stopped. It is held and saved in Q8_0 (F16
+where it came in F16): a learned change is finer than distill's Q4_0 steps, so a Q4_0 head's file about doubles.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ class HeadLearner:
         self.head = TrainableHead.from_sidecar(model, g, sidecar)
         # what a request teaches moves a weight far less than a Q4_0 step (its block's largest weight / 8): rounded
         # to Q4_0, the learned head drafted as the distilled one did (docs/bench/mtp.md). So a head learns, drafts
-        # and is saved in Q8_0 whatever form it came in (an F16 one stays F16).
-        self.matrices = "F16" if matrices_of(sidecar) == "F16" else "Q8_0"
+        # and is saved in Q8_0 whatever form it came in, but for an F16 one, which stays F16.
+        self.matrices = "F16" if matrices_of(sidecar, self.head.cfg.n_layers) == "F16" else "Q8_0"
         # the target's output rows over the draft vocabulary (a distilled head's own rows are these; another's
         # need not be): they turn a verified hidden state into the target's logits there
         self.target_rows = model.output.rows(self.head.vocab_ids).float()
@@ -183,8 +184,12 @@ class HeadLearner:
         self.steps, self.trained_to, self.unsaved = self.steps + 1, certain, True
 
     def _rebuild(self) -> TensorsInMemory:
-        """The drafting head's tensors from the trained parameters, as the sidecar would hold them."""
+        """The drafting head, rebuilt from the trained parameters (counted)."""
         self.built_at, self.refreshes = self.steps, self.refreshes + 1
+        return self.drafting_tensors()
+
+    def drafting_tensors(self) -> TensorsInMemory:
+        """The trained parameters as `save` would write them (in `matrices`), held in memory."""
         return head_in_memory(self.head, self.g, self.head.vocab_ids, f"{self.source.name} (learning, in memory)",
                               self.matrices)
 

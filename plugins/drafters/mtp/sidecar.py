@@ -13,6 +13,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
+from outrider.errors import ConfigError, ModelFileError
 from outrider.io.gguf import TensorsInMemory
 from outrider.models.llama import permute_qk
 from outrider.plugins.drafters.mtp.head import NEXTN_NAMES, QKV_BIAS, TrainableHead
@@ -64,16 +65,18 @@ def sidecar_metadata(head: TrainableHead, g) -> dict[str, Any]:
 def sidecar_tensors(head: TrainableHead, vocab_ids: torch.Tensor, matrices: str = "Q4_0"
                     ) -> dict[str, tuple[np.ndarray, GGMLQuantizationType, tuple[int, ...]]]:
     """{name: (stored bytes or values, type, shape)} of block `n_trunk`, its matrices in `matrices` (`MATRICES`;
-    the CPU kernels hold F16 as float32, so a draft from it reads eight times Q4_0's bytes). Q4_0's blocks are
-    gguf-py's (its quantizer is quick enough for the few matrices of a head); Q8_0's are ours, bit for bit the
+    the CPU kernels hold F16 as float32, so a draft from it reads about seven times Q4_0's bytes). Q4_0's blocks
+    are gguf-py's (its quantizer is quick enough for the few matrices of a head); Q8_0's are ours, bit for bit the
     same, since a rebuild of the learning head makes them often."""
+    if matrices not in MATRICES:
+        raise ConfigError(f"matrices {matrices!r}: a head's matrices are written as one of {', '.join(MATRICES)}")
     cfg, b = head.cfg, head.cfg.n_layers
     p = f"blk.{b}."
     out = {}
     kind = GGMLQuantizationType[matrices]
 
     def add(name: str, t: torch.Tensor) -> None:
-        if t.dim() == 2 and kind in QUANTIZED and t.shape[1] % Q8_BLOCK == 0:
+        if t.dim() == 2 and kind in QUANTIZED and t.shape[1] % GGML_QUANT_SIZES[kind][0] == 0:
             blocks = quantize_q8_0(t) if kind == GGMLQuantizationType.Q8_0 else quantize(t.numpy(), kind)
             out[name] = (blocks, kind, tuple(t.shape))
         elif t.dim() == 2:
@@ -129,8 +132,10 @@ def head_in_memory(head: TrainableHead, g, vocab_ids: torch.Tensor, name: str, m
     return TensorsInMemory(name, metadata, sidecar_tensors(head, vocab_ids, matrices))
 
 
-def matrices_of(sidecar) -> str:
-    """The `MATRICES` form a sidecar holds its head's matrices in (the type of its FFN's up projection)."""
-    name = next(n for n in sidecar.tensors if n.endswith("ffn_up.weight"))
-    kind = sidecar.tensors[name].type
-    return kind.name if kind.name in MATRICES else "F16"
+def matrices_of(sidecar, block: int) -> str:
+    """The type a sidecar holds its head's matrices in (that of block `block`'s FFN up projection), by name:
+    one of `MATRICES` for a head distill wrote, any GGUF type for another."""
+    name = f"blk.{block}.ffn_up.weight"
+    if name not in sidecar.tensors:
+        raise ModelFileError(f"{sidecar.path}: no {name}; pass the MTP sidecar of this target")
+    return sidecar.tensors[name].type.name
