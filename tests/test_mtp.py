@@ -1074,7 +1074,7 @@ def test_a_q4_0_head_holds_the_trained_weights_to_a_step_and_learns_in_q8_0(fx, 
     drafter = MTPDrafter(model=str(path), learn=True, learn_share=1.0)
     drafter.setup(target)
     learner = drafter.learner
-    assert {t.type for t in learner._rebuild().tensors.values() if len(t.shape) == 2} == {Q.Q8_0}
+    assert {t.type for t in learner.drafting_tensors().tensors.values() if len(t.shape) == 2} == {Q.Q8_0}
     learner.unsaved = True
     learner.save()
     assert matrices_of(GGUFFile(path), model.config.n_layers) == "Q8_0"

@@ -23,7 +23,7 @@ from outrider.cli import friendly_errors
               help="Uniform noise on the hidden states the head reads in training, as a share of their RMS "
                    "(EAGLE's regulariser; 0: none).")
 @click.option("--weight-decay", type=float, default=0.0, show_default=True, help="AdamW's weight decay.")
-# sidecar.MATRICES, spelled out: importing it would load torch and gguf-py for every command's start
+# sidecar.MATRICES and DEFAULT_MATRICES, spelled out: importing them would load torch and gguf-py at every start
 @click.option("--matrices", type=click.Choice(["Q4_0", "Q8_0", "F16"]), default="Q4_0", show_default=True,
               help="Form of the head's matrices in the sidecar: Q4_0 drafts from about half Q8_0's bytes.")
 @click.option("--tokens", "generate_tokens", type=int, default=256, show_default=True,

@@ -39,7 +39,7 @@ from outrider.errors import ConfigError
 from outrider.io.chat import template_or_raw_ids
 from outrider.plugins.drafters.mtp.head import PRECISIONS, TrainableHead, shifted, target_logits
 from outrider.plugins.drafters.mtp.prompts import HELD_OUT_PROMPTS, PROMPTS
-from outrider.plugins.drafters.mtp.sidecar import write_sidecar
+from outrider.plugins.drafters.mtp.sidecar import DEFAULT_MATRICES, write_sidecar
 
 DISTILLABLE = ("llama", "gemma3", "qwen2", "qwen3")  # trunks whose block TrainableHead copies
 
@@ -84,7 +84,7 @@ class DistillSettings:
     temperature: float = 0.7  # of the target's own generations
     prompts: tuple[str, ...] = PROMPTS
     eval_tokens: int = 64
-    matrices: str = "Q4_0"  # the sidecar's matrices (`sidecar.MATRICES`)
+    matrices: str = DEFAULT_MATRICES  # the sidecar's matrices (`sidecar.MATRICES`)
 
     @property
     def answer_rounds(self) -> int:

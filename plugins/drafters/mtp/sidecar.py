@@ -22,6 +22,7 @@ Q8_BLOCK = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0][0]  # weights a block
 # a head's matrices, as `outrider distill --matrices` names them: Q4_0 (the default: a draft reads about half the
 # bytes of Q8_0 and, in docs/bench/mtp.md, was accepted as often), Q8_0, F16 (exact to the trained head's float16)
 MATRICES = ("Q4_0", "Q8_0", "F16")
+DEFAULT_MATRICES = MATRICES[0]
 QUANTIZED = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0)  # written as their raw blocks
 
 
@@ -62,7 +63,7 @@ def sidecar_metadata(head: TrainableHead, g) -> dict[str, Any]:
     return out
 
 
-def sidecar_tensors(head: TrainableHead, vocab_ids: torch.Tensor, matrices: str = "Q4_0"
+def sidecar_tensors(head: TrainableHead, vocab_ids: torch.Tensor, matrices: str = DEFAULT_MATRICES
                     ) -> dict[str, tuple[np.ndarray, GGMLQuantizationType, tuple[int, ...]]]:
     """{name: (stored bytes or values, type, shape)} of block `n_trunk`, its matrices in `matrices` (`MATRICES`;
     the CPU kernels hold F16 as float32, so a draft from it reads about seven times Q4_0's bytes). Q4_0's blocks
@@ -99,7 +100,7 @@ def sidecar_tensors(head: TrainableHead, vocab_ids: torch.Tensor, matrices: str 
     return out
 
 
-def write_sidecar(path: Path, head: TrainableHead, g, vocab_ids: torch.Tensor, matrices: str = "Q4_0") -> int:
+def write_sidecar(path: Path, head: TrainableHead, g, vocab_ids: torch.Tensor, matrices: str = DEFAULT_MATRICES) -> int:
     """The trained head as an MTP-only GGUF in llama.cpp's nextn layout (block `n_trunk`); its size in bytes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".partial")
@@ -125,7 +126,7 @@ def write_sidecar(path: Path, head: TrainableHead, g, vocab_ids: torch.Tensor, m
     return path.stat().st_size
 
 
-def head_in_memory(head: TrainableHead, g, vocab_ids: torch.Tensor, name: str, matrices: str = "Q4_0"
+def head_in_memory(head: TrainableHead, g, vocab_ids: torch.Tensor, name: str, matrices: str = DEFAULT_MATRICES
                    ) -> TensorsInMemory:
     """What `write_sidecar` would write, read back without the file (`name` stands for its path in messages)."""
     metadata = {"general.architecture": head.arch, **sidecar_metadata(head, g)}  # the writer's own first key
