@@ -182,6 +182,10 @@ void run_four_group_matmul(int64_t kind, int64_t group, const void* codes, const
 // Scales and zeros as [block][group x S][16].
 
 constexpr int64_t LANE_PREFETCH_BYTES = 4096;
+// ...into L2, not L1: a prefetch into L1 holds one of the core's few L1 miss buffers until its line arrives, and
+// the one-row tiles stalled there waiting for one (perf: half of a tile's samples on prefetcht0); the L2's queue
+// holds more lines in flight, and a line already in L2 reaches L1 in time for its group
+constexpr auto LANE_PREFETCH_HINT = _MM_HINT_T1;  // an enum in GCC, an int in clang
 
 // What a lane tile's R rows of x give each group (codes, scale d, the sums the zeros multiply), copied
 // group-major once per tile: a group's rows then sit at fixed offsets from one pointer. At their own

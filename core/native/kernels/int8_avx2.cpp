@@ -256,7 +256,7 @@ static void lane_tile(const LaneWeights& w, const QuantizedRows& xq, int64_t r0,
       for (int64_t g = 0; g < groups; ++g) {
         const uint8_t* pg = p + g * BYTES;
         if (half == 0)
-          for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + LANE_PREFETCH_BYTES + i), _MM_HINT_T0);
+          for (int64_t i = 0; i < BYTES; i += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + LANE_PREFETCH_BYTES + i), LANE_PREFETCH_HINT);
         if constexpr (KIND == KIND_Q6_LANES) {
           // codes 0..63 (unsigned: maddubs' side) against x's signed ones, per 16 (S = 2: a the first 16,
           // e the second). Two maddubs of a register pair add in int16 (at most 2 x 2 x 63 x 127 < 32767)
