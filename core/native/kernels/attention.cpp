@@ -252,10 +252,9 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
   // per layer.)
   int64_t scores_len = (start + t_len + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
   AttendArgs args{src, kc, vc, cs, sn, qn, epsf, width, d, k_len, v_len, window, static_cast<float>(scale), scores_len};
-  // Items in order of kv group, then heads, then token: a thread's share is whole groups where it can be, and the
-  // tokens of a verify pass read their group's keys and values one after another, the later ones from cache
-  // (token-major, each thread read every group's for its own tokens: a second row cost a second read of the
-  // whole cache from memory)
+  // Items in order of kv group, then heads, then token: a thread's share is whole groups where it can be, so the
+  // tokens of a verify pass read their group's keys and values one after another, the later ones from cache,
+  // not each from memory
   at::parallel_for(0, t_len * n_kv * chunks_per_group, 1, [&](int64_t i0, int64_t i1) {
     std::unique_ptr<float[]> scores(new float[shared * scores_len]);
     for (int64_t i = i0; i < i1; ++i) {

@@ -212,7 +212,7 @@ static void int8_tile(const W& w, const float* scales, const float* zeros, const
 }
 
 // acc + dpbusd(w, the dword at x in every lane), the broadcast folded into the instruction ({1to16}): GCC's
-// intrinsic leaves it a vpbroadcastd of its own, and in the lane tiles those were a third of a row's work per group
+// intrinsic leaves a vpbroadcastd of its own beside each, work every extra row of a verify pass pays again
 static inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int32_t* x) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
   return acc;
