@@ -182,9 +182,9 @@ void run_four_group_matmul(int64_t kind, int64_t group, const void* codes, const
 // Scales and zeros as [block][group x S][16].
 
 constexpr int64_t LANE_PREFETCH_BYTES = 4096;
-// ...into L2, not L1 (the lane tiles; the AMX tiles, many rows per pass and bound by their products, keep T0). A
-// stream of prefetches into L1 waits on the core's few L1 miss buffers, likely why the one-row tiles stalled on
-// them; into L2, more lines can be in flight, and a line in L2 still reaches L1 in time for its group
+// The lane tiles prefetch into L2, not L1 (the AMX tiles, many rows per pass and bound by their products, keep T0):
+// a stream of prefetches into L1 waits on the core's few L1 miss buffers, while into L2 more lines can be in
+// flight, and a line in L2 still reaches L1 in time for its group
 constexpr auto LANE_PREFETCH_HINT = _MM_HINT_T1;  // an enum in GCC, an int in clang
 
 // What a lane tile's R rows of x give each group (codes, scale d, the sums the zeros multiply), copied
