@@ -29,6 +29,7 @@ from outrider.spec.drafter import (
     Drafter,
     DrafterBase,
     DraftKind,
+    DraftState,
     DraftStepClock,
     Target,
     draft_loop,
@@ -51,7 +52,7 @@ __all__ = [
     # backends
     "Backend", "load_model",
     # drafters
-    "Drafter", "DrafterBase", "Draft", "DraftKind", "DEFAULT_KIND", "DraftControls", "Target", "draft_loop",
+    "Drafter", "DrafterBase", "DraftState", "Draft", "DraftKind", "DEFAULT_KIND", "DraftControls", "Target", "draft_loop",
     "DraftStepClock", "DrafterTraits",
     "NEEDS_DRAFT_MODEL", "NEEDS_TARGET_HIDDEN", "NEEDS_TARGET_KV", "NEEDS_MTP_HEAD",
     # acceptors and the acceptance rules

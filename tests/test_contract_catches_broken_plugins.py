@@ -1,7 +1,8 @@
 """The contract suite fails deliberately broken plugins, with messages that say what is wrong.
 
 Fixtures: drafters each broken in one way (too many tokens, out-of-range ids, a different proposal on
-every call, ignoring rollback, a draft kind that says there is nothing to draft when there is) and
+every call, ignoring rollback, a draft kind that says there is nothing to draft when there is, a sequence's
+context kept on the instance, the old one-sequence API) and
 acceptors that claim `lossless = True` but are not (a Leviathan rule that resamples from p instead of the
 residual; p-min), and a bigram drafter that gives q (a plugin author's first drafter: argmax drafts with a
 soft q; one that keeps its rejected drafts; the correct one, which passes). They are caught by the check
@@ -23,7 +24,6 @@ from outrider.plugins.acceptors.pmin import PMinAcceptor
 from outrider.plugins.backends.cpu import CPUBackend
 from outrider.registry import build_registry
 from outrider.spec.drafter import Draft, DrafterBase
-from outrider.spec.random_streams import PositionRandom
 from outrider.spec.sampling import sample_at, warp
 from outrider.testing.checks import CHECKS, Subject
 from outrider.testing.report import run_check, run_contract
@@ -34,14 +34,17 @@ pytest_plugins = ("pytester",)
 class BrokenDrafter(DrafterBase):
     """Proposes the context's continuation 5, 6, 7, ... but with one deliberate flaw."""
 
-    FLAWS = ("too-many", "out-of-range", "nondeterministic", "ignores-rollback", "kind-says-none")
+    FLAWS = ("too-many", "out-of-range", "nondeterministic", "ignores-rollback", "kind-says-none", "shares-a-sequence")
 
     def __init__(self, flaw: str = "too-many"):
-        self.flaw, self.calls, self.seen = flaw, 0, []
+        self.flaw, self.calls, self.seen, self.last = flaw, 0, [], None
 
-    def propose(self, tokens, k):
+    def propose(self, state, tokens, k):
         self.calls += 1
         ids = [(tokens[-1] + 1 + i) % 200 for i in range(k)]
+        if self.flaw == "shares-a-sequence":  # the last context it saw, on the instance: any sequence's
+            ids = [(t + (self.last or 0)) % 200 for t in ids]
+            self.last = tokens[0]
         if self.flaw == "too-many":
             ids += [1, 2]
         elif self.flaw == "out-of-range" and ids:
@@ -53,8 +56,26 @@ class BrokenDrafter(DrafterBase):
             ids = [(t + len(self.seen)) % 200 for t in ids]
         return Draft(ids)
 
-    def draft_kind(self, tokens):
-        return None if self.flaw == "kind-says-none" else super().draft_kind(tokens)
+    def draft_kind(self, state, tokens):
+        return None if self.flaw == "kind-says-none" else super().draft_kind(state, tokens)
+
+
+class OneSequenceDrafter:
+    """A drafter written to the API before it became per sequence: begin keeps the sequence on the instance."""
+
+    needs = frozenset()
+
+    def setup(self, target):
+        pass
+
+    def begin(self, prompt, params, controls):
+        self.tokens = list(prompt)
+
+    def propose(self, tokens, k):
+        return Draft(tokens[-k:])
+
+    def rollback(self, length):
+        pass
 
 
 class BigramDrafter(DrafterBase):
@@ -69,22 +90,22 @@ class BigramDrafter(DrafterBase):
         self.flaw, self.extra = flaw, []
 
     def begin(self, prompt, params, controls):
-        super().begin(prompt, params, controls)
-        self.rng, self.extra = PositionRandom(params.seed), []
+        self.extra = []
+        return super().begin(prompt, params, controls)
 
-    def _q(self, context):
+    def _q(self, state, context):
         counts = torch.full((self.target.model.config.vocab_size,), 1e-3)
         counts[context] = 1.0  # add-one smoothing over the tokens of the context
         for a, b in zip(context, context[1:]):
             if a == context[-1]:
                 counts[b] += 1.0
-        return warp(counts.log(), self.params)
+        return warp(counts.log(), state.params)
 
-    def propose(self, tokens, k):
+    def propose(self, state, tokens, k):
         context, ids, rows = list(tokens) + self.extra, [], []
         for i in range(k):
-            q = self._q(context)
-            x = int(q.argmax()) if self.flaw == "soft-q" else sample_at(q, self.rng.uniform_draft(len(context)))
+            q = self._q(state, context)
+            x = int(q.argmax()) if self.flaw == "soft-q" else sample_at(q, state.draws.uniform_draft(len(context)))
             ids.append(x)
             rows.append(q)
             context.append(x)
@@ -97,8 +118,8 @@ class StopsWheneverAskedDrafter(BigramDrafter):
     """The correct bigram drafter, except that any confidence stop asked of it stops every draft: the laws it
     is checked under then come from plain sampling, and so would pass whatever its drafts did."""
 
-    def propose(self, tokens, k):
-        return Draft() if self.controls.draft_p_min > 0 else super().propose(tokens, k)
+    def propose(self, state, tokens, k):
+        return Draft() if state.controls.draft_p_min > 0 else super().propose(state, tokens, k)
 
 
 class WrongResidualAcceptor:
@@ -131,6 +152,7 @@ def _results(kind, make, fixtures):
     ("nondeterministic", "same_proposal_for_the_same_state", "the same propose again gave"),
     ("ignores-rollback", "consistent_after_rollback", "a fresh instance shown only the kept tokens"),
     ("kind-says-none", "draft_kind_none_means_an_empty_draft", "said None (nothing to draft), but propose("),
+    ("shares-a-sequence", "sequences_interleaved_draft_as_each_alone", "of 2 interleaved (propose), round 2"),
 ])
 def test_broken_drafter_is_caught_with_a_readable_message(outrider_contract_fixtures, flaw, check, fragment):
     results = _results("drafter", lambda: BrokenDrafter(flaw), outrider_contract_fixtures)
@@ -138,6 +160,20 @@ def test_broken_drafter_is_caught_with_a_readable_message(outrider_contract_fixt
     assert fragment in results[check].message, results[check].message
     # the runner's guard keeps even a broken drafter from changing greedy output
     assert results["greedy_output_equals_plain_decoding"].status == "PASS"
+
+
+def test_a_drafter_of_the_one_sequence_api_is_refused_naming_the_fix(outrider_contract_fixtures):
+    from outrider.errors import ConfigError
+    from outrider.spec.drafter_traits import DrafterTraits
+
+    with pytest.raises(ConfigError) as refused:
+        DrafterTraits.of(OneSequenceDrafter())
+    message = str(refused.value)
+    assert "\n" not in message and "old one-sequence drafter API" in message, message
+    assert "propose(self, state, tokens, k)" in message and "docs/plugins.md, 'Drafters'" in message, message
+    results = _results("drafter", OneSequenceDrafter, outrider_contract_fixtures)
+    assert results["never_more_than_k_tokens"].status == "FAIL"
+    assert "old one-sequence drafter API" in results["never_more_than_k_tokens"].message
 
 
 def _checks(names, make, fixtures):
@@ -202,7 +238,7 @@ def test_contract_class_reports_the_failure_through_pytest(pytester):
         from outrider.testing.contracts import DrafterContract
 
         class TooMany(DrafterBase):
-            def propose(self, tokens, k):
+            def propose(self, state, tokens, k):
                 return Draft([5] * (k + 2))
 
         class TestTooMany(DrafterContract):

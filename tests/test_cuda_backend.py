@@ -113,7 +113,7 @@ class _NoisyOracleDrafter(DrafterBase):
     def __init__(self, plain: list[int], prompt_len: int, vocab: int):
         self.plain, self.prompt_len, self.vocab = plain, prompt_len, vocab
 
-    def propose(self, tokens: list[int], k: int) -> Draft:
+    def propose(self, state, tokens: list[int], k: int) -> Draft:
         at = len(tokens) - self.prompt_len
         ids = self.plain[at:at + k]
         return Draft([(x + 1) % self.vocab if (at + i) % 7 == 6 else x for i, x in enumerate(ids)])

@@ -58,11 +58,14 @@ class _Member:
     def __init__(self, kind, tokens):
         self.kind, self.tokens, self.asked, self.proposed = kind, tokens, 0, 0
 
-    def draft_kind(self, tokens):
+    def begin(self, prompt, params, controls):
+        return object()
+
+    def draft_kind(self, state, tokens):
         self.asked += 1
         return self.kind
 
-    def propose(self, tokens, k):
+    def propose(self, state, tokens, k):
         from outrider.spec.drafter import Draft
 
         self.proposed += 1
@@ -73,14 +76,16 @@ def test_a_round_asks_each_member_once():
     """draft_kind then propose of the same tokens (what the runner does each round): every member is asked
     once, the picked one drafts; a member with an empty draft hands on to the next, which is asked then;
     propose alone (no draft_kind first) still asks each member itself."""
-    from outrider.spec.drafter import DraftKind
+    from outrider.spec.drafter import DraftControls, DraftKind
+    from outrider.spec.sampling import SamplingParams
 
     none, empty, full = _Member(None, []), _Member(DraftKind("e"), []), _Member(DraftKind("f"), [7, 8])
     chain = DrafterChain([none, empty, full], ["none", "empty", "full"])
+    state = chain.begin([1, 2], SamplingParams(), DraftControls())
     tokens = [1, 2, 3]
-    assert chain.draft_kind(tokens).name == "empty:e"
-    assert chain.propose(tokens, 2).tokens == [7, 8]
+    assert chain.draft_kind(state, tokens).name == "empty:e"
+    assert chain.propose(state, tokens, 2).tokens == [7, 8]
     assert (none.asked, empty.asked, full.asked) == (1, 1, 1)
     assert (none.proposed, empty.proposed, full.proposed) == (0, 1, 1)
-    assert chain.propose(list(tokens), 1).tokens == [7]  # other tokens: each member asked again
+    assert chain.propose(state, list(tokens), 1).tokens == [7]  # other tokens: each member asked again
     assert (none.asked, empty.asked, full.asked) == (2, 2, 2)

@@ -29,12 +29,12 @@ class Bare:
         pass
 
     def begin(self, prompt, params, controls):
-        pass
+        return params
 
-    def propose(self, tokens, k):
+    def propose(self, state, tokens, k):
         return Draft(tokens[-k:])
 
-    def rollback(self, length):
+    def rollback(self, state, length):
         pass
 
 
@@ -71,7 +71,7 @@ def test_the_runner_reads_the_traits_not_the_drafter(outrider_contract_fixtures)
     drafter = Bare()
     runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=2), context=64)
     drafter.gives_draft_probs = True  # too late: assembly settled it
-    drafter.draft_kind = lambda tokens: None  # would stop every draft, if asked
+    drafter.draft_kind = lambda state, tokens: None  # would stop every draft, if asked
     assert not runner.lengths_change_the_output(SEEDED)
     list(runner.generate([5, 6, 7, 8], 6, SamplingParams()))
     assert runner.stats.drafted > 0 and set(runner.stats.chosen_by_kind) == {DEFAULT_KIND.name}

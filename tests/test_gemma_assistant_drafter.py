@@ -76,8 +76,8 @@ class Recording:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def propose(self, tokens, k):
-        draft = self.inner.propose(tokens, k)
+    def propose(self, state, tokens, k):
+        draft = self.inner.propose(state, tokens, k)
         self.rounds.append((list(tokens), k, list(draft.tokens)))
         return draft
 

@@ -177,10 +177,10 @@ def _check_draft_distributions(target, fx, sidecars, arch):
     params = SamplingParams(temperature=1.0, seed=3)
     t0 = 9
     tokens = PROMPT + [t0]
-    drafter.begin(list(PROMPT), params, DraftControls())
+    state = drafter.begin(list(PROMPT), params, DraftControls())
     hidden = _target_hidden(target, tokens)
-    drafter.observe(hidden[: len(PROMPT)], 0, None)
-    draft = drafter.propose(list(tokens), 4)
+    drafter.observe(state, hidden[: len(PROMPT)], 0, None)
+    draft = drafter.propose(state, list(tokens), 4)
     assert len(draft.tokens) == 4 and draft.probs.shape == (4, target.model.config.vocab_size)
     want = torch.softmax(Oracle(arch, fx.model_path(arch), sidecars[arch]).draft_logits(tokens, hidden,
                                                                                        draft.tokens[:-1]), -1)
@@ -197,28 +197,95 @@ def test_reject_then_continue_equals_a_fresh_run(fx, sidecars, arch):
     greedy = SamplingParams()
     a = MTPDrafter(model=str(sidecars[arch]))
     a.setup(target)
-    a.begin(list(PROMPT), greedy, DraftControls())
+    sa = a.begin(list(PROMPT), greedy, DraftControls())
     tokens = PROMPT + [9]
     full = _target_hidden(target, tokens + [1, 2, 3])
-    a.observe(full[: len(PROMPT)], 0, None)
-    first = a.propose(list(tokens), 4).tokens
+    a.observe(sa, full[: len(PROMPT)], 0, None)
+    first = a.propose(sa, list(tokens), 4).tokens
     n = len(tokens) - 1
     kept = first[:1]
-    a.rollback(n + 1 + len(kept))
+    a.rollback(sa, n + 1 + len(kept))
     after = tokens + kept + [(first[1] + 1) % 200]  # the target's token: anything but the second draft
     certain = _target_hidden(target, after)
-    a.observe(certain[n: n + 1 + len(kept)], n, None)
-    got = a.propose(list(after), 4).tokens
+    a.observe(sa, certain[n: n + 1 + len(kept)], n, None)
+    got = a.propose(sa, list(after), 4).tokens
 
     b = MTPDrafter(model=str(sidecars[arch]))
     b.setup(target)
-    b.begin(list(after[:-1]), greedy, DraftControls())
-    b.observe(certain[: len(after) - 1], 0, None)
-    want = b.propose(list(after), 4).tokens
+    sb = b.begin(list(after[:-1]), greedy, DraftControls())
+    b.observe(sb, certain[: len(after) - 1], 0, None)
+    want = b.propose(sb, list(after), 4).tokens
     assert got == want
-    ca, cb = a.heads[0].cache, b.heads[0].cache
+    ca, cb = sa.caches[0], sb.caches[0]
     assert ca.length == cb.length == len(after)
     torch.testing.assert_close(ca.values[0][:, : ca.length], cb.values[0][:, : cb.length], atol=1e-5, rtol=1e-5)
+
+
+def _speculate(drafter, target, prompt, params, rounds, k=3):
+    """One sequence's rounds through `drafter`, fed as the runner feeds it (its own target cache; after the prompt
+    and after each round's rollback, the target's hidden rows of the tokens now certain), yielding (state, draft)
+    each round. Round r keeps r mod (drafted + 1) of its drafts, then the target's token, so the rollbacks cut at
+    every depth; the sequence is ended after its last round."""
+    model = target.model
+    cache = model.new_cache(len(prompt) + rounds * (k + 1) + 1)
+    logits, hidden = model.forward(torch.tensor(prompt), 0, cache, hidden=True)
+    tokens = list(prompt) + [int(logits[-1].argmax())]
+    state = drafter.begin(list(prompt), params, DraftControls())
+    try:
+        drafter.observe(state, hidden, 0, cache)
+        for r in range(rounds):
+            n = len(tokens) - 1
+            draft = drafter.propose(state, list(tokens), k)
+            yield state, draft
+            logits, hidden = model.forward(torch.tensor([tokens[-1], *draft.tokens]), n, cache, hidden=True)
+            kept = r % (len(draft.tokens) + 1)
+            cache.truncate(n + 1 + kept)
+            drafter.rollback(state, n + 1 + kept)
+            drafter.observe(state, hidden[: kept + 1], n, cache)
+            tokens += draft.tokens[:kept] + [int(logits[kept].argmax())]
+    finally:
+        drafter.end(state)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_interleaved_sequences_get_the_drafts_each_gets_alone(fx, sidecars, arch):
+    """One drafter, several sequences: a and b (different prompts and seeds) interleaved round by round, and c
+    begun once a has ended (on the buffers a gave back, its rows stale past what c observes), each get exactly
+    the drafts and q rows a fresh drafter gives it alone."""
+    target = fx.target(arch)
+    runs = {"a": ([5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], SamplingParams(temperature=1.0, seed=3), 4),
+            "b": ([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9], SamplingParams(temperature=1.0, seed=8), 9),
+            "c": ([7, 7, 2, 8, 1], SamplingParams(temperature=0.7, seed=5), 4)}
+
+    def fresh():
+        drafter = MTPDrafter(model=str(sidecars[arch]), sample=True)
+        drafter.setup(target)
+        return drafter
+
+    alone = {name: [draft for _, draft in _speculate(fresh(), target, *run)] for name, run in runs.items()}
+    shared = fresh()
+    got = {name: [] for name in runs}
+    live = {name: _speculate(shared, target, *runs[name]) for name in ("a", "b")}
+    held = {}
+    while live:
+        for name, sequence in list(live.items()):
+            try:
+                state, draft = next(sequence)
+            except StopIteration:
+                del live[name]
+                if name == "a":
+                    live["c"] = _speculate(shared, target, *runs["c"])
+                continue
+            held.setdefault(name, state.hidden)
+            got[name].append(draft)
+    assert held["c"] is held["a"]  # c drafted on a's buffers
+    for name in runs:
+        assert len(got[name]) == len(alone[name]) == runs[name][2]
+        assert any(d.tokens for d in got[name])
+        for mine, want in zip(got[name], alone[name]):
+            assert mine.tokens == want.tokens, name
+            assert (mine.probs is None) == (want.probs is None), name
+            assert mine.probs is None or torch.equal(mine.probs, want.probs), name
 
 
 def test_the_forward_that_makes_the_first_draft_is_billed_as_a_draft_step(fx, sidecars, monkeypatch):
@@ -231,22 +298,22 @@ def test_the_forward_that_makes_the_first_draft_is_billed_as_a_draft_step(fx, si
     head = drafter.heads[0]
     forward = head.forward
 
-    def slow_forward(tokens, hidden, start):
+    def slow_forward(tokens, hidden, start, cache):
         time.sleep(0.04 * len(tokens))
-        return forward(tokens, hidden, start)
+        return forward(tokens, hidden, start, cache)
 
     monkeypatch.setattr(head, "forward", slow_forward)
     tokens = PROMPT + [9]
-    drafter.begin(list(PROMPT), SamplingParams(), DraftControls())
+    state = drafter.begin(list(PROMPT), SamplingParams(), DraftControls())
     hidden = _target_hidden(target, tokens + [1, 2])
-    drafter.observe(hidden[: len(PROMPT)], 0, None)
-    first = drafter.propose(list(tokens), 2)  # the prompt's catch-up, then a one-row step that times the step
+    drafter.observe(state, hidden[: len(PROMPT)], 0, None)
+    first = drafter.propose(state, list(tokens), 2)  # the prompt's catch-up, then a one-row step that times the step
     assert len(first.tokens) == 2 and first.upkeep_s >= 0.04 * (len(PROMPT) - 1)
     n = len(tokens) - 1
-    drafter.rollback(n + 2)  # the first draft accepted: t0's row and the draft's are certain
+    drafter.rollback(state, n + 2)  # the first draft accepted: t0's row and the draft's are certain
     after = tokens + first.tokens[:1] + [(first.tokens[1] + 1) % 200]
-    drafter.observe(_target_hidden(target, after)[n: n + 2], n, None)
-    second = drafter.propose(list(after), 1)  # one forward of those two rows, which makes the draft
+    drafter.observe(state, _target_hidden(target, after)[n: n + 2], n, None)
+    second = drafter.propose(state, list(after), 1)  # one forward of those two rows, which makes the draft
     assert len(second.tokens) == 1
     assert 0.02 < second.upkeep_s < 0.06, second.upkeep_s
 
@@ -271,9 +338,9 @@ def test_draft_p_min_stops_unsure_drafts(fx, sidecars):
     hidden = _target_hidden(target, tokens)
     lengths = []
     for p_min in (0.0, 0.999999):
-        drafter.begin(list(PROMPT), SamplingParams(), DraftControls(draft_p_min=p_min))
-        drafter.observe(hidden[: len(PROMPT)], 0, None)
-        lengths.append(len(drafter.propose(list(tokens), 4).tokens))
+        state = drafter.begin(list(PROMPT), SamplingParams(), DraftControls(draft_p_min=p_min))
+        drafter.observe(state, hidden[: len(PROMPT)], 0, None)
+        lengths.append(len(drafter.propose(state, list(tokens), 4).tokens))
     assert lengths == [4, 0]
 
 
@@ -597,10 +664,10 @@ def test_a_distilled_head_drafts_what_the_spec_equations_give(fx, distilled):
     drafter = MTPDrafter(model=str(distilled.sidecar), sample=True)
     drafter.setup(target)
     tokens = PROMPT + [9]
-    drafter.begin(list(PROMPT), SamplingParams(temperature=1.0, seed=4), DraftControls())
+    state = drafter.begin(list(PROMPT), SamplingParams(temperature=1.0, seed=4), DraftControls())
     hidden = _target_hidden(target, tokens)
-    drafter.observe(hidden[: len(PROMPT)], 0, None)
-    draft = drafter.propose(list(tokens), 3)
+    drafter.observe(state, hidden[: len(PROMPT)], 0, None)
+    draft = drafter.propose(state, list(tokens), 3)
     want = torch.softmax(Oracle("llama", fx.model_path("llama"), distilled.sidecar).draft_logits(
         tokens, hidden, draft.tokens[:-1]), -1)
     torch.testing.assert_close(draft.probs, want, atol=2e-5, rtol=1e-4)
@@ -668,8 +735,10 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
     with native_activations("float32"), torch.no_grad():
         want_logits, want_h = head(torch.tensor(tokens), shifted(hidden))
         drafting = MTPHead(GGUFFile(path), model.config.n_layers, target, 64)
+        cache = drafting.new_cache()
         for end in range(1, len(tokens) + 1):  # row by row through the cache, as the drafter feeds it
-            logits, h = drafting.forward(torch.tensor(tokens[end - 1:end]), shifted(hidden)[end - 1:end], end - 1)
+            logits, h = drafting.forward(torch.tensor(tokens[end - 1:end]), shifted(hidden)[end - 1:end], end - 1,
+                                         cache)
             torch.testing.assert_close(h[-1].float(), want_h[end - 1], atol=2e-4, rtol=1e-4)
             torch.testing.assert_close(logits, want_logits[end - 1], atol=2e-4, rtol=1e-4)
             if model.logit_softcap:  # applied, not only read: softcapped logits lie within +-cap (by hand)
@@ -678,10 +747,10 @@ def test_the_training_head_and_the_drafting_head_are_one_forward(fx, tmp_path, a
         # then the drafted tokens (here the text's own: a chain whose drafts were right) on the head's own h'
         chained = head.chain(torch.tensor(tokens), shifted(hidden), 3)
         for n in range(len(tokens) - 1):
-            drafting.cache.truncate(n)
-            logits, h = drafting.forward(torch.tensor(tokens[n:n + 1]), shifted(hidden)[n:n + 1], n)
+            cache.truncate(n)
+            logits, h = drafting.forward(torch.tensor(tokens[n:n + 1]), shifted(hidden)[n:n + 1], n, cache)
             for m in range(1, min(3, len(tokens) - n)):
-                logits, h = drafting.forward(torch.tensor(tokens[n + m:n + m + 1]), h[-1:].float(), n + m)
+                logits, h = drafting.forward(torch.tensor(tokens[n + m:n + m + 1]), h[-1:].float(), n + m, cache)
                 torch.testing.assert_close(h[-1].float(), chained[m][1][n + m], atol=3e-4, rtol=1e-4)
                 torch.testing.assert_close(logits, chained[m][0][n + m], atol=3e-4, rtol=1e-4)
     if model.logit_softcap:
@@ -950,9 +1019,10 @@ def test_learning_moves_the_head_toward_the_target_and_is_saved(fx, tmp_path):
                          learn_lr=3e-3)
     drafter.setup(target)
     for _ in range(30):
-        drafter.begin(tokens[:-1], SamplingParams(), DraftControls())
-        drafter.observe(hidden[:-1], 0, None)
-        drafter.propose(list(tokens), 1)
+        state = drafter.begin(tokens[:-1], SamplingParams(), DraftControls())
+        drafter.observe(state, hidden[:-1], 0, None)
+        drafter.propose(state, list(tokens), 1)
+        drafter.end(state)
     assert drafter.learner.steps == 30 and drafter.learner.refreshes == 6
     drafter.learner.save()
     after = kl()
@@ -1039,8 +1109,8 @@ def test_the_head_rebuilt_in_memory_is_the_head_its_file_holds(fx, tmp_path, arc
     tokens = [5, 17, 42, 8, 99, 3, 64, 7]
     hidden = shifted(_target_hidden(target, tokens).float())
     with native_activations("float32"), torch.no_grad():
-        rows = [MTPHead(source, model.config.n_layers, target, 16).forward(torch.tensor(tokens), hidden, 0)
-                for source in (on_disk, in_memory)]
+        heads = [MTPHead(source, model.config.n_layers, target, 16) for source in (on_disk, in_memory)]
+        rows = [head.forward(torch.tensor(tokens), hidden, 0, head.new_cache()) for head in heads]
     assert torch.equal(rows[0][0], rows[1][0]) and torch.equal(rows[0][1], rows[1][1])
 
 
@@ -1094,7 +1164,7 @@ def test_idle_learning_trains_the_last_requests_rows_and_then_requests_do_not(fx
     """With the default share, a generation trains as it goes until the host first offers idle time; then
     `Runner.idle` trains on the request's rows no step reached, a window a call, the windows ending a quarter of
     `rows` (2) apart and the last at the last certain row, as a request's steps would; then, in the last unit,
-    rebuilds the drafting head (which takes over the old head's KV cache) and says no work is left. From then on
+    rebuilds the drafting head (the request's KV cache kept as it was, not refilled) and says no work is left. From then on
     requests train nothing and leave their rows to the idle time after them. Greedy output stays plain
     decoding's throughout."""
     drafter, runner = _learning_runner(fx, tmp_path)
@@ -1108,14 +1178,17 @@ def test_idle_learning_trains_the_last_requests_rows_and_then_requests_do_not(fx
     train = learner._train
     monkeypatch.setattr(learner, "_train", lambda tokens, hidden, certain: (ends.append(certain),
                                                                             train(tokens, hidden, certain)))
-    first, observed = learner.trained_to, drafter.observed
-    cache, head = drafter.heads[0].cache, drafter.heads[0]
+    finished = drafter._last_finished  # the request's state, kept for the idle work
+    first, observed = learner.trained_to, finished.observed
+    cache, head = finished.caches[0], drafter.heads[0]
+    rows = cache.length
     units = 0
     while runner.idle():
         units += 1
     assert ends == list(range(first + 2, observed, 2)) + [observed], (first, observed, ends)
     assert units == len(ends) and learner.steps == in_request + len(ends)  # the last unit rebuilds, says done
-    assert drafter.heads[0] is not head and drafter.heads[0].cache is cache and learner.refreshes == 1
+    assert drafter.heads[0] is not head and learner.refreshes == 1
+    assert finished.caches[0] is cache and cache.length == rows and drafter._last_finished is finished
     assert not runner.idle() and learner.refreshes == 1  # nothing new: no second rebuild
     monkeypatch.undo()  # the clock's own rule again
     steps = learner.steps
@@ -1123,7 +1196,7 @@ def test_idle_learning_trains_the_last_requests_rows_and_then_requests_do_not(fx
     assert learner.clock.share == 0.0 and learner.steps == steps  # requests train nothing now
     while runner.idle():
         pass
-    assert learner.steps - steps == math.ceil(drafter.observed / 2) and learner.refreshes == 2
+    assert learner.steps - steps == math.ceil(drafter._last_finished.observed / 2) and learner.refreshes == 2
     assert list(runner.generate(list(PROMPT), 12, SamplingParams())) == want
 
 
@@ -1157,7 +1230,7 @@ def test_idle_learning_reads_the_rows_of_requests_another_member_drafted(fx, tmp
     from outrider.spec.drafter import Draft, DrafterBase
 
     class AlwaysOne(DrafterBase):  # drafts token 1 every round, as a lookup member with a match each round
-        def propose(self, tokens, k):
+        def propose(self, state, tokens, k):
             return Draft(tokens=[1])
 
     mtp, _ = _learning_runner(fx, tmp_path)
@@ -1165,14 +1238,15 @@ def test_idle_learning_reads_the_rows_of_requests_another_member_drafted(fx, tmp
     runner = Runner(fx.target("llama"), chain, GreedyAcceptor(), DrafterTraits.of(chain, draft_max=2), context=64)
     proposed = []
     propose = mtp.propose
-    mtp.propose = lambda tokens, k: (proposed.append(len(tokens)), propose(tokens, k))[1]
+    mtp.propose = lambda state, tokens, k: (proposed.append(len(tokens)), propose(state, tokens, k))[1]
     assert not runner.idle()  # a server's worker before its first request: requests train nothing from here on
     assert list(runner.generate(list(PROMPT), 12, SamplingParams())) == fx.plain_greedy("llama", PROMPT, 12)
     assert proposed == [] and mtp.learner.steps == 0  # the first member drafted every round
-    assert mtp.observed == len(runner.last_tokens) - 1  # every row but the last token's, which no one verified
+    observed = mtp._last_finished.observed  # the request's state, kept for the idle work
+    assert observed == len(runner.last_tokens) - 1  # every row but the last token's, which no one verified
     while runner.idle():
         pass
-    assert mtp.learner.trained_to == mtp.observed and mtp.learner.steps == math.ceil(mtp.observed / 2)
+    assert mtp.learner.trained_to == observed and mtp.learner.steps == math.ceil(observed / 2)
 
 
 def test_the_anchor_pulls_the_learned_weights_toward_the_distilled_head(fx, tmp_path):

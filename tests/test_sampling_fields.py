@@ -149,7 +149,7 @@ class RepeatingDrafter(DrafterBase):
     """Drafts the context's last tokens again (x_i = the token i back from the end, then the last once more):
     a round whose rows repeat what earlier rows drafted, so each row's counts differ from the round's first."""
 
-    def propose(self, tokens, k):
+    def propose(self, state, tokens, k):
         return Draft([tokens[-1 - (i % 2)] for i in range(k)])
 
 
@@ -160,7 +160,7 @@ class KnownContinuationDrafter(DrafterBase):
     def __init__(self, continuation):
         self.continuation = continuation
 
-    def propose(self, tokens, k):
+    def propose(self, state, tokens, k):
         done = len(tokens) - len(PROMPT)
         return Draft(self.continuation[done:done + k])
 

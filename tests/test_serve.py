@@ -725,12 +725,12 @@ class HangingDrafter:
         pass
 
     def begin(self, prompt, params, controls):
+        return params
+
+    def rollback(self, state, length):
         pass
 
-    def rollback(self, length):
-        pass
-
-    def propose(self, tokens, k):
+    def propose(self, state, tokens, k):
         self.release.wait()
         from outrider.spec.drafter import Draft
 
@@ -779,7 +779,7 @@ def test_a_stuck_drafter_fails_its_request_and_the_queue_and_health_says_so_unti
 
 
 class SlowDrafter(HangingDrafter):
-    def propose(self, tokens, k):
+    def propose(self, state, tokens, k):
         time.sleep(0.05)
         from outrider.spec.drafter import Draft
 
@@ -917,7 +917,7 @@ def test_serve_max_connections_answers_503_past_the_limit(tmp_path):
 
 
 class FailingDrafter(HangingDrafter):
-    def propose(self, tokens, k):
+    def propose(self, state, tokens, k):
         raise RuntimeError("secret detail from /home/alice/plugin.py")
 
 

@@ -37,7 +37,7 @@ class RandomDrafter(DrafterBase):
     def __init__(self, vocab_size: int, seed: int = 0):
         self.vocab_size, self.random = vocab_size, random.Random(seed)
 
-    def propose(self, tokens, k):
+    def propose(self, state, tokens, k):
         ids = [self.random.choice([self.random.randrange(self.vocab_size), -1, self.vocab_size + 5, tokens[-1]])
                for _ in range(k + 3)]
         return Draft(ids, None)
@@ -126,7 +126,7 @@ class OracleDrafter(DrafterBase):
     def __init__(self, continuation):
         self.continuation = continuation
 
-    def propose(self, tokens, k):
+    def propose(self, state, tokens, k):
         done = len(tokens) - len(TINY_PROMPT)
         return Draft(self.continuation[done:done + k])
 
@@ -217,9 +217,8 @@ def test_unseeded_runs_draw_their_drafts_afresh_and_seeded_runs_repeat_them():
     """A drafter's stream fixed across unseeded runs would make each context's sampled draft a constant,
     not a draw from q, and the Leviathan rule would then bias the output."""
     def draws(seed):
-        d = DrafterBase()
-        d.begin([1, 2], SamplingParams(1.0, seed=seed), DraftControls())
-        return [d.draws.uniform_draft(i) for i in range(4)]
+        state = DrafterBase().begin([1, 2], SamplingParams(1.0, seed=seed), DraftControls())
+        return [state.draws.uniform_draft(i) for i in range(4)]
 
     assert draws(None) != draws(None)
     assert draws(7) == draws(7)
@@ -296,8 +295,8 @@ def test_draft_model_with_a_reduced_head_drafts_only_its_rows_and_stays_lossless
     drafted = []
     propose = drafter.propose
 
-    def spy(tokens, k):
-        draft = propose(tokens, k)
+    def spy(state, tokens, k):
+        draft = propose(state, tokens, k)
         drafted.extend(draft.tokens)
         return draft
     drafter.propose = spy
@@ -307,8 +306,8 @@ def test_draft_model_with_a_reduced_head_drafts_only_its_rows_and_stays_lossless
     assert drafted and max(drafted) < rows
     full = DraftModelDrafter(p_min=0.0, model=str(tiny["llama_draft_path"]))
     full.setup(target)
-    full.begin(TINY_PROMPT, SamplingParams(), DraftControls())
-    assert any(t >= rows for t in full.propose(TINY_PROMPT + out[:1], 16).tokens)  # the whole head's would not
+    state = full.begin(TINY_PROMPT, SamplingParams(), DraftControls())
+    assert any(t >= rows for t in full.propose(state, TINY_PROMPT + out[:1], 16).tokens)  # the whole head's would not
 
 
 def test_draft_model_stops_where_unsure_unless_told_otherwise(tiny):
@@ -318,8 +317,7 @@ def test_draft_model_stops_where_unsure_unless_told_otherwise(tiny):
 
     def controls_used(drafter, given):
         drafter.setup(tiny["llama"])
-        drafter.begin(list(TINY_PROMPT), SamplingParams(), given)
-        return drafter.controls.draft_p_min
+        return drafter.begin(list(TINY_PROMPT), SamplingParams(), given).controls.draft_p_min
 
     path = str(tiny["llama_draft_path"])
     assert controls_used(DraftModelDrafter(model=path), DraftControls()) == 0.75
@@ -340,7 +338,7 @@ class NoisyDrafter(DrafterBase):
     def __init__(self, continuation, vocab_size):
         self.continuation, self.vocab_size = continuation, vocab_size
 
-    def propose(self, tokens, k):
+    def propose(self, state, tokens, k):
         done = len(tokens) - len(TINY_PROMPT)
         right = self.continuation[done:done + k]
         return Draft([(t + 1) % self.vocab_size if (done + i) % 3 == 2 else t for i, t in enumerate(right)])

@@ -33,16 +33,16 @@ class RecordingDrafter(DrafterBase):
         self.truth, self.rounds = truth, 0
 
     def begin(self, prompt, params, controls):
-        super().begin(prompt, params, controls)
         self.seen: list[tuple[int, torch.Tensor, int]] = []  # (start, hidden rows, cache length then)
         self.next_start = 0
+        return super().begin(prompt, params, controls)
 
-    def observe(self, hidden, start, cache):
+    def observe(self, state, hidden, start, cache):
         assert start == self.next_start, f"observe(start={start}) but the rows before it ended at {self.next_start}"
         self.seen.append((start, hidden.clone(), cache.length))
         self.next_start = start + hidden.shape[0]
 
-    def propose(self, tokens, k):
+    def propose(self, state, tokens, k):
         self.rounds += 1
         draft = self.truth[len(tokens):len(tokens) + k]
         if draft and self.rounds % 2:
@@ -83,7 +83,7 @@ def test_a_drafter_needing_the_target_without_observe_is_refused_at_assembly():
     class Starving(DrafterBase):
         needs = frozenset({NEEDS_TARGET_HIDDEN})
 
-        def propose(self, tokens, k):
+        def propose(self, state, tokens, k):
             return Draft()
 
     drafter = PluginSpec("drafter", "starving", Starving, capabilities={"needs": Starving.needs})

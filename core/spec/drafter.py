@@ -1,19 +1,31 @@
 """What a drafter is, and what it is given.
 
-A drafter is a plain object. Once, when the runner is assembled, `setup(target)` hands it the target
-(model, tokenizer, GGUF file, backend). Per generation, `begin(...)` gives it the prompt and the
-sampling settings. Each round, `propose(tokens, k)` returns at most k tokens that should follow
-`tokens` (the whole sequence so far, ending with a token the target has not yet seen), and
-`rollback(length)` says that only the first `length` tokens of what it saw are still valid.
-Optionally, `draft_kind(tokens)`, asked before `propose`, says what kind of draft this round's would be
+A drafter is a plain object that drafts for many sequences at once: its weights and whatever it shares across
+sequences (a history of requests) live on the instance, and everything of one sequence lives in the
+`DraftState` that `begin` returns, which every later call for that sequence takes first (llama.cpp's
+speculative.cpp keys every call by its sequence the same way). One instance over shared weights, not one
+instance per sequence: a batched `propose_many` then sees every running sequence's state in one call, so a
+draft model or an MTP head can draft for all of them in one forward.
+
+Once, when the runner is assembled, `setup(target)` hands it the target (model, tokenizer, GGUF file,
+backend). Per sequence, `begin(prompt, params, controls)` returns its state (`DrafterBase.begin` makes one with
+the sampling settings, the controls and the sequence's own draft stream; a drafter with more to keep subclasses
+`DraftState` and names it in `State`). Each round, `propose(state, tokens, k)` returns at most k tokens that
+should follow `tokens` (the whole sequence so far, ending with a token the target has not yet seen), and
+`rollback(state, length)` says that only the first `length` tokens of what it saw are still valid. When the
+sequence is done (finished, cancelled or failed), `end(state)` lets go of what it holds (a KV cache back to a
+pool); nothing is called with that state after it.
+Optionally, `draft_kind(state, tokens)`, asked before `propose`, says what kind of draft this round's would be
 (`DraftKind`), or `None` when it would be empty: `--draft-max auto` learns each kind's acceptance apart.
+`propose_many(states, tokens, ks)` drafts for several sequences in one call (`DrafterBase`'s asks `propose` of
+each in turn); its drafts must be those `propose` would give each sequence alone.
 
 A drafter that declares `target_hidden` or `target_kv` in `needs` (an MTP head, Gemma 4's assistant) is
 shown what the target computed, with no second forward: after the prompt, and after every round once
-the rejected positions are rolled back, `observe(hidden, start, cache)` gives the final-normed hidden
+the rejected positions are rolled back, `observe(state, hidden, start, cache)` gives the final-normed hidden
 states [m, hidden_size] of the rows at positions start..start+m-1 whose tokens are now certain (every
-prompt row; then t0 and the accepted drafts of each round), and the target's KV cache, which holds
-exactly positions [0, start+m) then. The cache is the target's own: read it, never write or truncate it.
+prompt row; then t0 and the accepted drafts of each round), and the target's KV cache of that sequence, which
+holds exactly positions [0, start+m) then. The cache is the target's own: read it, never write or truncate it.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from outrider.errors import OutriderError
 from outrider.spec.random_streams import PositionRandom
 from outrider.spec.sampling import SamplingParams, argmax_token, sample_at, warp
 
@@ -105,22 +118,37 @@ class DraftStepClock:
         return max(took - (self.step_s if self.step_s is not None else took / rows), 0.0)
 
 
+@dataclass
+class DraftState:
+    """One sequence's drafting state: what `begin` returns and every later call for that sequence takes. The
+    base holds what every drafter needs: the sequence's sampling settings, its drafter-side controls and its
+    own draft stream (never the acceptor's two: seeded runs repeat their drafts, an unseeded one draws afresh;
+    a fixed stream would make each context's draft a constant, not x ~ q). A drafter with more to keep per
+    sequence subclasses it (fields with defaults) and names the subclass in its `State`."""
+
+    params: SamplingParams
+    controls: DraftControls
+    draws: PositionRandom
+
+
 class Drafter(Protocol):
     gives_draft_probs: bool
     needs: frozenset[str]
 
     def setup(self, target: Target) -> None: ...
 
-    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None: ...
+    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> DraftState: ...
 
-    def propose(self, tokens: list[int], k: int) -> Draft: ...
+    def propose(self, state: DraftState, tokens: list[int], k: int) -> Draft: ...
 
-    def rollback(self, length: int) -> None: ...
+    def rollback(self, state: DraftState, length: int) -> None: ...
 
-    # optional: def draft_kind(self, tokens: list[int]) -> DraftKind | None
+    # optional: def end(self, state) -> None  (the sequence is done: let go of what its state holds)
+    # optional: def draft_kind(self, state, tokens: list[int]) -> DraftKind | None
+    # optional: def propose_many(self, states, tokens: list[list[int]], ks: list[int]) -> list[Draft]
     # optional: def idle(self, tokens: list[int]) -> bool  (one unit of deferred work between generations, on the
     #   latest generation's prompt and output `tokens`, whatever drafted them; whether more is left)
-    # with needs target_hidden / target_kv: def observe(self, hidden: torch.Tensor, start: int, cache) -> None
+    # with needs target_hidden / target_kv: def observe(self, state, hidden: torch.Tensor, start: int, cache) -> None
 
 
 class DrafterBase:
@@ -128,27 +156,43 @@ class DrafterBase:
 
     gives_draft_probs = False
     needs: frozenset[str] = frozenset()
+    State: type[DraftState] = DraftState  # what `begin` makes: a subclass's own, with its per-sequence fields
 
     def setup(self, target: Target) -> None:
         self.target = target
 
-    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
-        self.params, self.controls = params, controls
-        # a sampling drafter's own stream (never the acceptor's two): seeded runs repeat their drafts, an
-        # unseeded one draws afresh (a fixed stream would make each context's draft a constant, not x ~ q)
-        self.draws = PositionRandom(params.seed)
+    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> DraftState:
+        return self.State(params, controls, PositionRandom(params.seed))
 
-    def rollback(self, length: int) -> None:
+    def rollback(self, state: DraftState, length: int) -> None:
         pass
 
-    def draft_kind(self, tokens: list[int]) -> DraftKind | None:
+    def end(self, state: DraftState) -> None:
+        pass
+
+    def draft_kind(self, state: DraftState, tokens: list[int]) -> DraftKind | None:
         return DEFAULT_KIND
 
-    def draft_from_logits(self, k: int, next_logits: Callable[[list[int]], torch.Tensor], tokens: list[int],
-                          sample: bool) -> Draft:
-        """`draft_loop` with what `begin` gave: this generation's sampling settings, controls and draft
-        stream, the first draft standing after `tokens`."""
-        return draft_loop(k, next_logits, self.params, self.controls, sample, self.draws, len(tokens))
+    def propose_many(self, states: list[DraftState], tokens: list[list[int]], ks: list[int]) -> list[Draft]:
+        """One draft per sequence; a drafter that can draft for several in one forward overrides this."""
+        return [self.propose(state, t, k) for state, t, k in zip(states, tokens, ks)]
+
+    def draft_from_logits(self, state: DraftState, k: int, next_logits: Callable[[list[int]], torch.Tensor],
+                          tokens: list[int], sample: bool) -> Draft:
+        """`draft_loop` with what `begin` gave the sequence: its sampling settings, controls and draft stream, the
+        first draft standing after `tokens`."""
+        return draft_loop(k, next_logits, state.params, state.controls, sample, state.draws, len(tokens))
+
+
+def begin_drafting(drafter: Any, prompt: list[int], params: SamplingParams, controls: DraftControls) -> Any:
+    """A new sequence's drafting state, from `drafter.begin`; a drafter whose `begin` returns nothing is one of the
+    one-sequence API, which kept the sequence on itself: refused in one line with the fix."""
+    state = drafter.begin(list(prompt), params, controls)
+    if state is None:
+        raise OutriderError(f"drafter {type(drafter).__name__}'s begin returned None; return the sequence's state "
+                            "(DrafterBase.begin's, or a DraftState subclass) and take it as the first argument of "
+                            "propose, rollback, draft_kind and observe: see docs/plugins.md, 'Drafters'")
+    return state
 
 
 def draft_loop(k: int, next_logits: Callable[[list[int]], torch.Tensor], params: SamplingParams, controls: DraftControls,

@@ -9,11 +9,13 @@ server and the reports read its fields, and nothing asks the drafter again in th
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from outrider.errors import ConfigError
 from outrider.registry import as_the_instance_has_them
 from outrider.spec.drafter import NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV
 
@@ -41,7 +43,9 @@ class DrafterTraits:
     def of(cls, drafter: Any, declared: Mapping[str, Any] | None = None,
            draft_max: int | str = "auto") -> DrafterTraits:
         """`drafter`'s traits, its attributes winning over the `declared` capabilities (its registration's;
-        None where it was not registered, as for a drafter made directly)."""
+        None where it was not registered, as for a drafter made directly). A drafter written to the old,
+        one-sequence API is refused here, once, with the fix."""
+        check_drafter_api(drafter)
         declared = dict(declared or {})
         values = as_the_instance_has_them({"gives_draft_probs": False, "needs": frozenset(), **declared}, drafter)
         gives = bool(values["gives_draft_probs"])
@@ -50,3 +54,33 @@ class DrafterTraits:
                    says_draft_kind=callable(getattr(drafter, "draft_kind", None)),
                    observes=callable(getattr(drafter, "observe", None)), draft_max=draft_max,
                    capabilities=MappingProxyType(as_the_instance_has_them(declared, drafter)))
+
+
+# method: (its parameters in the per-sequence API, its parameters in the one-sequence API before it)
+_PER_SEQUENCE = {"propose": ("state, tokens, k", 2), "rollback": ("state, length", 1),
+                 "draft_kind": ("state, tokens", 1), "observe": ("state, hidden, start, cache", 3)}
+
+
+def _positional(method: Any) -> int | None:
+    """How many positional parameters a bound method takes; None where it takes any number (*args)."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def check_drafter_api(drafter: Any) -> None:
+    """Refuse, in one line naming the fix, a drafter whose methods take the one-sequence API's arguments
+    (`propose(tokens, k)`, `rollback(length)`, ...): since the drafter API became per sequence, `begin` returns a
+    state that each of them takes first."""
+    for name, (new, old_count) in _PER_SEQUENCE.items():
+        method = getattr(drafter, name, None)
+        if callable(method) and _positional(method) == old_count:
+            raise ConfigError(
+                f"drafter {type(drafter).__name__} is written to the old one-sequence drafter API ({name} takes "
+                f"{old_count} argument{'s' if old_count > 1 else ''}); make begin(prompt, params, controls) return "
+                f"a per-sequence state (DrafterBase.begin's, or a DraftState subclass) and define {name}(self, "
+                f"{new}): see docs/plugins.md, 'Drafters'")

@@ -17,7 +17,7 @@ import torch
 
 from outrider.errors import OutriderError
 from outrider.spec.acceptance import VerifyRound, as_acceptor
-from outrider.spec.drafter import Draft, DraftControls, Target, default_draft_kind
+from outrider.spec.drafter import Draft, DraftControls, Target, begin_drafting, default_draft_kind
 from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.length_policy import AdaptiveDraftLength, FixedDraftLength
 from outrider.spec.penalties import ContextPenalties
@@ -144,24 +144,36 @@ class Runner:
         if isinstance(self.draft_length, AdaptiveDraftLength):
             self.draft_length.begin_generation(timed=not self.lengths_change_the_output(params))
         rng = PositionRandom(params.seed)
-        model, cache, acceptor = self.target.model, self.cache, self.acceptor
-        draft_kind = self.drafter.draft_kind if self.traits.says_draft_kind else default_draft_kind
-        observe = self.drafter.observe if self.traits.reads_the_target else None
+        model, cache, acceptor, drafter = self.target.model, self.cache, self.acceptor, self.drafter
+        shows_hidden = self.traits.reads_the_target
         max_tokens = min(max_tokens, self.context - len(prompt))
 
         t = time.perf_counter()
         cache.truncate(0)
         out = model.forward(torch.tensor(prompt, device=self.device), 0, cache, last_only=True,
-                            hidden=observe is not None)
-        logits, hidden = out if observe is not None else (out, None)
+                            hidden=shows_hidden)
+        logits, hidden = out if shows_hidden else (out, None)
         logits = logits.float().cpu()
         penalties = ContextPenalties(params, prompt) if params.penalizes else None
         if penalties is not None:
             logits = penalties.apply(logits, [])
         first = acceptor.accept(VerifyRound(logits, [], None, params, rng, len(prompt))).tokens[0]
-        self.drafter.begin(list(prompt), params, self.controls)  # a draft model's own prefill: part of this one
+        state = begin_drafting(drafter, prompt, params, self.controls)  # a draft model's own prefill: part of this one
+        try:
+            yield from self._decode(state, prompt, first, max_tokens, params, stop_ids, rng, penalties, hidden, t)
+        finally:
+            end = getattr(drafter, "end", None)
+            if end is not None:
+                end(state)
+
+    def _decode(self, state: Any, prompt: list[int], first: int, max_tokens: int, params: SamplingParams,
+                stop_ids: set[int] | frozenset[int], rng: PositionRandom, penalties: ContextPenalties | None,
+                hidden: torch.Tensor | None, t: float) -> Iterator[Round]:
+        model, cache, acceptor, drafter, stats = self.target.model, self.cache, self.acceptor, self.drafter, self.stats
+        says_kind = self.traits.says_draft_kind
+        observe = drafter.observe if self.traits.reads_the_target else None
         if observe is not None:
-            observe(hidden, 0, cache)
+            observe(state, hidden, 0, cache)
         stats.prefill_s = time.perf_counter() - t
 
         tokens = self.last_tokens = list(prompt) + [first]
@@ -178,10 +190,10 @@ class Runner:
                 break
             n = len(tokens) - 1  # position of t0, the last token, which the target has not seen yet
             t = time.perf_counter()
-            kind = draft_kind(tokens)
+            kind = drafter.draft_kind(state, tokens) if says_kind else default_draft_kind(tokens)
             chosen = self.draft_length.choose(kind) if kind is not None else 0
             k = min(chosen, max_tokens - stats.generated_tokens - 1, self.context - len(tokens))
-            draft = self._clean(self.drafter.propose(tokens, k), k) if k > 0 else Draft()
+            draft = self._clean(drafter.propose(state, tokens, k), k) if k > 0 else Draft()
             t_drafted = time.perf_counter()
             upkeep = min(max(draft.upkeep_s, 0.0), t_drafted - t)
             batch = torch.tensor([tokens[-1], *draft.tokens], device=self.device)
@@ -202,9 +214,9 @@ class Runner:
             self.draft_length.update(len(draft.tokens), result.accepted, t_drafted - t - upkeep, t_verified - t_drafted,
                                      kind, upkeep, asked=k)
             cache.truncate(n + 1 + result.accepted)
-            self.drafter.rollback(n + 1 + result.accepted)
+            drafter.rollback(state, n + 1 + result.accepted)
             if observe is not None:  # t0 and the accepted drafts: the rows whose tokens are now certain
-                observe(hidden[: result.accepted + 1], n, cache)
+                observe(state, hidden[: result.accepted + 1], n, cache)
             certain = []
             for token in result.tokens:
                 certain.append(token)

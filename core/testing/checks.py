@@ -106,11 +106,11 @@ def _arch(subject: Subject) -> str:
 
 
 class _TargetFeed:
-    """For a drafter that reads the target (`observe`): the target's forwards over the certain rows, as the
-    runner does them, so the drafter is shown the hidden states and cache it would be shown in a run."""
+    """For a drafter that reads the target (`observe`): the target's forwards over one sequence's certain rows,
+    as the runner does them, so the drafter is shown the hidden states and cache it would be shown in a run."""
 
-    def __init__(self, subject: Subject, drafter: Any):
-        self.drafter, self.model = drafter, subject.fixtures.target(_arch(subject)).model
+    def __init__(self, subject: Subject, drafter: Any, state: Any):
+        self.drafter, self.state, self.model = drafter, state, subject.fixtures.target(_arch(subject)).model
         self.cache = self.model.new_cache(256)
         self.on = subject.drafter_traits(drafter).reads_the_target
 
@@ -121,21 +121,53 @@ class _TargetFeed:
         self.cache.truncate(min(self.cache.length, start))
         device = getattr(self.model, "device", torch.device("cpu"))
         _, hidden = self.model.forward(torch.tensor(rows, device=device), start, self.cache, hidden=True)
-        self.drafter.observe(hidden, start, self.cache)
+        self.drafter.observe(self.state, hidden, start, self.cache)
 
 
-def _fed_drafter(subject: Subject, params: SamplingParams = GREEDY, prompt: list[int] = PROMPT):
-    """A drafter set up and begun on `prompt` (and shown it, if it reads the target), with its feed."""
+class _Sequence:
+    """One sequence through a drafter as the runner drives it: its state from `begin`, and its target feed.
+    `propose`, `rollback` and `draft_kind` are the drafter's own, for this sequence."""
+
+    def __init__(self, subject: Subject, drafter: Any, params: SamplingParams, prompt: list[int]):
+        self.drafter = drafter
+        self.state = drafter.begin(list(prompt), params, DraftControls())
+        assert self.state is not None, \
+            f"{type(drafter).__name__}.begin returned None: it must return the sequence's state (DrafterBase.begin's)"
+        self.feed = _TargetFeed(subject, drafter, self.state)
+        self.feed.certain(list(prompt), 0)
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        return self.drafter.propose(self.state, tokens, k)
+
+    def rollback(self, length: int) -> None:
+        self.drafter.rollback(self.state, length)
+
+    def draft_kind(self, tokens: list[int]) -> Any:
+        return self.drafter.draft_kind(self.state, tokens)
+
+    def certain(self, rows: list[int], start: int) -> None:
+        self.feed.certain(rows, start)
+
+
+def _set_up(subject: Subject) -> Any:
+    """A fresh drafter, set up on its tiny target; one written to the old one-sequence API fails here, in the
+    words assembly refuses it with."""
     drafter = subject.new()
+    try:
+        subject.drafter_traits(drafter)
+    except OutriderError as exc:
+        raise AssertionError(str(exc)) from None
     drafter.setup(subject.fixtures.target(_arch(subject)))
-    drafter.begin(list(prompt), params, DraftControls())
-    feed = _TargetFeed(subject, drafter)
-    feed.certain(list(prompt), 0)
-    return drafter, feed
+    return drafter
 
 
-def _ready_drafter(subject: Subject, params: SamplingParams = GREEDY, prompt: list[int] = PROMPT):
-    return _fed_drafter(subject, params, prompt)[0]
+def _fed_drafter(subject: Subject, params: SamplingParams = GREEDY, prompt: list[int] = PROMPT) -> _Sequence:
+    """A drafter set up and begun on `prompt` (and shown it, if it reads the target): the one sequence."""
+    return _Sequence(subject, _set_up(subject), params, prompt)
+
+
+def _ready_drafter(subject: Subject, params: SamplingParams = GREEDY, prompt: list[int] = PROMPT) -> _Sequence:
+    return _fed_drafter(subject, params, prompt)
 
 
 def _vocab(subject: Subject) -> int:
@@ -171,21 +203,45 @@ CONTINUATION = (7, 8, 9, 5, 6)
 def _session(subject: Subject, params: SamplingParams = GREEDY, ask_kind: bool = False) -> list[Round]:
     """Drive a drafter the way the runner does: (with `ask_kind`, ask draft_kind first,) propose, accept a
     prefix, roll back, append the target's token."""
-    vocab = _vocab(subject)
-    drafter, feed = _fed_drafter(subject, params)
-    tokens = PROMPT + [7]
-    rounds = []
-    for i, k in enumerate(ROUND_KS):
-        kind = drafter.draft_kind(list(tokens)) if ask_kind else None
-        draft = drafter.propose(list(tokens), k)
+    session = _Session(subject, _fed_drafter(subject, params), PROMPT, ask_kind)
+    while session.more():
+        session.round()
+    return session.rounds
+
+
+class _Session:
+    """The rounds of `_session`, one at a time, so that several sequences' rounds can be interleaved."""
+
+    def __init__(self, subject: Subject, seq: _Sequence, prompt: list[int], ask_kind: bool = False,
+                 ks: tuple[int, ...] = ROUND_KS):
+        self.seq, self.vocab, self.ask_kind, self.ks = seq, _vocab(subject), ask_kind, ks
+        self.tokens = list(prompt) + [7]
+        self.rounds: list[Round] = []
+
+    def more(self) -> bool:
+        return len(self.rounds) < len(self.ks)
+
+    def ask(self) -> tuple[list[int], int, Any]:
+        """This round's tokens and k, and (with ask_kind) what draft_kind says of them."""
+        k = self.ks[len(self.rounds)]
+        kind = self.seq.draft_kind(list(self.tokens)) if self.ask_kind else None
+        return list(self.tokens), k, kind
+
+    def round(self) -> Round:
+        tokens, k, kind = self.ask()
+        return self.commit(tokens, k, kind, self.seq.propose(tokens, k))
+
+    def commit(self, tokens: list[int], k: int, kind: Any, draft: Any) -> Round:
+        """What the runner does with a proposal: accept 0, 1 or 2 of the drafts, roll back, show the target's rows."""
         if not isinstance(draft, Draft):
             raise AssertionError(f"propose must return an outrider.api.Draft, got {type(draft).__name__}")
-        rounds.append(Round(list(tokens), k, draft, kind))
-        accepted = _valid_ids(draft, vocab)[: min(k, i % 3)]  # accept 0, 1 or 2 of the drafts
-        drafter.rollback(len(tokens) + len(accepted))
-        feed.certain(tokens[-1:] + accepted, len(tokens) - 1)
-        tokens += accepted + [CONTINUATION[i % len(CONTINUATION)]]
-    return rounds
+        i = len(self.rounds)
+        self.rounds.append(Round(tokens, k, draft, kind))
+        accepted = _valid_ids(draft, self.vocab)[: min(k, i % 3)]
+        self.seq.rollback(len(self.tokens) + len(accepted))
+        self.seq.certain(self.tokens[-1:] + accepted, len(self.tokens) - 1)
+        self.tokens += accepted + [CONTINUATION[i % len(CONTINUATION)]]
+        return self.rounds[-1]
 
 
 @_check("drafter")
@@ -244,16 +300,16 @@ def same_proposal_for_the_same_state(subject: Subject) -> None:
                 f"differ at {ra.where()}: {list(ra.draft.tokens)} vs {list(rb.draft.tokens)}"
     if subject.drafter_traits(subject.new()).may_give_draft_probs:
         return  # a sampling drafter's repeat draws from the next part of its random stream
-    drafter, feed = _fed_drafter(subject)
+    seq = _fed_drafter(subject)
     tokens = PROMPT + [7]
     for k in (4, 1, 8):
-        first = list(drafter.propose(list(tokens), k).tokens)
-        drafter.rollback(len(tokens) - 1)  # the last token is unseen again: the same state as before
-        again = list(drafter.propose(list(tokens), k).tokens)
+        first = list(seq.propose(list(tokens), k).tokens)
+        seq.rollback(len(tokens) - 1)  # the last token is unseen again: the same state as before
+        again = list(seq.propose(list(tokens), k).tokens)
         assert first == again, f"propose(..., k={k}), rollback({len(tokens) - 1}), the same propose again " \
                                f"gave {first} then {again}"
-        drafter.rollback(len(tokens))
-        feed.certain(tokens[-1:], len(tokens) - 1)
+        seq.rollback(len(tokens))
+        seq.certain(tokens[-1:], len(tokens) - 1)
         tokens.append(CONTINUATION[k % len(CONTINUATION)])
 
 
@@ -262,17 +318,17 @@ def sane_on_an_empty_or_one_token_context(subject: Subject) -> None:
     """An empty or one-token prompt/context gives a valid (possibly empty) proposal, not an exception."""
     vocab = _vocab(subject)
     for prompt, tokens in (([], []), ([], [9]), ([9], [9]), ([9], [9, 9])):
-        drafter = _ready_drafter(subject, GREEDY, prompt)
+        seq = _ready_drafter(subject, GREEDY, prompt)
         for k in (1, 4):
             where = f"begin(prompt={prompt}), propose({tokens}, k={k})"
             try:
-                draft = drafter.propose(list(tokens), k)
+                draft = seq.propose(list(tokens), k)
             except Exception as exc:
                 raise AssertionError(f"{where} raised {type(exc).__name__}: {exc}") from exc
             assert isinstance(draft, Draft), f"{where} returned {type(draft).__name__}, not a Draft"
             assert len(draft.tokens) <= k, f"{where} returned {len(draft.tokens)} tokens"
             assert len(_valid_ids(draft, vocab)) == len(draft.tokens), f"{where} proposed ids out of range"
-            drafter.rollback(max(len(tokens) - 1, 0))  # the same state again for the next k
+            seq.rollback(max(len(tokens) - 1, 0))  # the same state again for the next k
 
 
 @_check("drafter")
@@ -285,7 +341,7 @@ def consistent_after_rollback(subject: Subject) -> None:
     params = SAMPLED if gives_q else GREEDY  # seeded: a sampling drafter's draws are reproducible
     vocab = _vocab(subject)
     for keep in (0, 1, 3):
-        a, feed = _fed_drafter(subject, params)
+        a = _fed_drafter(subject, params)
         tokens = PROMPT + [7]
         draft = _valid_ids(a.propose(list(tokens), 4), vocab)
         kept = draft[:keep]
@@ -293,11 +349,11 @@ def consistent_after_rollback(subject: Subject) -> None:
         rejected = draft[len(kept)] if len(draft) > len(kept) else None
         replacement = next(t for t in (9, 8, 5, 6, 7) if t != rejected)
         a.rollback(len(tokens) + len(kept))
-        feed.certain(tokens[-1:] + kept, len(tokens) - 1)
+        a.certain(tokens[-1:] + kept, len(tokens) - 1)
         after = tokens + kept + [replacement]
         got = a.propose(list(after), 4)
-        b, fresh_feed = _fed_drafter(subject, params)
-        fresh_feed.certain(tokens[-1:] + kept, len(tokens) - 1)
+        b = _fed_drafter(subject, params)
+        b.certain(tokens[-1:] + kept, len(tokens) - 1)
         want = b.propose(list(after), 4)
         where = f"after proposing {draft}, keeping {kept} and rolling back to {len(tokens) + len(kept)}, it proposed"
         if not gives_q:
@@ -337,6 +393,80 @@ def draft_kind_none_means_an_empty_draft(subject: Subject) -> None:
                 f"not {list(plain.draft.tokens)}"
             assert kind is not None or not asked.draft.tokens, \
                 f"{where} said None (nothing to draft), but {asked.where()} proposed {list(asked.draft.tokens)}"
+
+
+# A second sequence's prompt, with repeats of its own, for the checks that run several sequences through one drafter.
+OTHER_PROMPT = [9, 8, 3, 4, 9, 8, 3, 4, 9, 8]
+
+
+def _same_draft(got: Draft, want: Draft, where: str) -> None:
+    assert list(got.tokens) == list(want.tokens), f"{where} {list(got.tokens)}; alone it proposes {list(want.tokens)}"
+    if want.probs is None or not len(want.tokens):
+        return
+    assert got.probs is not None and got.probs.shape == want.probs.shape, \
+        f"{where} q rows of shape {None if got.probs is None else tuple(got.probs.shape)}; alone " \
+        f"{tuple(want.probs.shape)}"
+    diff = float((got.probs.double().cpu() - want.probs.double().cpu()).abs().max())
+    assert diff <= 1e-5, f"{where} q rows that differ by up to {diff:.3g} from those it gives alone"
+
+
+@_check("drafter")
+def sequences_interleaved_draft_as_each_alone(subject: Subject) -> None:
+    """Two sequences interleaved through one drafter get the drafts each gets alone, by propose and propose_many.
+
+    Each sequence's state is its own (`begin` returns it); the drafter's instance holds only what they share. A
+    third sequence begun after both ended drafts as on an instance that ran the two one after the other: what
+    `end` frees (a pooled cache) carries nothing over."""
+    plans = ((GREEDY, GREEDY), (SAMPLED, replace(SAMPLED, seed=SAMPLED.seed + 1)))
+    prompts = (PROMPT, OTHER_PROMPT)
+    for params in plans:
+        alone = _set_up(subject)
+        done = []
+        for prompt, p in zip(prompts, params):  # one after the other, each ended only when both are done, as below
+            session = _Session(subject, _Sequence(subject, alone, p, prompt), prompt, ask_kind=True)
+            while session.more():
+                session.round()
+            done.append(session)
+        if hasattr(alone, "end"):
+            for session in done:
+                alone.end(session.seq.state)
+        want = [session.rounds for session in done]
+        third = _Session(subject, _Sequence(subject, alone, params[0], prompts[0]), prompts[0], ask_kind=True)
+        while third.more():
+            third.round()
+        for batched in (False, True):
+            if batched and not hasattr(alone, "propose_many"):
+                continue
+            drafter = _set_up(subject)
+            sessions = [_Session(subject, _Sequence(subject, drafter, p, prompt), prompt, ask_kind=True)
+                        for prompt, p in zip(prompts, params)]
+            call = "propose_many" if batched else "propose"
+            for r in range(len(ROUND_KS)):
+                order = sessions if r % 2 == 0 else sessions[::-1]  # either may go first
+                asked = [s.ask() for s in order]
+                if batched:
+                    drafts = drafter.propose_many([s.seq.state for s in order], [a[0] for a in asked],
+                                                  [a[1] for a in asked])
+                    assert len(drafts) == len(order), f"propose_many of {len(order)} sequences gave {len(drafts)} drafts"
+                else:
+                    drafts = [s.seq.propose(a[0], a[1]) for s, a in zip(order, asked)]
+                for s, a, draft in zip(order, asked, drafts):
+                    j = sessions.index(s)
+                    got = s.commit(*a, draft)
+                    where = (f"temperature {params[j].temperature}: sequence {j + 1} of 2 interleaved ({call}), round "
+                             f"{r + 1}, {got.where()} proposed")
+                    _same_draft(got.draft, want[j][r].draft, where)
+                    assert got.kind == want[j][r].kind, \
+                        f"temperature {params[j].temperature}: sequence {j + 1} of 2 interleaved, round {r + 1}: " \
+                        f"draft_kind said {got.kind!r}, alone {want[j][r].kind!r}"
+            if hasattr(drafter, "end"):
+                for s in sessions:
+                    drafter.end(s.seq.state)
+            again = _Session(subject, _Sequence(subject, drafter, params[0], prompts[0]), prompts[0], ask_kind=True)
+            for r in range(len(ROUND_KS)):
+                got = again.round()
+                _same_draft(got.draft, third.rounds[r].draft,
+                            f"a sequence begun after two interleaved ones ended, round {r + 1}, {got.where()} proposed")
 
 
 class _Greedy:
@@ -534,19 +664,19 @@ class AdversarialDrafter:
     def setup(self, target) -> None:
         pass
 
-    def begin(self, prompt, params, controls) -> None:
-        self.params = params
+    def begin(self, prompt, params, controls) -> SamplingParams:
+        return params  # its state: only the sampling settings its garbage q rows are warped with
 
-    def rollback(self, length: int) -> None:
+    def rollback(self, params: SamplingParams, length: int) -> None:
         pass
 
-    def propose(self, tokens: list[int], k: int) -> Draft:
+    def propose(self, params: SamplingParams, tokens: list[int], k: int) -> Draft:
         choices = lambda: [self.random.randrange(self.vocab_size), -1, self.vocab_size + 5, tokens[-1]]  # noqa: E731
         ids = [self.random.choice(choices()) for _ in range(k + 3)]
         if not self.gives_draft_probs:
             return Draft(ids)
         gen = torch.Generator().manual_seed(self.random.randrange(2**31))
-        q = warp(torch.randn(len(ids), self.vocab_size, generator=gen) * 3, self.params)
+        q = warp(torch.randn(len(ids), self.vocab_size, generator=gen) * 3, params)
         return Draft(ids, q)
 
 

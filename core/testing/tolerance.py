@@ -10,8 +10,10 @@ import torch
 # max |logits in bfloat16 - logits in float64| of transformers' model of each tiny fixture (the GGUF's weights,
 # dequantized by gguf), over the backend checks' inputs (`tests/oracles/bf16_error.py`, `oracle_inputs`): what
 # an honest bfloat16 implementation of that model is off by. Gemma 4's is ten times the others' because the
-# tiny model amplifies small perturbations: rounding only its weights to bfloat16 moves its logits as much.
-BF16_ORACLE_ERROR = {"llama": 0.0686, "qwen2": 0.0737, "qwen3": 0.174, "gemma3": 0.154, "gemma4": 1.00}
+# tiny model amplifies small perturbations: rounding only its weights to bfloat16 moves its logits as much; it is
+# also the one whose error moves with the CPU's bfloat16 kernels (an AMX Xeon's and an AVX512-BF16 EPYC's torch
+# round apart), so its entry sits between the two, within the re-measurement's margin of each.
+BF16_ORACLE_ERROR = {"llama": 0.0686, "qwen2": 0.0737, "qwen3": 0.174, "gemma3": 0.154, "gemma4": 0.80}
 # Another implementation rounds in another order (its own matmul blocking, fused kernels, attention in float32
 # or not): the built-in CPU backend's bfloat16 path is within 0.8-1.2x of the oracle's error on every fixture
 # (tests/test_bf16_bound.py), so twice the oracle's error leaves room for kernels that round elsewhere.

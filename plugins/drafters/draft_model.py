@@ -1,6 +1,7 @@
 """The `draft-model` drafter: a smaller GGUF model with the same vocabulary proposes tokens.
 
-It keeps its own KV cache, rolled back with the target's. `head_rows = N` drafts from the first N rows of
+Each sequence's state keeps the draft model's own KV cache of it, rolled back with the target's (the caches
+are pooled: a finished sequence's is the next one's). `head_rows = N` drafts from the first N rows of
 its output head only, with every control and user-defined token (FR-Spec's frequency-ranked draft head:
 a byte-level BPE vocabulary's ids follow its merges, most frequent first, and a small draft model's head
 is a third of the bytes it reads a token); a token outside them is never drafted, so only acceptance can
@@ -17,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,8 +31,8 @@ from outrider.io.gguf import GGUFFile, stored_weight_bytes
 from outrider.io.tokenizer import Tokenizer, TokenType
 from outrider.models.layers import trunk_layers
 from outrider.models.weight_forms import load_linear
-from outrider.spec.drafter import (NEEDS_DRAFT_MODEL, Draft, DraftControls, DrafterBase, DraftKind, DraftStepClock,
-                                   Target)
+from outrider.spec.drafter import (NEEDS_DRAFT_MODEL, Draft, DraftControls, DrafterBase, DraftKind, DraftState,
+                                   DraftStepClock, Target)
 from outrider.spec.sampling import SamplingParams
 
 # llama.cpp's rule: ids below this may differ (special tokens), the rest must spell the same.
@@ -53,7 +56,13 @@ def check_vocab_compatible(target: Tokenizer, draft: Tokenizer, draft_name: str)
                               f"{target.tokens[i]!r}; {fix}")
 
 
+@dataclass
+class DraftModelState(DraftState):
+    cache: Any = None  # the draft model's KV cache of this sequence
+
+
 class DraftModelDrafter(DrafterBase):
+    State = DraftModelState
     needs = frozenset({NEEDS_DRAFT_MODEL})
     gives_draft_probs = False  # True on an instance made with sample = true; assembly reads the instance
 
@@ -100,7 +109,8 @@ class DraftModelDrafter(DrafterBase):
             native.set_int8_flag(targets_int8)
             torch.set_num_threads(targets_threads)
         self.vocab_size = min(target.tokenizer.vocab_size, self.model.config.vocab_size)
-        self.cache = self.model.new_cache(min(self.context, self.model.config.context_length))
+        self.cache_len = min(self.context, self.model.config.context_length)
+        self.free_caches: list[Any] = []  # caches of finished sequences, for the next ones
         self.step_clock = DraftStepClock()
         self.device = self.model.device
         self.head_ids = None  # token id of each row of a reduced head; None: the whole head
@@ -148,40 +158,48 @@ class DraftModelDrafter(DrafterBase):
             native.set_int8_flag(int8)
             torch.set_num_threads(threads)
 
-    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
+    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> DraftModelState:
         """Prefill the draft model with the prompt now, as the target is: a round's catch-up is then only the
         tokens the last round made certain, and `--draft-max auto` prices drafting by what it costs per
         round, not by a prompt's prefill billed to the first draft."""
         if controls.draft_p_min == 0.0 and self.p_min > 0.0:
             controls = dataclasses.replace(controls, draft_p_min=self.p_min)
-        super().begin(prompt, params, controls)
-        self.cache.truncate(0)
-        usable = prompt[: self.cache.max_len - 1]
+        state = super().begin(prompt, params, controls)
+        state.cache = self.free_caches.pop() if self.free_caches else self.model.new_cache(self.cache_len)
+        state.cache.truncate(0)
+        usable = prompt[: state.cache.max_len - 1]
         if usable:
             with self._own_settings():
-                self.model.forward(torch.tensor(usable, device=self.device), 0, self.cache, last_only=True)
+                self.model.forward(torch.tensor(usable, device=self.device), 0, state.cache, last_only=True)
+        return state
 
-    def draft_kind(self, tokens: list[int]) -> DraftKind:
+    def end(self, state: DraftModelState) -> None:
+        if state.cache is not None:
+            self.free_caches.append(state.cache)
+            state.cache = None
+
+    def draft_kind(self, state: DraftModelState, tokens: list[int]) -> DraftKind:
         return self.kind
 
-    def rollback(self, length: int) -> None:
-        self.cache.truncate(min(self.cache.length, length))
+    def rollback(self, state: DraftModelState, length: int) -> None:
+        state.cache.truncate(min(state.cache.length, length))
 
-    def propose(self, tokens: list[int], k: int) -> Draft:
-        room = self.cache.max_len - len(tokens)
+    def propose(self, state: DraftModelState, tokens: list[int], k: int) -> Draft:
+        cache = state.cache
+        room = cache.max_len - len(tokens)
         k = min(k, room)
         if k <= 0 or not tokens:  # nothing to condition on (found by the contract suite: it used to raise)
             return Draft()
         # the first draft needs the logits after the last token: at least that one is run again
-        self.cache.truncate(min(self.cache.length, len(tokens) - 1))
-        start = self.cache.length
+        cache.truncate(min(cache.length, len(tokens) - 1))
+        start = cache.length
         upkeep_s = 0.0
 
         def next_logits(drafted: list[int]) -> torch.Tensor:
             nonlocal start, upkeep_s
             pending = tokens[start:] if not drafted else drafted[-1:]
             t = time.perf_counter()
-            logits = self.model.forward(torch.tensor(pending, device=self.device), start, self.cache, last_only=True)[-1]
+            logits = self.model.forward(torch.tensor(pending, device=self.device), start, cache, last_only=True)[-1]
             took = time.perf_counter() - t
             # a catch-up after rounds that drafted nothing: one step of it is the first draft's (DraftStepClock), or
             # one round after a stretch without drafts would price drafting out
@@ -194,7 +212,7 @@ class DraftModelDrafter(DrafterBase):
             return full
 
         with self._own_settings():
-            draft = self.draft_from_logits(k, next_logits, tokens, self.sample)
+            draft = self.draft_from_logits(state, k, next_logits, tokens, self.sample)
         draft.upkeep_s = upkeep_s
         return draft
 

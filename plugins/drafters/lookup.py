@@ -2,7 +2,8 @@
 of the sequence earlier in prompt + output, and propose what followed it there.
 
 An index from each n-gram to the position after its most recent occurrence is kept up to date
-incrementally, so a round costs O(max_n) dictionary look-ups however long the context is.
+incrementally in each sequence's state, so a round costs O(max_n) dictionary look-ups however long the
+context is.
 Only accepted tokens ever enter `tokens`, so rollback needs no work.
 
 The kind of a round's draft (`draft_kind`) is the length n of the matched n-gram: a longer match is
@@ -14,60 +15,60 @@ the prior 0.2 n (at most 0.8).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from outrider.errors import ConfigError
 from outrider.hookspecs import hookimpl
-from outrider.spec.drafter import Draft, DraftControls, DrafterBase, DraftKind
-from outrider.spec.sampling import SamplingParams
+from outrider.spec.drafter import Draft, DrafterBase, DraftKind, DraftState
+
+
+@dataclass
+class LookupState(DraftState):
+    seen: list[int] = field(default_factory=list)  # the tokens indexed so far
+    index: dict[tuple[int, ...], int] = field(default_factory=dict)
 
 
 class LookupDrafter(DrafterBase):
+    State = LookupState
+
     def __init__(self, min_n: int = 2, max_n: int = 4):
         if not 1 <= min_n <= max_n:
             raise ConfigError(f"lookup drafter needs 1 <= min_n <= max_n, got min_n={min_n} max_n={max_n}")
         self.min_n, self.max_n = min_n, max_n
         self._kinds = {n: DraftKind(f"{n}-gram", round(min(0.2 * n, 0.8), 2)) for n in range(min_n, max_n + 1)}
-        self._reset()
 
-    def _reset(self) -> None:
-        self._seen: list[int] = []
-        self._index: dict[tuple[int, ...], int] = {}
+    def rollback(self, state: LookupState, length: int) -> None:
+        if length < len(state.seen):  # tokens it indexed are gone (the runner never does this)
+            state.seen, state.index = [], {}
 
-    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
-        super().begin(prompt, params, controls)
-        self._reset()
-
-    def rollback(self, length: int) -> None:
-        if length < len(self._seen):  # tokens it indexed are gone (the runner never does this)
-            self._reset()
-
-    def _extend_index(self, tokens: list[int]) -> None:
-        seen = len(self._seen)
+    def _extend_index(self, state: LookupState, tokens: list[int]) -> None:
+        seen = len(state.seen)
         # Called twice a round: checking the whole prefix would cost O(context). Rollback resets on a
         # shorter context; this catches a caller that skipped it.
-        if seen and (len(tokens) < seen or tokens[seen - 1] != self._seen[-1] or tokens[0] != self._seen[0]):
-            self._reset()
+        if seen and (len(tokens) < seen or tokens[seen - 1] != state.seen[-1] or tokens[0] != state.seen[0]):
+            state.seen, state.index = [], {}
             seen = 0
         # An n-gram ending at i - 1 maps to its continuation position i; the last token has none yet.
         for i in range(max(seen, 1), len(tokens)):
             for n in range(self.min_n, min(self.max_n, i) + 1):
-                self._index[tuple(tokens[i - n:i])] = i
-        self._seen.extend(tokens[seen:])
+                state.index[tuple(tokens[i - n:i])] = i
+        state.seen.extend(tokens[seen:])
 
-    def _match(self, tokens: list[int]) -> tuple[int, int] | None:
+    def _match(self, state: LookupState, tokens: list[int]) -> tuple[int, int] | None:
         """(n, start): the longest n-gram ending `tokens` seen before, and where its continuation starts."""
-        self._extend_index(tokens)
+        self._extend_index(state, tokens)
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            start = self._index.get(tuple(tokens[-n:]))
+            start = state.index.get(tuple(tokens[-n:]))
             if start is not None:
                 return n, start
         return None
 
-    def draft_kind(self, tokens: list[int]) -> DraftKind | None:
-        match = self._match(tokens) if tokens else None
+    def draft_kind(self, state: LookupState, tokens: list[int]) -> DraftKind | None:
+        match = self._match(state, tokens) if tokens else None
         return None if match is None else self._kinds[match[0]]
 
-    def propose(self, tokens: list[int], k: int) -> Draft:
-        match = self._match(tokens) if k > 0 and tokens else None
+    def propose(self, state: LookupState, tokens: list[int], k: int) -> Draft:
+        match = self._match(state, tokens) if k > 0 and tokens else None
         return Draft() if match is None else Draft(tokens[match[1]:match[1] + k])
 
 

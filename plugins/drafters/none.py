@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from outrider.hookspecs import hookimpl
-from outrider.spec.drafter import Draft, DrafterBase, DraftKind
+from outrider.spec.drafter import Draft, DrafterBase, DraftKind, DraftState
 
 
 class NoDrafter(DrafterBase):
-    def draft_kind(self, tokens: list[int]) -> DraftKind | None:
+    def draft_kind(self, state: DraftState, tokens: list[int]) -> DraftKind | None:
         return None  # so the runner does not weigh draft lengths every round
 
-    def propose(self, tokens: list[int], k: int) -> Draft:
+    def propose(self, state: DraftState, tokens: list[int], k: int) -> Draft:
         return Draft()
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from outrider.api import hookimpl
 
-from .drafter import SuffixDrafter
+from .drafter import SuffixDrafter, SuffixState
 
-__all__ = ["SuffixDrafter", "register_drafters"]
+__all__ = ["SuffixDrafter", "SuffixState", "register_drafters"]
 
 
 @hookimpl

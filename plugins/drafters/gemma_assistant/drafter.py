@@ -15,6 +15,9 @@ takes the argmax, as llama.cpp does. `--draft-p-min` stops a round at a draft be
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from outrider.catalog import resolve_model
@@ -26,11 +29,10 @@ from outrider.spec.drafter import (
     NEEDS_TARGET_HIDDEN,
     NEEDS_TARGET_KV,
     Draft,
-    DraftControls,
     DrafterBase,
+    DraftState,
     Target,
 )
-from outrider.spec.sampling import SamplingParams
 
 TARGET_ARCHITECTURE = "gemma4"
 
@@ -46,7 +48,15 @@ def target_kv_layers(model) -> dict[str, int]:
     return last
 
 
+@dataclass
+class AssistantState(DraftState):
+    hidden: torch.Tensor | None = None  # the last certain row's target hidden state: the one that predicted t0
+    end: int = 0  # the position after that row
+    cache: Any = None  # the target's KV cache of this sequence, as observe last showed it
+
+
 class GemmaAssistantDrafter(DrafterBase):
+    State = AssistantState
     needs = frozenset({NEEDS_TARGET_HIDDEN, NEEDS_TARGET_KV})
     gives_draft_probs = True  # when it samples (temperature > 0 and sample = true); assembly reads the instance
 
@@ -94,25 +104,21 @@ class GemmaAssistantDrafter(DrafterBase):
         self.vocab_size = t.vocab_size
         self.device = target.model.device
 
-    def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> None:
-        super().begin(prompt, params, controls)
-        self.hidden, self.end, self.cache = None, 0, None
-
-    def observe(self, hidden: torch.Tensor, start: int, cache) -> None:
+    def observe(self, state: AssistantState, hidden: torch.Tensor, start: int, cache) -> None:
         # only the last certain row matters: it is the target hidden that predicted the next t0
-        self.hidden, self.end, self.cache = hidden[-1:].clone(), start + hidden.shape[0], cache
+        state.hidden, state.end, state.cache = hidden[-1:].clone(), start + hidden.shape[0], cache
 
-    def rollback(self, length: int) -> None:
-        if length < self.end:  # the observed row is no longer the one before t0
-            self.hidden = None
+    def rollback(self, state: AssistantState, length: int) -> None:
+        if length < state.end:  # the observed row is no longer the one before t0
+            state.hidden = None
 
-    def propose(self, tokens: list[int], k: int) -> Draft:
+    def propose(self, state: AssistantState, tokens: list[int], k: int) -> Draft:
         pos = len(tokens) - 1  # t0's position: the target has cached exactly the positions before it
-        if k <= 0 or self.hidden is None or self.end != pos or self.cache is None or self.cache.length < pos:
+        if k <= 0 or state.hidden is None or state.end != pos or state.cache is None or state.cache.length < pos:
             return Draft()
-        kv = {kind: self.cache.read(layer, pos) for kind, layer in self.kv_layers.items()}
+        kv = {kind: state.cache.read(layer, pos) for kind, layer in self.kv_layers.items()}
         embed = self.target.model.embed
-        h = self.hidden
+        h = state.hidden
 
         def next_logits(drafted: list[int]) -> torch.Tensor:
             nonlocal h
@@ -121,7 +127,7 @@ class GemmaAssistantDrafter(DrafterBase):
             logits, h = self.assistant.forward(inputs, pos, kv)
             return logits[0][: self.vocab_size].float().cpu()
 
-        return self.draft_from_logits(k, next_logits, tokens, self.sample)
+        return self.draft_from_logits(state, k, next_logits, tokens, self.sample)
 
 
 @hookimpl

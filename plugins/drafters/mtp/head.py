@@ -1,4 +1,4 @@
-"""The MTP head, in its two forms: `MTPHead` drafts (the backend's kernels, its own KV cache, no gradients)
+"""The MTP head, in its two forms: `MTPHead` drafts (the backend's kernels, a KV cache per sequence, no gradients)
 and `TrainableHead` is what `outrider distill` trains (parameters, whole sequences, gradients). Both are
 one forward, `mtp_rows`: the token's embedding and the target's previous hidden state, each RMS-normed,
 concatenated and projected (eh_proj), one decoder block of the trunk's kind (`decoder_layer`, or the native
@@ -62,12 +62,13 @@ def shifted(hidden: torch.Tensor) -> torch.Tensor:
 
 class MTPHead:
     """One MTP block: the trunk-kind decoder block and the nextn projections around it, on the target's
-    backend, with its own one-layer KV cache."""
+    backend. It holds weights only: every sequence it drafts for brings its own one-layer KV cache
+    (`new_cache`), so one head serves interleaved sequences and a rebuilt head takes over their caches."""
 
-    def __init__(self, g: GGUFFile, b: int, target: Target, max_len: int, cache=None):
-        """`cache`: a KV cache to take over (an earlier head's, with rows it made), else a new one."""
+    def __init__(self, g: GGUFFile, b: int, target: Target, max_len: int):
+        """`max_len`: the positions a cache from `new_cache` holds."""
         model = target.model
-        self.model, self.eps = model, model.config.eps
+        self.model, self.eps, self.max_len = model, model.config.eps, max_len
         dtype, device, packed = model.dtype, model.device, model.native
         p = f"blk.{b}.nextn."
         has = lambda name: p + name + ".weight" in g.tensors
@@ -96,17 +97,23 @@ class MTPHead:
         else:
             self.head = model.output
         self.stack = LayerStack([model.block(g, b)], model.attention, self.eps, model.activation)
-        self.cache = cache if cache is not None else model.attention.new_cache(1, max_len, device)
+
+    def new_cache(self):
+        """An empty one-layer KV cache of `max_len` positions, for one sequence's rows of this head (or of any
+        head of the same block kind: a rebuilt head reads the rows an earlier one made)."""
+        return self.model.attention.new_cache(1, self.max_len, self.model.device)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_table[tokens] if self.embed_table is not None else self.model.embed(tokens)
 
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits of the last row over the head's rows, post-norm hidden [T, H]) for rows at start..start+T-1."""
-        block = lambda x: self.stack.run(x, start, self.cache, False)
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start: int, cache
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits of the last row over the head's rows, post-norm hidden [T, H]) for rows at start..start+T-1,
+        their keys and values written to `cache` (one sequence's, from `new_cache`; it holds rows [0, start))."""
+        block = lambda x: self.stack.run(x, start, cache, False)
         h = mtp_rows(self.embed(tokens), hidden.to(self.enorm.dtype), self.enorm, self.hnorm, self.eh_proj, block,
                      self.head_norm, self.eps)
-        self.cache.length = start + tokens.shape[0]
+        cache.length = start + tokens.shape[0]
         return self.head(h[-1:], softcap=self.softcap)[0].float(), h
 
     def full_logits(self, logits: torch.Tensor, vocab: int) -> torch.Tensor:
