@@ -1,5 +1,5 @@
 """How fast does `outrider distill` write the target's answers? Its `generate` (B answers side by side,
-`Decoder.step_sequences`) beside llama-server decoding the same B prompts in B parallel slots, in one run.
+`Decoder.forward_sequences`, one row each) beside llama-server decoding the same B prompts in B parallel slots, in one run.
 
 The target is the catalog's Qwen2.5-Coder-1.5B (Q4_K_M); the prompts are distill's own coding prompts through the
 file's chat template, sent to llama-server as the same token ids. Every answer runs to `--tokens` (no stop

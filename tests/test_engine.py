@@ -171,34 +171,6 @@ def test_tiny_batched_forward_equals_single_forwards(tiny_paths, arch, k):
     _check_batched_equals_single(model, prefix, block)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
-@pytest.mark.parametrize("weights", ["dense", "compact"])
-@pytest.mark.parametrize("n_sequences", [1, 3])
-def test_steps_of_several_sequences_equal_each_ones_own_steps(tmp_path, tiny_paths, arch, weights, n_sequences,
-                                                             monkeypatch):
-    """`step_sequences` (what distill writes its answers with) against each sequence stepped alone through
-    `forward`: the torch path and the CPU kernels, prompts of different lengths, across gemma3's window; one
-    sequence (the last answer of a batch) takes `forward` itself, not the loop of layers over several caches."""
-    path = tiny_paths.get(arch) or write_tiny_llama(tmp_path / f"{arch}.gguf", arch=arch)
-    model = load_model(GGUFFile(path), weights=weights)
-    if n_sequences == 1:
-        monkeypatch.setattr(model.stack, "run_sequences", lambda *a: pytest.fail("one sequence took the loop"))
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen) for n in (3, 9, 6)[:n_sequences]]
-    steps = torch.randint(0, model.config.vocab_size, (4, len(prompts)), generator=gen)
-    alone, caches = [], []
-    for prompt, column in zip(prompts, steps.T):
-        cache = model.new_cache(32)
-        model.forward(prompt, 0, cache, last_only=True)
-        alone.append(torch.cat([model.forward(column[i:i + 1], len(prompt) + i, cache) for i in range(len(column))]))
-        caches.append(model.new_cache(32))
-        model.forward(prompt, 0, caches[-1], last_only=True)
-    together = [model.step_sequences(row, [len(p) + i for p in prompts], caches) for i, row in enumerate(steps)]
-    for b in range(len(prompts)):
-        torch.testing.assert_close(torch.stack([t[b] for t in together]), alone[b], atol=BATCH_ATOL, rtol=0)
-        assert caches[b].length == len(prompts[b]) + len(steps)
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_tiny_truncate_then_replay_equals_fresh_run(tiny_paths, arch):
     model = load_model(GGUFFile(tiny_paths[arch]))

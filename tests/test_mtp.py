@@ -426,7 +426,7 @@ def test_the_hidden_states_read_while_writing_are_those_a_forward_over_the_text_
     """`generate(hidden=True)` keeps one row per token the target read (the prompt's, every answer token's but the
     last): a forward over prompt + answer, the teacher's other way to them, gives the same rows, and the teacher
     gives the same distributions from either. Answers that stop at a stop token and at the length both, several side
-    by side and one alone (`step_sequences`' two paths)."""
+    by side and one alone (`forward_sequences` with three sequences and with one)."""
     from outrider.plugins.drafters.mtp.distill import generate, teacher
 
     model, gen = fx.target(arch).model, torch.Generator().manual_seed(0)

@@ -63,15 +63,19 @@ class Decoder:
         return (logits, h) if hidden else logits
 
     @torch.inference_mode()
-    def step_sequences(self, tokens: torch.Tensor, starts: list[int], caches: list[KVCache], hidden: bool = False):
-        """Logits [B, vocab] (float32) of one decode step of B independent sequences at once: tokens[b] at
-        position starts[b] of caches[b], each cache's length set to starts[b] + 1; with `hidden`, also the
-        final-normed hidden states [B, hidden_size]. Gemma 4, whose layers are its own, has none."""
-        if len(caches) == 1:  # the native stack's one call, which the loop of layers over several caches is not
-            return self.forward(tokens, starts[0], caches[0], hidden=hidden)
-        x = self.stack.run_sequences(self._embedded(tokens), starts, caches)
-        for cache, start in zip(caches, starts):
-            cache.length = start + 1
+    def forward_sequences(self, tokens: torch.Tensor, counts: list[int], starts: list[int], caches: list[KVCache],
+                          hidden: bool = False):
+        """Logits [N, vocab] (float32) of several independent sequences in one forward (a ragged batch): `tokens` [N]
+        holds counts[b] tokens of sequence b, in order, at positions starts[b].. of caches[b], each cache's length
+        set to starts[b] + counts[b]; with `hidden`, also the final-normed hidden states [N, hidden_size]. With the
+        CPU kernels each row is bit for bit what `forward` of its own sequence's rows gives (a verify pass: not
+        `last_only`, whose prompt rows may sum in another order)."""
+        if not (len(counts) == len(starts) == len(caches)) or sum(counts) != tokens.shape[0] or min(counts, default=1) < 0:
+            raise ValueError(f"forward_sequences: {tokens.shape[0]} tokens, counts {list(counts)}, {len(starts)} starts "
+                             f"and {len(caches)} caches do not describe one batch")
+        x = self.stack.run_sequences(self._embedded(tokens), counts, starts, caches)
+        for cache, start, n in zip(caches, starts, counts):
+            cache.length = start + n
         h = rms_norm(x, self.output_norm, self.config.eps)
         logits = self.output(h, softcap=self.logit_softcap).float()
         return (logits, h) if hidden else logits

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from outrider.errors import ModelFileError
+from outrider.errors import ModelFileError, OutriderError
 from outrider.io.gguf import GGUFFile, dequantize
 from outrider.models.decoder import Decoder
 from outrider.models.kv_cache import KVCache
@@ -320,8 +320,10 @@ class Gemma4(Decoder):
         layer of its kind. `new_cache` holds `config.n_kv_layers` layers, indexed by these numbers."""
         return self.config.kv_source_layer
 
-    def step_sequences(self, tokens: torch.Tensor, starts: list[int], caches: list[KVCache], hidden: bool = False):
-        raise NotImplementedError("Gemma 4 steps one sequence at a time (its layers share K/V across layers)")
+    def forward_sequences(self, tokens: torch.Tensor, counts: list[int], starts: list[int], caches: list[KVCache],
+                          hidden: bool = False):
+        raise OutriderError("Gemma 4 runs one sequence at a time (its layers read other layers' K/V and per-layer "
+                            "inputs): serve it with -np 1, and give outrider generate one prompt")
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         cfg, n = self.config, self.config.n_kv_layers

@@ -63,8 +63,8 @@ def decoder_layer(l, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Ten
 class LayerStack:
     """`run(x, start, cache, prompt)`: x [T, hidden] at positions start..start+T-1 through every layer,
     writing the cache. Native (one call per forward) when the attention and every linear run on the CPU
-    kernels; a Python loop otherwise, or with `native=False`. `run_sequences`: one row of each of several
-    sequences, each with its own cache (the Python loop)."""
+    kernels; a Python loop otherwise, or with `native=False`. `run_sequences`: the rows of several sequences,
+    each with its own row count, start and cache, in one pass."""
 
     def __init__(self, layers: list[LayerWeights], attention: Attention, eps: float, act: str,
                  native: bool = True):
@@ -86,14 +86,21 @@ class LayerStack:
             x = decoder_layer(l, x, attend, self.eps, self.act, prompt)
         return x
 
-    def run_sequences(self, x: torch.Tensor, starts: list[int], caches: list[KVCache]) -> torch.Tensor:
-        """One new row per independent sequence: x [B, hidden], row b at position starts[b] of caches[b]. The
-        linears read their weights once for all B rows (what makes it pay: a decode step is bound by reading
-        them); each row attends over its own cache. The Python loop, since the native stack holds one cache."""
+    def run_sequences(self, x: torch.Tensor, counts: list[int], starts: list[int], caches: list[KVCache]) -> torch.Tensor:
+        """Several independent sequences' rows in one pass (a ragged batch): x [N, hidden] holds counts[b] rows of
+        sequence b, in order, at positions starts[b].. of caches[b]. The linears read their weights once for all N
+        rows (what makes it pay: a decode step is bound by reading them); each sequence's rows attend over its own
+        cache. Native: one call, each row bit for bit its own sequence's `run` with prompt=False (a verify pass)."""
+        if self.native is not None:
+            return self.native.run_ragged(x=x, counts=list(counts), starts=list(starts),
+                                          keys=[c.keys for c in caches], values=[c.values for c in caches])
+        bounds = [0]
+        for n in counts:
+            bounds.append(bounds[-1] + n)
         for i, l in enumerate(self.layers):
             def attend(qkv: torch.Tensor) -> torch.Tensor:
-                return torch.cat([self.attention(qkv[b:b + 1], i, starts[b], caches[b], l.rotary, l.q_norm,
-                                                 l.k_norm, l.window) for b in range(len(caches))])
+                return torch.cat([self.attention(qkv[bounds[b]:bounds[b + 1]], i, starts[b], caches[b], l.rotary,
+                                                 l.q_norm, l.k_norm, l.window) for b in range(len(caches)) if counts[b]])
             x = decoder_layer(l, x, attend, self.eps, self.act)
         return x
 

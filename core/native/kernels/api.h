@@ -22,6 +22,15 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
                      int64_t n_kv, int64_t d, torch::Tensor cos, torch::Tensor sin,
                      c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps,
                      int64_t window, double scale, int64_t kv_mode, bool v_norm);
+// One sequence's rows of a ragged attend: rows row0..row0+t_len-1 of qkv at positions start.., over its own cache.
+struct AttendSegment {
+  int64_t row0, t_len, start;
+  torch::Tensor k_cache, v_cache;
+};
+torch::Tensor attend_segments(const torch::Tensor& qkv, const std::vector<AttendSegment>& segments, int64_t n_heads,
+                              int64_t n_kv, int64_t d, const torch::Tensor& cos, const torch::Tensor& sin,
+                              c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps,
+                              int64_t window, double scale, int64_t kv_mode, bool v_norm);
 
 // row_sampler.cpp: the token sample_at(warp(row)) draws with the uniform u (outrider.spec.sampling); -1 where the
 // reference must decide

@@ -2,6 +2,8 @@
 
 #include <torch/types.h>
 
+#include <algorithm>
+
 #include "api.h"
 #include "common.h"
 #include "row_ops.h"
@@ -202,71 +204,101 @@ torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_c
                      int64_t n_kv, int64_t d, torch::Tensor cos, torch::Tensor sin,
                      c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps,
                      int64_t window, double scale, int64_t kv_mode, bool v_norm) {
+  return attend_segments(qkv, {AttendSegment{0, qkv.size(0), start, k_cache, v_cache}}, n_heads, n_kv, d, cos, sin,
+                         q_norm, k_norm, eps, window, scale, kv_mode, v_norm);
+}
+
+// attend for several sequences' rows in one call: segment s is rows row0..row0+t_len-1 of qkv, at positions
+// start.., over its own cache. Each (query, head) is computed as attend computes it alone (the same float
+// operations in the same order), so a segment's rows are bit for bit its own attend's; what is shared is one
+// parallel region for all of them, so a step of many short sequences keeps every thread busy.
+torch::Tensor attend_segments(const torch::Tensor& qkv, const std::vector<AttendSegment>& segments, int64_t n_heads,
+                              int64_t n_kv, int64_t d, const torch::Tensor& cos, const torch::Tensor& sin,
+                              c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double eps,
+                              int64_t window, double scale, int64_t kv_mode, bool v_norm) {
   TORCH_CHECK(qkv.is_contiguous() && qkv.scalar_type() == torch::kFloat32, "attend: qkv must be contiguous float32");
   TORCH_CHECK(d % 16 == 0 && d <= 1024, "attend: head_dim must be a multiple of 16, at most 1024");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "attend: caches must be contiguous");
   TORCH_CHECK(kv_mode >= KV_OWN && kv_mode <= KV_SHARED, "attend: unknown kv_mode ", kv_mode);
-  int64_t t_len = qkv.size(0);
+  int64_t rows = qkv.size(0);
   int64_t width = (n_heads + (kv_mode == KV_OWN ? 2 : kv_mode == KV_K_IS_V ? 1 : 0) * n_kv) * d;
   TORCH_CHECK(qkv.size(1) == width, "attend: qkv has ", qkv.size(1), " columns, expected ", width);
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == d && k_cache.size(3) == KEY_BLOCK,
-              "attend: keys must be held in transposed blocks [kv_heads, blocks, head_dim, ", KEY_BLOCK, "]");
-  int64_t k_len = k_cache.size(1) * KEY_BLOCK, v_len = v_cache.size(1);
-  TORCH_CHECK(start + t_len <= v_len, "attend: positions past the end of the cache");
   const float* src = qkv.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const float* cs = cos.data_ptr<float>();
   const float* sn = sin.data_ptr<float>();
   const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
   const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
   float epsf = static_cast<float>(eps);
-
-  // keys and values into the cache first: a query attends to the block's earlier tokens too
-  std::vector<float> ones(v_norm ? d : 0, 1.0f);
-  for (int64_t t = 0; kv_mode != KV_SHARED && t < t_len; ++t) {
-    int64_t p = start + t;
-    for (int64_t g = 0; g < n_kv; ++g) {
-      float normed[1024], rotated[1024];
-      const float* k = src + t * width + (n_heads + g) * d;
-      const float* v = kv_mode == KV_K_IS_V ? k : src + t * width + (n_heads + n_kv + g) * d;
-      if (kn) { rms_norm_row(k, kn, epsf, d, normed); k = normed; }
-      rope_row(k, cs + p * d, sn + p * d, d, rotated);
-      for (int64_t e = 0; e < d; ++e) kc[g * d * k_len + key_offset(d, e, p)] = rotated[e];
-      if (v_norm) rms_norm_row(v, ones.data(), epsf, d, vc + (g * v_len + p) * d);
-      else std::memcpy(vc + (g * v_len + p) * d, v, d * sizeof(float));
-    }
-  }
-
-  torch::Tensor out = torch::empty({t_len, n_heads * d}, qkv.options());
-  float* op = out.data_ptr<float>();
   int64_t per_kv = n_heads / n_kv;
   // Work items: a token and up to MAX_SHARED_HEADS heads of one kv group, which read the same keys and
   // values together (independent chains, one load for all of them); fewer heads per item where that
-  // would leave fewer than two items per thread.
+  // would leave fewer than two items per thread. (Which heads share an item changes no head's result.)
   int64_t shared = std::min<int64_t>(MAX_SHARED_HEADS, per_kv);
-  while (shared > 1 && t_len * n_kv * ((per_kv + shared - 1) / shared) < 2 * at::get_num_threads()) --shared;
+  while (shared > 1 && rows * n_kv * ((per_kv + shared - 1) / shared) < 2 * at::get_num_threads()) --shared;
   int64_t chunks_per_group = (per_kv + shared - 1) / shared;
-  // Scores only up to the last position this call reaches, not the cache's length, and not zeroed:
-  // every score read is written first. (Sized by the context, the buffer cost Gemma 3 a 512 KB memset
-  // per layer.)
-  int64_t scores_len = (start + t_len + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
-  AttendArgs args{src, kc, vc, cs, sn, qn, epsf, width, d, k_len, v_len, window, static_cast<float>(scale), scores_len};
-  // Items in order of kv group, then heads, then token: a thread's share is whole groups where it can be, so the
-  // tokens of a verify pass read their group's keys and values one after another, the later ones from cache,
-  // not each from memory
-  at::parallel_for(0, t_len * n_kv * chunks_per_group, 1, [&](int64_t i0, int64_t i1) {
-    std::unique_ptr<float[]> scores(new float[shared * scores_len]);
+
+  std::vector<AttendArgs> args;
+  std::vector<int64_t> first_item{0};  // segment s's items are first_item[s] .. first_item[s + 1] - 1
+  int64_t scores_max = 0;
+  std::vector<float> ones(v_norm ? d : 0, 1.0f);
+  for (const AttendSegment& seg : segments) {
+    const torch::Tensor &k_cache = seg.k_cache, &v_cache = seg.v_cache;
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "attend: caches must be contiguous");
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == d && k_cache.size(3) == KEY_BLOCK,
+                "attend: keys must be held in transposed blocks [kv_heads, blocks, head_dim, ", KEY_BLOCK, "]");
+    TORCH_CHECK(seg.row0 >= 0 && seg.t_len >= 0 && seg.row0 + seg.t_len <= rows, "attend: a segment's rows lie "
+                "outside qkv");
+    int64_t k_len = k_cache.size(1) * KEY_BLOCK, v_len = v_cache.size(1), start = seg.start;
+    TORCH_CHECK(start >= 0 && start + seg.t_len <= v_len, "attend: positions past the end of the cache");
+    float* kc = k_cache.data_ptr<float>();
+    float* vc = v_cache.data_ptr<float>();
+    const float* seg_src = src + seg.row0 * width;
+    // keys and values into the cache first: a query attends to the block's earlier tokens too
+    for (int64_t t = 0; kv_mode != KV_SHARED && t < seg.t_len; ++t) {
+      int64_t p = start + t;
+      for (int64_t g = 0; g < n_kv; ++g) {
+        float normed[1024], rotated[1024];
+        const float* k = seg_src + t * width + (n_heads + g) * d;
+        const float* v = kv_mode == KV_K_IS_V ? k : seg_src + t * width + (n_heads + n_kv + g) * d;
+        if (kn) { rms_norm_row(k, kn, epsf, d, normed); k = normed; }
+        rope_row(k, cs + p * d, sn + p * d, d, rotated);
+        for (int64_t e = 0; e < d; ++e) kc[g * d * k_len + key_offset(d, e, p)] = rotated[e];
+        if (v_norm) rms_norm_row(v, ones.data(), epsf, d, vc + (g * v_len + p) * d);
+        else std::memcpy(vc + (g * v_len + p) * d, v, d * sizeof(float));
+      }
+    }
+    // Scores only up to the last position this call reaches, not the cache's length, and not zeroed:
+    // every score read is written first. (Sized by the context, the buffer cost Gemma 3 a 512 KB memset
+    // per layer.)
+    int64_t scores_len = (start + seg.t_len + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
+    scores_max = std::max(scores_max, scores_len);
+    args.push_back(AttendArgs{seg_src, kc, vc, cs, sn, qn, epsf, width, d, k_len, v_len, window,
+                              static_cast<float>(scale), scores_len});
+    first_item.push_back(first_item.back() + seg.t_len * n_kv * chunks_per_group);
+  }
+
+  torch::Tensor out = torch::empty({rows, n_heads * d}, qkv.options());
+  float* op = out.data_ptr<float>();
+  // Items in order of segment, kv group, then heads, then token: a thread's share is whole groups where it can be,
+  // so the tokens of a verify pass read their group's keys and values one after another, the later ones from
+  // cache, not each from memory
+  at::parallel_for(0, first_item.back(), 1, [&](int64_t i0, int64_t i1) {
+    std::unique_ptr<float[]> scores(new float[shared * scores_max]);
+    size_t s = std::upper_bound(first_item.begin(), first_item.end(), i0) - first_item.begin() - 1;
     for (int64_t i = i0; i < i1; ++i) {
-      int64_t t = i % t_len, item = i / t_len;
+      while (i >= first_item[s + 1]) ++s;
+      const AttendSegment& seg = segments[s];
+      const AttendArgs& a = args[s];
+      int64_t t_len = seg.t_len, local = i - first_item[s];
+      int64_t t = local % t_len, item = local / t_len;
       int64_t g = item / chunks_per_group, h0 = g * per_kv + (item % chunks_per_group) * shared;
       int64_t heads = std::min<int64_t>(shared, (g + 1) * per_kv - h0);
-      float* o = op + t * n_heads * d + h0 * d;
+      float* o = op + (seg.row0 + t) * n_heads * d + h0 * d;
+      int64_t p = seg.start + t;
       switch (heads) {
-        case 4: if constexpr (MAX_SHARED_HEADS >= 4) { attend_heads<4>(args, t, start + t, h0, g, scores.get(), o); } break;
-        case 3: if constexpr (MAX_SHARED_HEADS >= 3) { attend_heads<3>(args, t, start + t, h0, g, scores.get(), o); } break;
-        case 2: if constexpr (MAX_SHARED_HEADS >= 2) { attend_heads<2>(args, t, start + t, h0, g, scores.get(), o); } break;
-        default: attend_heads<1>(args, t, start + t, h0, g, scores.get(), o); break;
+        case 4: if constexpr (MAX_SHARED_HEADS >= 4) { attend_heads<4>(a, t, p, h0, g, scores.get(), o); } break;
+        case 3: if constexpr (MAX_SHARED_HEADS >= 3) { attend_heads<3>(a, t, p, h0, g, scores.get(), o); } break;
+        case 2: if constexpr (MAX_SHARED_HEADS >= 2) { attend_heads<2>(a, t, p, h0, g, scores.get(), o); } break;
+        default: attend_heads<1>(a, t, p, h0, g, scores.get(), o); break;
       }
     }
   });

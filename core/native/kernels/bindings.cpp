@@ -47,7 +47,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("gemma4", &LayerStack::gemma4, py::kw_only(), py::arg("n_heads"), py::arg("n_kv"), py::arg("head_dim"),
            py::arg("kv_layer"), py::arg("kv_mode"), py::arg("inp_gate"), py::arg("inp_proj"), py::arg("inp_post_norm"),
            py::arg("out_scale"))
-      .def("run", &LayerStack::run, no_gil());
+      .def("run", &LayerStack::run, no_gil())
+      .def("run_ragged", &LayerStack::run_ragged, no_gil(), py::kw_only(), py::arg("x"), py::arg("counts"),
+           py::arg("starts"), py::arg("keys"), py::arg("values"));
   // The codes the calls above take, for outrider.native.codes's test (Python keeps its own copy so that
   // it runs without this module).
   py::dict kinds, acts, kv_modes;

@@ -102,6 +102,46 @@ class LayerStack {
     return x;
   }
 
+  // Several sequences' rows through every layer in one call (a ragged batch): x [N, hidden] holds counts[b] rows of
+  // sequence b, in order, at positions starts[b].., over its own cache (keys[b], values[b]: one tensor per layer).
+  // The linears take all N rows at once (their weights are read once for all); attention takes each sequence's
+  // rows over its own cache (attend_segments). A row's result is bit for bit what its sequence's own run gives
+  // (prompt = false: each linear's rows are computed alone, as a verify pass's). Gemma 4's layers, which read
+  // other layers' caches and per-layer inputs, run one sequence at a time.
+  torch::Tensor run_ragged(torch::Tensor x, const std::vector<int64_t>& counts, const std::vector<int64_t>& starts,
+                           const std::vector<std::vector<torch::Tensor>>& keys,
+                           const std::vector<std::vector<torch::Tensor>>& values) const {
+    TORCH_CHECK(counts.size() == starts.size() && counts.size() == keys.size() && counts.size() == values.size(),
+                "LayerStack.run_ragged: counts, starts, keys and values name ", counts.size(), ", ", starts.size(),
+                ", ", keys.size(), " and ", values.size(), " sequences");
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    TORCH_CHECK(total == x.size(0), "LayerStack.run_ragged: counts add up to ", total, " rows, x has ", x.size(0));
+    for (size_t b = 0; b < keys.size(); ++b)
+      TORCH_CHECK(keys[b].size() == layers_.size() && values[b].size() == layers_.size(), "LayerStack.run_ragged: "
+                  "sequence ", b, "'s cache has ", keys[b].size(), " layers, the model ", layers_.size());
+    for (const StackLayer& l : layers_)
+      TORCH_CHECK(l.kv_layer < 0 && !l.per_layer_input, "LayerStack.run_ragged: Gemma 4's layers run one sequence "
+                  "at a time");
+    x = x.contiguous();
+    std::vector<AttendSegment> segments(counts.size());
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const StackLayer& l = layers_[i];
+      c10::optional<torch::Tensor> bias;
+      if (l.qkv_bias.has_value()) bias = l.qkv_bias->expand({x.size(0), l.qkv_bias->size(0)}).contiguous();
+      torch::Tensor qkv = l.qkv(x, l.attn_norm, eps_, ACT_NONE, bias, c10::nullopt, false);
+      for (size_t b = 0, row = 0; b < counts.size(); row += counts[b], ++b)
+        segments[b] = AttendSegment{static_cast<int64_t>(row), counts[b], starts[b], keys[b][i], values[b][i]};
+      torch::Tensor a = attend_segments(qkv, segments, n_heads_, n_kv_, d_, l.cos, l.sin, l.q_norm, l.k_norm, eps_,
+                                        l.window, scale_, l.kv_mode, l.v_norm);
+      x = l.o(a, c10::nullopt, eps_, ACT_NONE, x, l.post_attn_norm, false);
+      torch::Tensor gu = l.gate_up(x, l.ffn_norm, eps_, ACT_NONE, c10::nullopt, c10::nullopt, false);
+      x = l.down(gu, c10::nullopt, eps_, act_, x, l.post_ffn_norm, false);
+      if (l.out_scale.has_value()) x = x * *l.out_scale;
+    }
+    return x;
+  }
+
  private:
   int64_t n_heads_, n_kv_, d_;
   double eps_, scale_;

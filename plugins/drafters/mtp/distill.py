@@ -130,7 +130,7 @@ def stdlib_texts(n: int, rng: random.Random, chars: int = 4000) -> list[str]:
 @torch.inference_mode()
 def generate(model, prompts: list[list[int]], n: int, temperatures: list[float], generator: torch.Generator,
              stop: set[int], deadline: float = math.inf, hidden: bool = False):
-    """The target's own continuations of `prompts`, written side by side (`step_sequences`: a step of several
+    """The target's own continuations of `prompts`, written side by side (`forward_sequences`: a step of several
     sequences costs little more than a step of one), each sampled at its temperature (greedy at 0) and ending
     at a stop token, after `n` tokens, or where `perf_counter()` passes `deadline` (what is written so far).
     With `hidden`, also each sequence's final-normed hidden states (float16), one row per token the target read:
@@ -159,9 +159,9 @@ def generate(model, prompts: list[list[int]], n: int, temperatures: list[float],
         if not keep or time.perf_counter() > deadline:
             break
         active = [active[j] for j in keep]
-        logits, h = model.step_sequences(torch.tensor([tokens[j] for j in keep]),
-                                         [len(prompts[b]) + len(outs[b]) - 1 for b in active],
-                                         [caches[b] for b in active], hidden=True)
+        logits, h = model.forward_sequences(torch.tensor([tokens[j] for j in keep]), [1] * len(active),
+                                            [len(prompts[b]) + len(outs[b]) - 1 for b in active],
+                                            [caches[b] for b in active], hidden=True)
         if hidden:
             for b, row in zip(active, h.half()):
                 rows[b].append(row[None])
