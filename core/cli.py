@@ -111,7 +111,10 @@ def _read_prompt(prompt: str) -> str:
 
 
 @main.command()
-@click.argument("prompt")
+@click.argument("prompts", nargs=-1)
+@click.option("--prompts", "prompts_file", type=click.File("r"), help="A file of prompts, one per line (`-`: stdin); "
+              "with it, or several PROMPTs, they run as one batch and each answer is printed after a `==> i/n <==` "
+              "line (one JSON object per line with --json).")
 @click.option("--model", "-m", help="Target model: catalog name (see `outrider models`) or .gguf path.")
 @click.option("--max-tokens", "-n", type=int, help="Most tokens to generate [128; served requests that leave it out get the rest of the context unless this is given].")
 @click.option("--temperature", "--temp", type=float, help="Sampling temperature; 0 = greedy [0].")
@@ -148,12 +151,17 @@ def _read_prompt(prompt: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--verbose", "-v", is_flag=True, help="Print a one-line summary to stderr.")
 @friendly_errors
-def generate(prompt, options, config_file, as_json, verbose, **flags):
-    """Generate text for PROMPT (`-` reads it from stdin)."""
+def generate(prompts, prompts_file, options, config_file, as_json, verbose, **flags):
+    """Generate text for PROMPT (`-` reads it from stdin); several PROMPTs (or --prompts FILE) run as one batch."""
     from outrider.assembly import assemble
     from outrider.config import resolve_config
     from outrider.io.chat import prompt_ids as chat_prompt_ids
 
+    texts = [_read_prompt(p) for p in prompts]
+    if prompts_file is not None:
+        texts += [line.rstrip("\r\n") for line in prompts_file if line.strip()]
+    if not texts:
+        raise click.UsageError("give a PROMPT (or several), `-` to read one from stdin, or --prompts FILE")
     config = resolve_config(flags, config_file, option_flags=with_threads(options, flags.pop("threads"), flags.get("backend")))
     load_start = time.perf_counter()
     assembly = assemble(config)
@@ -161,8 +169,10 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
     for warning in assembly.warnings:
         click.echo(f"warning: {warning}", err=True)
     tokenizer = assembly.tokenizer
-    text = _read_prompt(prompt)
-    prompt_ids = chat_prompt_ids(assembly.gguf, tokenizer, text, chat=config["chat"])
+    if len(texts) > 1:
+        ids = [chat_prompt_ids(assembly.gguf, tokenizer, text, chat=config["chat"]) for text in texts]
+        return _generate_batch(assembly, config, ids, load_s, as_json, verbose)
+    prompt_ids = chat_prompt_ids(assembly.gguf, tokenizer, texts[0], chat=config["chat"])
 
     runner = assembly.runner
     decoder = tokenizer.stream_decoder()
@@ -186,14 +196,7 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
         pieces.append(tail)
         if not as_json:
             click.echo(tail)
-    stats = runner.stats.as_dict()
-    stats["load_s"] = round(load_s, 3)
-    stats["config"] = config.report(assembly.options)
-    stats["plugins"] = {kind: spec.name for kind, spec in assembly.plugins.items()}
-    specs = assembly.plugins
-    stats["capabilities"] = {"backend": _plain(instance_capabilities(specs["backend"], runner.target.backend)),
-                             "drafter": _plain(runner.traits.capabilities),
-                             "acceptor": _plain(instance_capabilities(specs["acceptor"], runner.acceptor))}
+    stats = _report(assembly, config, runner.stats, load_s)
     if as_json:
         click.echo(json.dumps({"text": "".join(pieces), "tokens": generated, "prompt_tokens": prompt_ids,
                                "stats": stats}, ensure_ascii=False))
@@ -203,9 +206,51 @@ def generate(prompt, options, config_file, as_json, verbose, **flags):
         raise KeyboardInterrupt  # friendly_errors: "interrupted" on stderr, exit status 130
 
 
+def _report(assembly, config, generation_stats, load_s: float) -> dict:
+    """A generation's stats as --json and --verbose show them, with the settings and plugins that made it."""
+    runner, specs = assembly.runner, assembly.plugins
+    stats = generation_stats.as_dict()
+    stats["load_s"] = round(load_s, 3)
+    stats["config"] = config.report(assembly.options)
+    stats["plugins"] = {kind: spec.name for kind, spec in specs.items()}
+    stats["capabilities"] = {"backend": _plain(instance_capabilities(specs["backend"], runner.target.backend)),
+                             "drafter": _plain(runner.traits.capabilities),
+                             "acceptor": _plain(instance_capabilities(specs["acceptor"], runner.acceptor))}
+    return stats
+
+
+def _generate_batch(assembly, config, prompt_ids: list[list[int]], load_s: float, as_json: bool, verbose: bool) -> None:
+    """Several prompts as one batch (the offline job of vLLM's `LLM.generate`): every running sequence stepped
+    together, one ragged verify forward a round, each answer what it would be alone. Printed in order once all are
+    done: a `==> i/n <==` line and the text, or one JSON object a line."""
+    from outrider.errors import OutriderError
+
+    runner, tokenizer = assembly.runner, assembly.tokenizer
+    if not getattr(runner.target.model, "batches", True):
+        raise OutriderError(f"a {assembly.gguf.architecture} model runs one sequence at a time; give one prompt")
+    started = time.perf_counter()
+    seqs = runner.generate_many(prompt_ids, config["max_tokens"], [assembly.params] * len(prompt_ids),
+                                tokenizer.eog_ids)
+    wall_s = time.perf_counter() - started
+    for i, seq in enumerate(seqs):
+        decoder = tokenizer.stream_decoder()
+        text = "".join(decoder.push(t) for t in seq.output if t not in tokenizer.eog_ids) + decoder.flush()
+        if as_json:
+            click.echo(json.dumps({"index": i, "text": text, "tokens": seq.output, "prompt_tokens": seq.prompt,
+                                   "stats": _report(assembly, config, seq.stats, load_s)}, ensure_ascii=False))
+        else:
+            click.echo(f"==> {i + 1}/{len(seqs)} <==\n{text}")
+        if verbose:
+            click.echo(f"[{i + 1}/{len(seqs)}] " + _summary(_report(assembly, config, seq.stats, load_s)), err=True)
+    if verbose:
+        total = sum(seq.stats.generated_tokens for seq in seqs)
+        click.echo(f"batch of {len(seqs)}: {total} tokens in {wall_s:.2f}s, {total / wall_s:.1f} tok/s over all "
+                   "sequences (prefills included)", err=True)
+
+
 # generate's settings that a server has no use for: the prompt comes with each request, and each endpoint
 # decides whether the chat template applies
-_NOT_SERVED = {"prompt", "chat", "as_json", "verbose"}
+_NOT_SERVED = {"prompts", "prompts_file", "chat", "as_json", "verbose"}
 
 
 @main.command()

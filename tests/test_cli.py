@@ -60,6 +60,36 @@ def test_generate_json_reports_tokens_text_and_stats(files):
     assert stats["config"]["settings"]["draft_max"] == {"value": 3, "source": "flag"}
 
 
+@pytest.mark.parametrize("sampling", [[], ["--temp", "0.8", "--seed", "5"]])
+def test_several_prompts_run_as_one_batch_and_each_answer_is_its_own(files, tmp_path, sampling):
+    """Repeated PROMPTs and a --prompts file (one a line) run as one batch; each prompt's tokens are what it gets
+    alone (greedy, and seeded sampling)."""
+    prompts = ["the the the the the the", "abc abc abc", "hello", "one two one two one two one"]
+    file = tmp_path / "prompts.txt"
+    file.write_text("\n".join(prompts[2:]) + "\n\n")
+    common = ["--model", files["llama"], "--json", "-n", "16", "--draft-max", "4", *sampling]
+    alone = []
+    for prompt in prompts:
+        result = invoke("generate", *common, prompt)
+        assert result.exit_code == 0, result.output
+        alone.append(json.loads(result.output.strip().splitlines()[-1])["tokens"])
+    result = invoke("generate", *common, prompts[0], prompts[1], "--prompts", file)
+    assert result.exit_code == 0, result.output
+    answers = [json.loads(line) for line in result.output.strip().splitlines()]
+    assert [a["index"] for a in answers] == [0, 1, 2, 3]
+    assert [a["tokens"] for a in answers] == alone
+    assert all(a["stats"]["generated_tokens"] == 16 for a in answers)
+    text = invoke("generate", "--model", files["llama"], "-n", "4", "a b", "c d")
+    assert text.exit_code == 0 and "==> 1/2 <==" in text.output and "==> 2/2 <==" in text.output, text.output
+
+
+def test_no_prompt_at_all_is_a_usage_error(files, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    result = invoke("generate", "--model", files["llama"], "--prompts", empty)
+    assert result.exit_code == 2 and "give a PROMPT" in result.output, result.output
+
+
 def test_generate_takes_draft_max_auto_and_rejects_a_bad_one(files):
     result = invoke("generate", "--model", files["llama"], "--json", "-n", "6", "--draft-max", "auto", "the the the")
     assert result.exit_code == 0, result.output

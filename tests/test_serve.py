@@ -636,7 +636,7 @@ def test_serve_takes_every_setting_generate_takes_and_refuses_a_bad_one_in_one_l
     from outrider.cli import generate, serve
 
     served = {p.name for p in serve.params}
-    assert {p.name for p in generate.params} - served == {"prompt", "chat", "as_json", "verbose"}
+    assert {p.name for p in generate.params} - served == {"prompts", "prompts_file", "chat", "as_json", "verbose"}
     result = CliRunner().invoke(main, ["serve", "--model", str(tmp_path / "missing.gguf")])
     assert result.exit_code == 1
     assert result.output.startswith("error: ") and "missing.gguf" in result.output

@@ -33,6 +33,7 @@ class Decoder:
     architecture: str
     activation: str
     logit_softcap = 0.0
+    batches = True  # forward_sequences runs several sequences at once (Gemma 4's runs one at a time)
     config: object
     layers: list
     attention: Attention

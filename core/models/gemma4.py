@@ -320,6 +320,8 @@ class Gemma4(Decoder):
         layer of its kind. `new_cache` holds `config.n_kv_layers` layers, indexed by these numbers."""
         return self.config.kv_source_layer
 
+    batches = False
+
     def forward_sequences(self, tokens: torch.Tensor, counts: list[int], starts: list[int], caches: list[KVCache],
                           hidden: bool = False):
         raise OutriderError("Gemma 4 runs one sequence at a time (its layers read other layers' K/V and per-layer "

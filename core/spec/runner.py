@@ -1,10 +1,11 @@
-"""The speculative decoding loop.
+"""The speculative decoding loop, for one sequence or many at once.
 
 One round: the certain next token t0 (already sampled, not yet in the target's KV cache) is packed
 with the drafter's proposal x1..xk into ONE target forward over [t0, x1..xk]; the acceptor keeps a
 prefix of the drafts and emits one more token (recovered or bonus), which is the next round's t0.
 Rejected positions are rolled back by truncating the caches. With no drafts this is exactly plain
-decoding: one forward, one token.
+decoding: one forward, one token. Several sequences step together: each drafts, one ragged target forward
+verifies all of them (`Decoder.forward_sequences`, bit for bit each one's own forward), each accepts its own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from outrider.errors import OutriderError
 from outrider.spec.acceptance import VerifyRound, as_acceptor
-from outrider.spec.drafter import Draft, DraftControls, Target, begin_drafting, default_draft_kind
+from outrider.spec.drafter import Draft, DraftControls, DraftKind, Target, begin_drafting, default_draft_kind
 from outrider.spec.drafter_traits import DrafterTraits
 from outrider.spec.length_policy import AdaptiveDraftLength, FixedDraftLength
 from outrider.spec.penalties import ContextPenalties
@@ -107,15 +108,48 @@ def _histogram(values: list[int]) -> dict[str, int]:
     return counts
 
 
+@dataclass
+class Sequence:
+    """One generation in a runner: what `Runner.start` set up and every `Runner.step` reads and advances. Its
+    own cache, sampling stream, penalties, acceptor, draft-length policy, drafter state and counters, so any
+    number of them step together and each emits what it would alone."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int  # tokens it may emit: the request's, capped by the room its cache has after the prompt
+    stop_ids: frozenset[int]
+    cache: Any
+    acceptor: Any
+    draft_length: Any
+    rng: PositionRandom
+    penalties: ContextPenalties | None
+    stats: GenerationStats
+    tokens: list[int] = field(default_factory=list)  # prompt and every certain token; the last is t0
+    draft_state: Any = None
+    decode_start: float = 0.0
+    own_cache: bool = False  # taken from the runner's pool (given back at `finish`), not the runner's own cache
+
+    @property
+    def done(self) -> bool:
+        return bool(self.stats.stop_reason)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+
 class Runner:
     """A target model, a drafter and an acceptor, assembled once and reused across generations. `traits` are
-    the drafter's (`DrafterTraits.of(drafter, ...)`): the runner reads them, never the drafter's attributes."""
+    the drafter's (`DrafterTraits.of(drafter, ...)`): the runner reads them, never the drafter's attributes.
+
+    One generation is `rounds` (or `generate`); several at once are `start` each, `step` them together (one
+    ragged target forward verifies every sequence's draft) and `finish` each: `rounds` is the one-sequence case of
+    the same calls, so what binds one binds the other."""
 
     def __init__(self, target: Target, drafter: Any, acceptor: Any, traits: DrafterTraits,
                  controls: DraftControls | None = None, context: int | None = None):
         self.target, self.drafter, self.acceptor, self.traits = target, drafter, as_acceptor(acceptor), traits
-        self.draft_length = AdaptiveDraftLength() if traits.draft_max == "auto" \
-            else FixedDraftLength(int(traits.draft_max))
+        self.draft_length = self.new_draft_length()
         self.controls = controls or DraftControls()
         self.vocab_size = target.model.config.vocab_size
         self.context = min(context or target.model.config.context_length, target.model.config.context_length)
@@ -123,6 +157,13 @@ class Runner:
         self.device = getattr(target.model, "device", torch.device("cpu"))
         self.stats = GenerationStats()
         self.last_tokens: list[int] = []  # the latest generation's prompt and output: what idle work reads
+        self._free_caches: list[Any] = []  # caches of finished sequences started without the runner's own
+        self._end = getattr(drafter, "end", None)
+        self._propose_many = getattr(drafter, "propose_many", None)
+
+    def new_draft_length(self) -> Any:
+        """A draft-length policy as `--draft-max` asks: one per stream of generations that learns its own costs."""
+        return AdaptiveDraftLength() if self.traits.draft_max == "auto" else FixedDraftLength(int(self.traits.draft_max))
 
     def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams,
                  stop_ids: set[int] | frozenset[int] = frozenset()) -> Iterator[int]:
@@ -135,106 +176,198 @@ class Runner:
         """Yield one `Round` per target forward: first the prefill's (its one token), then one per verify.
         A round's tokens stop at a stop token or at `max_tokens`; `self.stats` counts every round yielded
         and is complete when the loop ends."""
+        seq, first = self.start(prompt, max_tokens, params, stop_ids, cache=self.cache, draft_length=self.draft_length)
+        self.stats = seq.stats
+        try:
+            yield first
+            while not seq.done:
+                yield self.step([seq])[0]
+        finally:
+            self.finish(seq)
+
+    def generate_many(self, prompts: list[list[int]], max_tokens: int, params: list[SamplingParams],
+                      stop_ids: set[int] | frozenset[int] = frozenset()) -> list[Sequence]:
+        """Several generations run as one batch to their ends (the offline batch job of vLLM's `LLM.generate`): each
+        prompt started, every running one stepped together until all are done. Each sequence's tokens are what
+        `generate` gives it alone; `self.stats` is the last one's."""
+        seqs = []
+        try:
+            for prompt, p in zip(prompts, params):
+                seqs.append(self.start(prompt, max_tokens, p, stop_ids, draft_length=self.draft_length
+                                       if len(prompts) == 1 else None)[0])
+            while running := [s for s in seqs if not s.done]:
+                self.step(running)
+        finally:
+            for seq in seqs:
+                self.finish(seq)
+        if seqs:
+            self.stats = seqs[-1].stats
+        return seqs
+
+    def start(self, prompt: list[int], max_tokens: int, params: SamplingParams,
+              stop_ids: set[int] | frozenset[int] = frozenset(), cache: Any = None, acceptor: Any = None,
+              draft_length: Any = None) -> tuple[Sequence, Round]:
+        """A new sequence, prefilled: its prompt's forward, its first token (round 0) and its drafter state. `cache`:
+        a KV cache of `self.context` positions to use (None: one from the runner's pool); `acceptor`: the sequence's
+        own (None: the runner's); `draft_length`: a policy (None: a new one; `rounds` gives the runner's, which
+        carries its costs from one generation to the next). Every started sequence is given to `finish`."""
         if not prompt:
             raise OutriderError("the prompt is empty and the model adds no BOS token; give a non-empty prompt")
         if len(prompt) >= self.context:
             raise OutriderError(f"prompt is {len(prompt)} tokens but the context holds {self.context}; "
                                 "shorten the prompt or raise --context")
-        self.stats = stats = GenerationStats(prompt_tokens=len(prompt))
-        if isinstance(self.draft_length, AdaptiveDraftLength):
-            self.draft_length.begin_generation(timed=not self.lengths_change_the_output(params))
+        own_cache = cache is None
+        if own_cache:
+            cache = self._free_caches.pop() if self._free_caches else self.target.model.new_cache(self.context)
+        acceptor = as_acceptor(acceptor) if acceptor is not None else self.acceptor
+        draft_length = draft_length if draft_length is not None else self.new_draft_length()
+        stats = GenerationStats(prompt_tokens=len(prompt))
+        if isinstance(draft_length, AdaptiveDraftLength):
+            draft_length.begin_generation(timed=not self.lengths_change_the_output(params, acceptor))
         rng = PositionRandom(params.seed)
-        model, cache, acceptor, drafter = self.target.model, self.cache, self.acceptor, self.drafter
-        shows_hidden = self.traits.reads_the_target
-        max_tokens = min(max_tokens, self.context - len(prompt))
+        penalties = ContextPenalties(params, prompt) if params.penalizes else None
+        seq = Sequence(list(prompt), params, min(max_tokens, self.context - len(prompt)), frozenset(stop_ids), cache,
+                       acceptor, draft_length, rng, penalties, stats, own_cache=own_cache)
+        model, drafter, shows_hidden = self.target.model, self.drafter, self.traits.reads_the_target
 
         t = time.perf_counter()
         cache.truncate(0)
-        out = model.forward(torch.tensor(prompt, device=self.device), 0, cache, last_only=True,
-                            hidden=shows_hidden)
-        logits, hidden = out if shows_hidden else (out, None)
-        logits = logits.float().cpu()
-        penalties = ContextPenalties(params, prompt) if params.penalizes else None
-        if penalties is not None:
-            logits = penalties.apply(logits, [])
-        first = acceptor.accept(VerifyRound(logits, [], None, params, rng, len(prompt))).tokens[0]
-        state = begin_drafting(drafter, prompt, params, self.controls)  # a draft model's own prefill: part of this one
         try:
-            yield from self._decode(state, prompt, first, max_tokens, params, stop_ids, rng, penalties, hidden, t)
-        finally:
-            end = getattr(drafter, "end", None)
-            if end is not None:
-                end(state)
-
-    def _decode(self, state: Any, prompt: list[int], first: int, max_tokens: int, params: SamplingParams,
-                stop_ids: set[int] | frozenset[int], rng: PositionRandom, penalties: ContextPenalties | None,
-                hidden: torch.Tensor | None, t: float) -> Iterator[Round]:
-        model, cache, acceptor, drafter, stats = self.target.model, self.cache, self.acceptor, self.drafter, self.stats
-        says_kind = self.traits.says_draft_kind
-        observe = drafter.observe if self.traits.reads_the_target else None
-        if observe is not None:
-            observe(state, hidden, 0, cache)
+            out = model.forward(torch.tensor(prompt, device=self.device), 0, cache, last_only=True, hidden=shows_hidden)
+            logits, hidden = out if shows_hidden else (out, None)
+            logits = logits.float().cpu()
+            if penalties is not None:
+                logits = penalties.apply(logits, [])
+            first = acceptor.accept(VerifyRound(logits, [], None, params, rng, len(prompt))).tokens[0]
+            seq.draft_state = begin_drafting(drafter, prompt, params, self.controls)  # a draft model's prefill too
+            if shows_hidden:
+                drafter.observe(seq.draft_state, hidden, 0, cache)
+        except BaseException:
+            self.finish(seq)
+            raise
         stats.prefill_s = time.perf_counter() - t
 
-        tokens = self.last_tokens = list(prompt) + [first]
+        seq.tokens = list(prompt) + [first]
         if penalties is not None:
             penalties.extend([first])
         stats.generated_tokens = 1
-        if first in stop_ids:
+        if first in seq.stop_ids:
             stats.stop_reason = "eog"
-        decode_start = time.perf_counter()
-        yield Round(index=0, tokens=[first], verify_s=stats.prefill_s)
-        while not stats.stop_reason:
-            if stats.generated_tokens >= max_tokens:
+        elif stats.generated_tokens >= seq.max_tokens:
+            stats.stop_reason = "length"
+        seq.decode_start = time.perf_counter()
+        return seq, Round(index=0, tokens=[first], verify_s=stats.prefill_s)
+
+    def finish(self, seq: Sequence) -> None:
+        """The sequence is done (or abandoned): its drafter state ended, a pooled cache given back, and its tokens
+        are what idle work reads next (the drafter's `end` keeps what it learns from). Twice is once."""
+        if seq.tokens:
+            self.last_tokens = seq.tokens
+        if seq.draft_state is not None and self._end is not None:
+            self._end(seq.draft_state)
+        seq.draft_state = None
+        if seq.own_cache:
+            seq.own_cache = False
+            self._free_caches.append(seq.cache)
+
+    def step(self, seqs: list[Sequence]) -> list[Round]:
+        """One round of every sequence in `seqs` (none of them done): each drafts (`propose_many` over those that
+        draft, where more than one does), ONE target forward verifies every sequence's t0 and draft (a ragged
+        batch, each over its own cache), and each accepts, rolls back and commits its own. A `Round` per sequence,
+        in order; a sequence's round is what its own `rounds` would give."""
+        drafter, traits, model = self.drafter, self.traits, self.target.model
+        kinds, chosen, ks, deciding = [], [], [], []
+        t = time.perf_counter()
+        for seq in seqs:
+            kind = drafter.draft_kind(seq.draft_state, seq.tokens) if traits.says_draft_kind \
+                else default_draft_kind(seq.tokens)
+            c = seq.draft_length.choose(kind) if kind is not None else 0
+            kinds.append(kind)
+            chosen.append(c)
+            ks.append(min(c, seq.max_tokens - seq.stats.generated_tokens - 1, self.context - len(seq.tokens)))
+            now = time.perf_counter()
+            deciding.append(now - t)
+            t = now
+        drafts, proposing = self._drafts(seqs, ks)
+        draft_s = [a + b for a, b in zip(deciding, proposing)]
+        t_drafted = time.perf_counter()
+        batches = [torch.tensor([seq.tokens[-1], *d.tokens], device=self.device) for seq, d in zip(seqs, drafts)]
+        starts = [len(seq.tokens) - 1 for seq in seqs]  # t0's positions: the target has not seen t0 yet
+        shows_hidden = traits.reads_the_target
+        if len(seqs) == 1:
+            out = model.forward(batches[0], starts[0], seqs[0].cache, hidden=shows_hidden)
+        else:
+            out = model.forward_sequences(torch.cat(batches), [len(b) for b in batches], starts,
+                                          [seq.cache for seq in seqs], hidden=shows_hidden)
+        logits, hidden = out if shows_hidden else (out, None)
+        logits = logits.float().cpu()
+        rounds, row = [], 0
+        for seq, draft, kind, c, k, d_s, n in zip(seqs, drafts, kinds, chosen, ks, draft_s, starts):
+            rows = len(draft.tokens) + 1
+            rounds.append(self._commit(seq, draft, kind, c, k, d_s, n, logits[row:row + rows],
+                                       hidden[row:row + rows] if hidden is not None else None, t_drafted))
+            row += rows
+        return rounds
+
+    def _drafts(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[Draft], list[float]]:
+        """Each sequence's cleaned draft (none where k is 0) and the seconds its proposing took: one by one, or,
+        where several draft, in one `propose_many` whose time is shared out by the tokens asked."""
+        asked = [i for i, k in enumerate(ks) if k > 0]
+        drafts = [Draft() for _ in seqs]
+        t = time.perf_counter()
+        if len(asked) > 1 and self._propose_many is not None:
+            got = self._propose_many([seqs[i].draft_state for i in asked], [seqs[i].tokens for i in asked],
+                                     [ks[i] for i in asked])
+            for i, draft in zip(asked, got):
+                drafts[i] = self._clean(draft, ks[i])
+            took, total = time.perf_counter() - t, sum(ks[i] for i in asked)
+            return drafts, [took * k / total if k > 0 else 0.0 for k in ks]
+        spent = [0.0] * len(seqs)
+        for i in asked:
+            drafts[i] = self._clean(self.drafter.propose(seqs[i].draft_state, seqs[i].tokens, ks[i]), ks[i])
+            now = time.perf_counter()
+            spent[i], t = now - t, now
+        return drafts, spent
+
+    def _commit(self, seq: Sequence, draft: Draft, kind: DraftKind | None, chosen: int, k: int, draft_s: float,
+                n: int, logits: torch.Tensor, hidden: torch.Tensor | None, t_drafted: float) -> Round:
+        stats, penalties = seq.stats, seq.penalties
+        upkeep = min(max(draft.upkeep_s, 0.0), draft_s)
+        if penalties is not None:  # row i's penalties count x_1..x_i: plain decoding's at that position
+            logits = penalties.apply(logits, draft.tokens)
+        result = seq.acceptor.accept(VerifyRound(logits, draft.tokens, draft.probs, seq.params, seq.rng, n + 1))
+        t_verified = time.perf_counter()
+        verify_s = t_verified - t_drafted
+        stats.draft_s += draft_s
+        stats.verify_s += verify_s
+        stats.record_round(len(draft.tokens), result.accepted)
+        stats.chosen_lengths.append(chosen)
+        if kind is not None:
+            stats.chosen_by_kind.setdefault(kind.name, []).append(chosen)
+        # a draft's price is what drafting it took, less what the drafter spent keeping up with the target
+        seq.draft_length.update(len(draft.tokens), result.accepted, draft_s - upkeep, verify_s, kind, upkeep, asked=k)
+        seq.cache.truncate(n + 1 + result.accepted)
+        self.drafter.rollback(seq.draft_state, n + 1 + result.accepted)
+        if hidden is not None:  # t0 and the accepted drafts: the rows whose tokens are now certain
+            self.drafter.observe(seq.draft_state, hidden[: result.accepted + 1], n, seq.cache)
+        certain = []
+        for token in result.tokens:
+            certain.append(token)
+            stats.generated_tokens += 1
+            if token in seq.stop_ids:
+                stats.stop_reason = "eog"
+                break
+            if stats.generated_tokens >= seq.max_tokens:
                 stats.stop_reason = "length"
                 break
-            n = len(tokens) - 1  # position of t0, the last token, which the target has not seen yet
-            t = time.perf_counter()
-            kind = drafter.draft_kind(state, tokens) if says_kind else default_draft_kind(tokens)
-            chosen = self.draft_length.choose(kind) if kind is not None else 0
-            k = min(chosen, max_tokens - stats.generated_tokens - 1, self.context - len(tokens))
-            draft = self._clean(drafter.propose(state, tokens, k), k) if k > 0 else Draft()
-            t_drafted = time.perf_counter()
-            upkeep = min(max(draft.upkeep_s, 0.0), t_drafted - t)
-            batch = torch.tensor([tokens[-1], *draft.tokens], device=self.device)
-            out = model.forward(batch, n, cache, hidden=observe is not None)
-            logits, hidden = out if observe is not None else (out, None)
-            logits = logits.float().cpu()
-            if penalties is not None:  # row i's penalties count x_1..x_i: plain decoding's at that position
-                logits = penalties.apply(logits, draft.tokens)
-            result = acceptor.accept(VerifyRound(logits, draft.tokens, draft.probs, params, rng, n + 1))
-            t_verified = time.perf_counter()
-            stats.draft_s += t_drafted - t
-            stats.verify_s += t_verified - t_drafted
-            stats.record_round(len(draft.tokens), result.accepted)
-            stats.chosen_lengths.append(chosen)
-            if kind is not None:
-                stats.chosen_by_kind.setdefault(kind.name, []).append(chosen)
-            # a draft's price is what drafting it took, less what the drafter spent keeping up with the target
-            self.draft_length.update(len(draft.tokens), result.accepted, t_drafted - t - upkeep, t_verified - t_drafted,
-                                     kind, upkeep, asked=k)
-            cache.truncate(n + 1 + result.accepted)
-            drafter.rollback(state, n + 1 + result.accepted)
-            if observe is not None:  # t0 and the accepted drafts: the rows whose tokens are now certain
-                observe(state, hidden[: result.accepted + 1], n, cache)
-            certain = []
-            for token in result.tokens:
-                certain.append(token)
-                stats.generated_tokens += 1
-                if token in stop_ids:
-                    stats.stop_reason = "eog"
-                    break
-                if stats.generated_tokens >= max_tokens:
-                    stats.stop_reason = "length"
-                    break
-            tokens.extend(certain)
-            if penalties is not None:
-                penalties.extend(certain)
-            stats.decode_s = time.perf_counter() - decode_start
-            yield Round(index=stats.rounds, tokens=certain, drafted=len(draft.tokens), accepted=result.accepted,
-                        kind=kind.name if kind is not None else None, chosen=chosen,
-                        draft_s=t_drafted - t, verify_s=t_verified - t_drafted)
-        stats.decode_s = time.perf_counter() - decode_start
+        seq.tokens.extend(certain)
+        if penalties is not None:
+            penalties.extend(certain)
+        if not stats.stop_reason and stats.generated_tokens >= seq.max_tokens:
+            stats.stop_reason = "length"
+        stats.decode_s = time.perf_counter() - seq.decode_start
+        return Round(index=stats.rounds, tokens=certain, drafted=len(draft.tokens), accepted=result.accepted,
+                     kind=kind.name if kind is not None else None, chosen=chosen, draft_s=draft_s, verify_s=verify_s)
 
     def idle(self) -> bool:
         """One unit of the drafter's work that waits for a free moment (`drafter.learn`'s training on the latest
@@ -242,7 +375,7 @@ class Runner:
         work = getattr(self.drafter, "idle", None)
         return bool(work(self.last_tokens)) if work is not None else False
 
-    def lengths_change_the_output(self, params: SamplingParams) -> bool:
+    def lengths_change_the_output(self, params: SamplingParams, acceptor: Any = None) -> bool:
         """Whether the draft lengths change which tokens a reproducible run (seeded, or greedy) emits: then
         `--draft-max auto` must not choose them from timings. A lossless acceptor with a drafter that gives no
         q emits plain decoding's tokens whatever is drafted; with q, a drafted position is decided by the
@@ -250,7 +383,7 @@ class Runner:
         if params.seed is None and not params.greedy:
             return False  # not reproducible anyway
         gives_q = self.traits.may_give_draft_probs and not params.greedy
-        return gives_q or not getattr(self.acceptor, "lossless", True)
+        return gives_q or not getattr(acceptor if acceptor is not None else self.acceptor, "lossless", True)
 
     def _clean(self, draft: Draft, k: int) -> Draft:
         """Keep a misbehaving drafter from crashing the target: at most k ids, all inside the vocabulary (its

@@ -520,6 +520,42 @@ def seeded_sampling_equals_plain_sampling(subject: Subject) -> None:
                         f"(first difference at token {_first_difference(got, want)})"
 
 
+# Eight prompts of different lengths and repeats, for the batch check: a round's sequences draft and accept apart.
+BATCH_PROMPTS = [PROMPT, OTHER_PROMPT, PROMPT[:5], [7, 7, 7, 3, 4, 7, 7, 7], OTHER_PROMPT[3:], [5, 9] * 5, [3],
+                 PROMPT + OTHER_PROMPT]
+
+
+@_check("drafter")
+def a_batch_emits_what_each_sequence_emits_alone(subject: Subject) -> None:
+    """End to end: eight prompts run as one batch (one ragged verify forward a round) emit what each emits alone.
+
+    Greedy with the argmax-chain acceptor, and seeded sampling with the sampled acceptor (each sequence its own
+    seed), at draft_max 4 and auto; `Runner.generate_many` against `Runner.generate` of each prompt on a fresh runner."""
+    SampledAcceptor = builtin_plugin("acceptor", "sampled")
+
+    arch = _arch(subject)
+    if arch == "gemma4":
+        raise CheckSkipped("its target, Gemma 4, runs one sequence at a time")
+    target = subject.fixtures.target(arch)
+    for params, draft_max in ((GREEDY, 4), (SAMPLED, 4), (SAMPLED, "auto")):
+        each = [replace(params, seed=params.seed + i) if params.seed is not None else params
+                for i in range(len(BATCH_PROMPTS))]
+        runs = []
+        for batched in (False, True):
+            drafter = _set_up(subject)
+            acceptor = _Greedy() if params.greedy else SampledAcceptor()
+            runner = Runner(target, drafter, acceptor, subject.drafter_traits(drafter, draft_max), context=256)
+            if batched:
+                runs.append([seq.output for seq in runner.generate_many(BATCH_PROMPTS, E2E_TOKENS, each)])
+            else:
+                runs.append([list(runner.generate(list(p), E2E_TOKENS, q)) for p, q in zip(BATCH_PROMPTS, each)])
+        for i, (alone, together) in enumerate(zip(*runs)):
+            assert together == alone, \
+                f"temperature {params.temperature}, draft_max {draft_max}: prompt {i + 1} of {len(BATCH_PROMPTS)} " \
+                f"({BATCH_PROMPTS[i][:6]}...) emitted {together} in a batch, {alone} alone (first difference at " \
+                f"token {_first_difference(together, alone)})"
+
+
 # The losslessness check of drafters that give q: seeded generations on a toy target that copies its context
 # (so context-reading drafters are often right and a wrong q moves a lot of mass), with top-k 3 so the exact
 # law of the first three tokens has at most 27 cells.
