@@ -256,8 +256,13 @@ _NOT_SERVED = {"prompts", "prompts_file", "chat", "as_json", "verbose"}
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8080, show_default=True, help="Port to listen on.")
+@click.option("--parallel", "-np", type=int, default=None,
+              help="Generations run at once (llama-server's -np): each round every running one drafts and one "
+                   "forward verifies them all. A -c given is the total, split across them; without -c each keeps "
+                   "the whole default context. [default: 4, fewer where memory is short; 1 for a model or backend "
+                   "that runs one sequence at a time]")
 @click.option("--queue-size", type=click.IntRange(min=0), default=16, show_default=True,
-              help="Requests that may wait while one generates; more are answered 503 with Retry-After.")
+              help="Requests that may wait while every slot generates; more are answered 503 with Retry-After.")
 @click.option("--api-key", "api_key", multiple=True, envvar="OUTRIDER_API_KEY",
               help="Require `Authorization: Bearer KEY` on every /v1 route and /tokenize, /detokenize, /props (repeat for several keys; also "
                    "$OUTRIDER_API_KEY, keys separated by spaces). /health and /metrics stay open, as vLLM's do.")
@@ -280,7 +285,7 @@ _NOT_SERVED = {"prompts", "prompts_file", "chat", "as_json", "verbose"}
               help="Encode a control token's text inside a chat message (`<|im_start|>`) as that token, as "
                    "llama-server does; by default it is plain text, so a client cannot write another role's turn.")
 @friendly_errors
-def serve(host, port, queue_size, api_key, api_key_file, stall_timeout, request_timeout, max_body_bytes,
+def serve(host, port, parallel, queue_size, api_key, api_key_file, stall_timeout, request_timeout, max_body_bytes,
           max_connections, allow_special_in_messages, options, config_file, **flags):
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models), llama-server's /tokenize,
     /detokenize and /props, /health and /metrics.
@@ -291,20 +296,28 @@ def serve(host, port, queue_size, api_key, api_key_file, stall_timeout, request_
     from outrider.config import resolve_config
     from outrider.serve import create_app, run_server
     from outrider.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS
+    from outrider.serve.slots import plan_slots
 
     keys = api_keys(api_key, api_key_file)
     config = resolve_config(flags, config_file, option_flags=with_threads(options, flags.pop("threads"), flags.get("backend")))
     assembly = assemble(config)
     for warning in assembly.warnings:
         click.echo(f"warning: {warning}", err=True)
+    runner = assembly.runner
+    plan = plan_slots(runner.target.model, assembly.plugins["backend"].name, runner.context,
+                      config.sources.get("context", "default") != "default", parallel)
+    if plan.note:
+        click.echo(f"note: {plan.note}", err=True)
+    runner.set_slots(plan.slots, plan.context)
     if not keys and not is_loopback(host):
         click.echo(f"warning: serving on {host} without an API key: anyone who can reach the port can use it; "
                    "pass --api-key or --api-key-file", err=True)
     app = create_app(assembly, config, queue_size=queue_size, api_keys=keys, stall_timeout=stall_timeout,
                      request_timeout=request_timeout, max_body_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-                     special_in_messages=allow_special_in_messages)
+                     special_in_messages=allow_special_in_messages, slots=plan.slots)
     click.echo(f"serving {app.state.server.model_id} ({', '.join(f'{k} {s.name}' for k, s in assembly.plugins.items())}) "
-               f"on http://{host}:{port}/v1", err=True)
+               f"on http://{host}:{port}/v1, {plan.slots} slot{'s' if plan.slots > 1 else ''} of {plan.context} tokens "
+               f"({plan.cache_bytes / 2**20:.0f} MiB of KV cache)", err=True)
     run_server(app, host, port, max_connections=max_connections or DEFAULT_MAX_CONNECTIONS)
 
 

@@ -24,18 +24,46 @@ from outrider.spec.sampling import SamplingParams  # noqa: E402
 ANSWER_TIMEOUT_S = 10.0  # far above any answer's time; a stranded request waits for ever
 
 
-class BlockingRunner:
+class StubSequence:
+    """What the engine reads of a runner's sequence."""
+
+    def __init__(self, prompt):
+        self.prompt, self.prefilled = prompt, 0
+        self.prefilling, self.done, self.stats = True, False, GenerationStats()
+
+
+class StubRunner:
+    """A runner of the engine's calls whose generations read their prompt in one piece and end there (no tokens);
+    `generation` is what that piece does."""
+
+    def __init__(self):
+        self.acceptor, self.finished = None, []
+
+    def admit(self, prompt_ids, max_tokens, params, eog, acceptor=None):
+        return StubSequence(prompt_ids)
+
+    def prefill(self, seq, rows=None):
+        self.generation()
+        seq.prefilling, seq.done = False, True
+        return SimpleNamespace(index=0, tokens=[], drafted=0, accepted=0)
+
+    def step(self, seqs):
+        raise AssertionError("no sequence of a stub runner is ever stepped")
+
+    def finish(self, seq):
+        self.finished.append(seq)
+
+
+class BlockingRunner(StubRunner):
     """A runner whose generation holds the worker until `release` is set; no tokens, no stats."""
 
     def __init__(self):
+        super().__init__()
         self.entered, self.release = threading.Event(), threading.Event()
-        self.acceptor, self.stats = None, GenerationStats()
 
-    def rounds(self, prompt_ids, max_tokens, params, eog):
+    def generation(self):
         self.entered.set()
         self.release.wait()
-        return
-        yield
 
 
 class ManualClock:
@@ -196,22 +224,20 @@ def test_a_request_submitted_while_the_server_stops_is_answered(stuck_engine):
     assert kind in ("error", "refused") and isinstance(value, ShuttingDown), (kind, value)
 
 
-class IdleWorkRunner:
+class IdleWorkRunner(StubRunner):
     """A runner with deferred work (as `drafter.learn` has): `idle` records each unit and holds it until the test
     lets it go; `work_left` units remain; a generation adds `after_request` more. `fail` makes a unit raise."""
 
     def __init__(self, work_left: int, after_request: int = 0, fail: bool = False):
-        self.acceptor, self.stats = None, GenerationStats()
+        super().__init__()
         self.work_left, self.after_request, self.fail = work_left, after_request, fail
         self.units, self.generations = [], 0
         self.unit_started, self.go = threading.Semaphore(0), threading.Semaphore(0)
 
-    def rounds(self, prompt_ids, max_tokens, params, eog):
+    def generation(self):
         self.generations += 1
         self.units.append("generation")
         self.work_left += self.after_request
-        return
-        yield
 
     def idle(self) -> bool:
         self.unit_started.release()

@@ -64,6 +64,14 @@ class Decoder:
         return (logits, h) if hidden else logits
 
     @torch.inference_mode()
+    def extend(self, tokens: torch.Tensor, start: int, cache: KVCache, hidden: bool = False) -> torch.Tensor | None:
+        """A piece of a prompt that is not its end: the cache written for positions start..start+T-1 as `forward`
+        with `last_only` writes it, without the output head (no logits are wanted); with `hidden`, the final-normed
+        hidden states [T, hidden_size] of its rows."""
+        h = run_in_chunks(self._hidden, tokens, start, cache, self.chunk, True, every_row=hidden)
+        return h if hidden else None
+
+    @torch.inference_mode()
     def forward_sequences(self, tokens: torch.Tensor, counts: list[int], starts: list[int], caches: list[KVCache],
                           hidden: bool = False):
         """Logits [N, vocab] (float32) of several independent sequences in one forward (a ragged batch): `tokens` [N]

@@ -435,7 +435,7 @@ async def props(request: Request) -> Response:
     return JSONResponse({
         "default_generation_settings": {"id": 0, "n_ctx": defaults.context, "speculative": speculative,
                                         "params": params},
-        "total_slots": 1,  # one generation at a time; the rest wait in the queue
+        "total_slots": server.engine.n_slots,  # generations at once (-np); n_ctx is each one's context
         "model_alias": server.model_id,
         "model_path": str(assembly.gguf.path),
         "modalities": {"vision": False, "audio": False},
@@ -508,7 +508,7 @@ EXCEPTION_HANDLERS = {APIError: api_error, HTTPException: http_error, ClientDisc
 def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUEUE_SIZE,
                api_keys: list[str] | None = None, stall_timeout: float | None = None,
                request_timeout: float | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               special_in_messages: bool = False) -> Starlette:
+               special_in_messages: bool = False, slots: int = 1) -> Starlette:
     """An ASGI app over an assembled runner; `config` gives the defaults for what requests leave out. With
     `api_keys`, every /v1 route and /tokenize, /detokenize, /props require one of them as a bearer token;
     /health and /metrics stay open. A request that leaves `max_tokens` out gets the rest of the context unless
@@ -516,7 +516,8 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
     `stall_timeout` (None: default_stall_timeout; 0: off) fails a generation that makes no progress for that
     long; `request_timeout` ends one that runs longer, with its text so far (finish_reason "length",
     stop_reason "timeout"). A request body over `max_body_bytes` is answered 413 before it is read whole.
-    A control token's text inside a chat message is plain text unless `special_in_messages`."""
+    A control token's text inside a chat message is plain text unless `special_in_messages`. `slots`: generations
+    run at once (continuous batching), each in the runner's context (`Runner.set_slots`, done by the caller)."""
     model_id = served_model_id(config)
     # the setting's default (128) suits a command line; a server's client that names no limit expects the rest
     # of the context (OpenAI, vLLM), an operator who set one gets it (llama-server's -n)
@@ -528,7 +529,8 @@ def create_app(assembly: Assembly, config: Config, queue_size: int = DEFAULT_QUE
     if stall_timeout is None:
         stall_timeout = default_stall_timeout(assembly.runner.context)
     engine = GenerationEngine(assembly, acceptors_by_greediness(assembly, config["acceptor"]), metrics, queue_size,
-                              stall_timeout=stall_timeout or None, request_timeout=request_timeout or None)
+                              stall_timeout=stall_timeout or None, request_timeout=request_timeout or None,
+                              slots=slots)
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.state.server = ServerState(assembly, engine, defaults, key_check(api_keys), max_body_bytes)
     return app

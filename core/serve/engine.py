@@ -1,11 +1,15 @@
-"""One generation at a time against the assembled runner, in a worker thread; a bounded queue in front.
+"""Continuous batching against the assembled runner, in one worker thread; a bounded queue in front.
 
-Requests come from the event loop as `Job`s; the worker runs them in arrival order and sends each one's
-text back, one event per verify round (the tokens a round emits become certain together), then a `done`
-event with the stats. A job whose client has gone is skipped if it is still waiting, and stopped after
-the round in progress if it is running. Per-request sampling settings go straight to `Runner.rounds`;
-with `--acceptor auto` the acceptor (greedy at temperature 0, sampled above) is chosen per request from
-two built at start-up, so nothing is re-assembled.
+Requests come from the event loop as `Job`s. The worker keeps up to `slots` generations running (llama-server's
+`-np`): each loop it admits waiting jobs into free slots in arrival order, reads one chunk of the prompt of a slot
+still prefilling (so no running stream waits more than a chunk for a newcomer's prompt), then steps every running
+slot together (`Runner.step`: each drafts, one ragged target forward verifies them all) and sends each slot's text
+back, one event per round (a round's tokens become certain together); a finished slot sends `done` with its
+stats and frees its place at once. A job whose client has gone is skipped if it is still waiting, and stopped
+after the round in progress if it is running; timeouts are per slot; the stall watchdog fails every slot held by
+a step that makes no progress. Per-request sampling settings go to `Runner.admit`; with `--acceptor auto` the
+acceptor (greedy at temperature 0, sampled above) is chosen per request from two built at start-up, so nothing
+is re-assembled. The drafter's deferred work (`drafter.learn`) runs only while no slot is running.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 from outrider.assembly import Assembly, check_pair
 from outrider.errors import OutriderError
+from outrider.models.layers import PREFILL_CHUNK
 from outrider.registry import Registry, default_registry
 from outrider.serve.metrics import ServerMetrics
 from outrider.serve.requests import GenerationRequest
@@ -106,28 +111,50 @@ def acceptors_by_greediness(assembly: Assembly, acceptor_setting: str,
     return {chosen_name == "greedy": chosen, other_name == "greedy": other}
 
 
+@dataclass
+class Slot:
+    """A running job: its sequence in the runner, and what its text has become so far."""
+
+    job: Job
+    seq: Any
+    decoder: Any
+    text: StopText
+    deadline: float | None
+    delivered: int = 0  # tokens sent, through the one that completed a stop string
+    finish: str | None = None  # why it ends, once it does: stop, length, abort, timeout, error
+    error: Exception | None = None  # what the client is told, with finish "error"
+    started: float = field(default_factory=time.perf_counter)
+
+
+PREFILL_ROWS = 4 * PREFILL_CHUNK  # a newcomer's prompt read per loop between the running slots' steps
+
+
 class GenerationEngine:
     def __init__(self, assembly: Assembly, acceptors: dict[bool, Any], metrics: ServerMetrics, queue_size: int,
-                 stall_timeout: float | None = None, request_timeout: float | None = None):
+                 stall_timeout: float | None = None, request_timeout: float | None = None, slots: int = 1):
         self.runner, self.tokenizer = assembly.runner, assembly.tokenizer
         self.acceptors, self.metrics, self.queue_size = acceptors, metrics, queue_size
         self.stall_timeout, self.request_timeout = stall_timeout, request_timeout
+        self.n_slots = slots
         self.stalled: str | None = None  # why the worker is held, while it is
-        self._progress_at = time.monotonic()  # the last time the generation in progress moved on
+        self._progress_at = time.monotonic()  # the last time the slots in progress moved on
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self.waiting = 0  # submitted, not yet taken by the worker
-        self.busy = 0  # 1 while the worker holds a job; counted with `waiting` under the lock, so no gap
+        self.busy = 0  # slots holding a job; counted with `waiting` under the lock, so no gap
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._current: Job | None = None
+        self._slots: list[Slot] = []  # in admission order
+        self._ending = False  # stop()'s end-of-work mark was taken from the queue
         self._mean_service_s = 1.0  # a generation's time, averaged; for Retry-After
         # asked for between requests (a learning drafter trains then); False after a unit fails, so a broken
         # learner costs one logged error, not one per request
         self._idle_work = callable(getattr(self.runner, "idle", None))
         labels = metrics.model_name
         metrics.waiting.labels(labels).set_function(lambda: self.waiting)
-        self._running = metrics.running.labels(labels)
+        metrics.running.labels(labels).set_function(lambda: self.busy)
+        self._batch_size = metrics.batch_size.labels(labels)
+        self._step_rows = metrics.iteration_tokens.labels(labels)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._work, name="outrider-generation", daemon=True)
@@ -139,22 +166,24 @@ class GenerationEngine:
             threading.Thread(target=self._watch, name="outrider-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
-        """Every so often: a generation with no progress for stall_timeout seconds is failed for its client,
-        named in the log with what holds it, and every waiting request is answered 503; the server stays
+        """Every so often: slots with no progress for stall_timeout seconds are failed for their clients, named
+        in the log with what holds the worker, and every waiting request is answered 503; the server stays
         stalled (health 503, new requests 503) until the worker comes back."""
         period = max(0.05, min(1.0, self.stall_timeout / 4))
         while not self._stopping:
             time.sleep(period)
-            job, thread = self._current, self._thread
-            if job is None or self.stalled or time.monotonic() - self._progress_at < self.stall_timeout:
+            held, thread = list(self._slots), self._thread
+            if not held or self.stalled or time.monotonic() - self._progress_at < self.stall_timeout:
                 continue
-            self._declare_stall(job, holder(thread.ident if thread else None))
+            self._declare_stall(held[0].job, holder(thread.ident if thread else None))
 
     def _declare_stall(self, job: Job, where: str) -> None:
-        """Fail `job` and everything queued behind it. Under the lock that `submit` holds from its check to its
-        put, so a request is either drained here or refused there; never queued behind a held worker."""
+        """Fail every running slot (`job`'s among them) and everything queued behind them. Under the lock that
+        `submit` holds from its check to its put, so a request is either drained here or refused there; never
+        queued behind a held worker."""
         with self._lock:
-            if self._current is not job or self.stalled:  # it returned meanwhile: nothing is held
+            held = [slot.job for slot in self._slots]
+            if job not in held or self.stalled:  # it returned meanwhile: nothing is held
                 return
             self.stalled = reason = (f"a generation made no progress for {self.stall_timeout:g} s; the worker is "
                                      f"held in {where}")
@@ -170,17 +199,17 @@ class GenerationEngine:
                 drained.append(waiting)
             self.waiting -= len(drained)
         log.error("stalled: %s", reason)
-        job.cancelled.set()  # if it ever comes back, it stops after that round
-        for each in (job, *drained):
+        for each in held:
+            each.cancelled.set()  # if the step ever comes back, they stop after it
+        for each in (*held, *drained):
             each.send("error", Stalled(reason))
 
     def stop(self) -> None:
-        """Stop the generation in progress after its round, refuse what waits, end the thread."""
+        """Stop the generations in progress after their round, refuse what waits, end the thread."""
         with self._lock:  # a submit either refuses, or puts its job before the worker's end-of-work mark
             self._stopping = True
-        current = self._current
-        if current is not None:
-            current.cancelled.set()
+        for slot in list(self._slots):
+            slot.job.cancelled.set()
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout=30)
@@ -193,118 +222,167 @@ class GenerationEngine:
                 raise ShuttingDown
             if self.stalled:
                 raise Stalled(self.stalled)
-            if self.waiting + self.busy > self.queue_size:
+            if self.waiting + self.busy > self.queue_size + self.n_slots - 1:
                 self.metrics.requests_rejected.labels(self.metrics.model_name).inc()
                 raise QueueFull
             self.waiting += 1
             self._jobs.put(job)
 
     def retry_after_s(self) -> int:
-        """A guess at when a place frees up: the mean time of a generation so far, at least a second."""
-        return max(1, round(self._mean_service_s))
+        """A guess at when a place frees up: a generation's mean time over the slots, at least a second."""
+        return max(1, round(self._mean_service_s / self.n_slots))
 
-    def _next_job(self) -> Job | None:
-        """The next job; while none waits, the drafter's deferred work (`drafter.learn` trains between
-        requests), a unit at a time, so a request that comes waits for one unit at most."""
-        while self._idle_work and not self._stopping:
+    def _next_job(self, wait: bool) -> Job | None:
+        """The next waiting job, or None. With `wait` (no slot is running), the drafter's deferred work while none
+        waits (`drafter.learn` trains between requests), a unit at a time, so a request that comes waits for one
+        unit at most, then a blocking wait; the end-of-work mark ends the worker."""
+        while wait and self._idle_work and not self._stopping:
             try:
-                return self._jobs.get_nowait()
+                job = self._jobs.get_nowait()
+                break
             except queue.Empty:
                 pass
             try:
                 if not self.runner.idle():
+                    job = self._jobs.get()
                     break
             except Exception:  # noqa: BLE001 - idle work is a bonus; serving goes on without it
                 log.exception("the drafter's idle work failed; it is not asked again")
                 self._idle_work = False
-        return self._jobs.get()
+        else:
+            try:
+                job = self._jobs.get() if wait else self._jobs.get_nowait()
+            except queue.Empty:
+                return None
+        if job is None:
+            self._ending = True
+        return job
 
     def _work(self) -> None:
-        while (job := self._next_job()) is not None:
+        while not (self._ending and not self._slots):
+            while not self._ending and len(self._slots) < self.n_slots:
+                job = self._next_job(wait=not self._slots)
+                if job is None:
+                    break
+                with self._lock:
+                    self.waiting -= 1
+                self._admit(job)
+            if not self._slots:
+                continue
+            prefilling = next((slot for slot in self._slots if slot.seq.prefilling), None)
+            if prefilling is not None:
+                self._step_rows.observe(min(PREFILL_ROWS, len(prefilling.seq.prompt) - prefilling.seq.prefilled))
+                self._guarded([prefilling], lambda: [self.runner.prefill(prefilling.seq, PREFILL_ROWS)])
+            running = [slot for slot in self._slots if not slot.seq.prefilling and not slot.seq.done
+                       and slot.finish is None]
+            if running:
+                self._batch_size.observe(len(running))
+                self._guarded(running, lambda: self._step(running))
+            self._retire()
+
+    def _admit(self, job: Job) -> None:
+        """Take `job` into a free slot (its prompt is read in later loops), or answer it now."""
+        request, metrics = job.request, self.metrics
+        if self._stopping:
+            job.send("error", ShuttingDown())
+            return
+        if job.cancelled.is_set():
+            metrics.request_success.labels(metrics.model_name, "abort").inc()
+            return
+        metrics.queue_time.labels(metrics.model_name).observe(time.perf_counter() - job.arrival)
+        try:
+            seq = self.runner.admit(request.prompt_ids, request.max_tokens, request.params, self.tokenizer.eog_ids,
+                                    acceptor=self.acceptors[request.params.greedy])
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the server
+            metrics.request_success.labels(metrics.model_name, "error").inc()
+            job.send("error", exc)
+            return
+        deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
+        slot = Slot(job, seq, self.tokenizer.stream_decoder(), StopText(request.stop), deadline)
+        with self._lock:  # with `busy`, so a stall is never declared on a slot that has returned
+            self._slots.append(slot)
+            self.busy = len(self._slots)
+        self._progress_at = time.monotonic()
+
+    def _guarded(self, slots: list[Slot], work) -> None:
+        """Run `work` (a prefill chunk, or a step of `slots`), delivering each slot's round; a failure inside is
+        every one of those slots' error (the client's answer logs it: app._as_api_error, an incident id)."""
+        try:
+            rounds = work()
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the server
+            for slot in slots:
+                slot.finish, slot.error = "error", exc
+                self.metrics.request_success.labels(self.metrics.model_name, "error").inc()
+            return
+        self._progress_at = now = time.monotonic()
+        for slot, round_ in zip(slots, rounds):
+            if round_ is not None:
+                self._deliver(slot, round_, now)
+
+    def _step(self, running: list[Slot]) -> list:
+        rounds = self.runner.step([slot.seq for slot in running])
+        self._step_rows.observe(sum(r.drafted + 1 for r in rounds))
+        return rounds
+
+    def _deliver(self, slot: Slot, round_: Any, now: float) -> None:
+        job, metrics, eog = slot.job, self.metrics, self.tokenizer.eog_ids
+        if round_.index == 0:
+            metrics.ttft.labels(metrics.model_name).observe(time.perf_counter() - job.arrival)
+        pieces = []
+        for token in round_.tokens:  # a round's tokens became certain together; a stop string may end it
+            slot.delivered += 1
+            if token not in eog:
+                slot.text.feed(slot.decoder.push(token))
+                pieces.append(slot.text.take())
+                if slot.text.stopped:
+                    break
+        piece = "".join(pieces)
+        if piece:
+            job.send("text", piece)
+        if slot.text.stopped:
+            slot.finish = "stop"
+        elif job.cancelled.is_set():
+            slot.finish = "abort"
+        elif slot.deadline is not None and now > slot.deadline:
+            slot.finish = "timeout"  # --request-timeout: the text so far, and why it ends there
+
+    def _retire(self) -> None:
+        """Send `done` for every slot whose generation ended, and free its place."""
+        for slot in list(self._slots):
+            if slot.finish is None and slot.job.cancelled.is_set():
+                slot.finish = "abort"  # a client gone while its prompt is read
+            if slot.finish is None and not slot.seq.done:
+                continue
+            self.runner.finish(slot.seq)
             with self._lock:
-                self.waiting -= 1
-                self.busy = 1
-            event = self._take(job)
-            with self._lock:  # with `_current`, so a stall is never declared on a generation that has returned
-                self.busy = 0
-                self._current = None
-                recovered, self.stalled = self.stalled, None
+                self._slots.remove(slot)
+                self.busy = len(self._slots)
+                recovered = self.stalled if not self._slots else None
+                if recovered:
+                    self.stalled = None
             if recovered:
                 log.warning("recovered: the stalled generation came back")
-            if event is not None:  # after the place is free, so a client that goes on at once finds it free
-                job.send(*event)
+            self._mean_service_s += 0.2 * (time.perf_counter() - slot.started - self._mean_service_s)
+            # after the place is free, so a client that goes on at once finds it free
+            if slot.finish == "error":
+                slot.job.send("error", slot.error)
+            else:
+                slot.job.send("done", self._outcome(slot))
 
-    def _take(self, job: Job) -> tuple[str, Any] | None:
-        if self._stopping:
-            return "error", ShuttingDown()
-        if job.cancelled.is_set():
-            self.metrics.request_success.labels(self.metrics.model_name, "abort").inc()
-            return None
-        self._progress_at = time.monotonic()
-        self._current = job
-        self._running.set(1)
-        started = time.perf_counter()
-        try:
-            return "done", self._generate(job)
-        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the server
-            # the client's answer logs it (app._as_api_error: an incident id with the traceback)
-            self.metrics.request_success.labels(self.metrics.model_name, "error").inc()
-            return "error", exc
-        finally:
-            self._running.set(0)
-            self._mean_service_s += 0.2 * (time.perf_counter() - started - self._mean_service_s)
-
-    def _generate(self, job: Job) -> Outcome:
-        request, runner, tokenizer, metrics = job.request, self.runner, self.tokenizer, self.metrics
-        labels = metrics.model_name
-        metrics.queue_time.labels(labels).observe(time.perf_counter() - job.arrival)
-        runner.acceptor = self.acceptors[request.params.greedy]  # one generation at a time: safe to swap
-        decoder, text = tokenizer.stream_decoder(), StopText(request.stop)
-        eog = tokenizer.eog_ids
-        finish = None
-        rounds = runner.rounds(request.prompt_ids, request.max_tokens, request.params, eog)
-        deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
-        delivered = 0
-        try:
-            for round_ in rounds:
-                self._progress_at = now = time.monotonic()
-                if round_.index == 0:
-                    metrics.ttft.labels(labels).observe(time.perf_counter() - job.arrival)
-                pieces = []
-                for token in round_.tokens:  # a round's tokens became certain together; a stop string may end it
-                    delivered += 1
-                    if token not in eog:
-                        text.feed(decoder.push(token))
-                        pieces.append(text.take())
-                        if text.stopped:
-                            break
-                piece = "".join(pieces)
-                if piece:
-                    job.send("text", piece)
-                if text.stopped:
-                    finish = "stop"
-                    break
-                if job.cancelled.is_set():
-                    finish = "abort"
-                    break
-                if deadline is not None and now > deadline:
-                    finish = "timeout"  # --request-timeout: the text so far, and why it ends there
-                    break
-        finally:
-            rounds.close()
-        stats = runner.stats
+    def _outcome(self, slot: Slot) -> Outcome:
+        stats, metrics, finish = slot.seq.stats, self.metrics, slot.finish
         if finish is None or finish == "timeout":
-            text.feed(decoder.flush())
-            piece = text.take(final=True)
+            slot.text.feed(slot.decoder.flush())
+            piece = slot.text.take(final=True)
             if piece:
-                job.send("text", piece)
+                slot.job.send("text", piece)
         if finish is None:
-            finish = "length" if stats.stop_reason == "length" and not text.stopped else "stop"
+            finish = "length" if stats.stop_reason == "length" and not slot.text.stopped else "stop"
         metrics.record_generation(stats, finish)
-        metrics.e2e_latency.labels(labels).observe(time.perf_counter() - job.arrival)
+        metrics.e2e_latency.labels(metrics.model_name).observe(time.perf_counter() - slot.job.arrival)
         if finish == "timeout":  # OpenAI clients know stop and length only: cut short is "length", as vLLM says
-            return Outcome("length", stats, delivered, stop_reason="timeout")
-        return Outcome(finish, stats, delivered)
+            return Outcome("length", stats, slot.delivered, stop_reason="timeout")
+        return Outcome(finish, stats, slot.delivered)
 
 
 def _stop_at_exit(engine: weakref.ref) -> None:

@@ -22,6 +22,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
 
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+ITERATION_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512)  # vLLM's iteration_tokens_total, shorter
+
 
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
@@ -53,8 +56,13 @@ class ServerMetrics:
                                     labels, buckets=LATENCY_BUCKETS, registry=registry)
         self.waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting in the queue.", labels,
                              registry=registry)
-        self.running = Gauge(PREFIX + "num_requests_running", "Requests generating (0 or 1).", labels,
-                             registry=registry)
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests in a slot (prefilling or generating).",
+                             labels, registry=registry)
+        self.batch_size = Histogram(PREFIX + "batch_size", "Sequences one verify forward stepped together.", labels,
+                                    buckets=BATCH_BUCKETS, registry=registry)
+        self.iteration_tokens = Histogram(PREFIX + "iteration_tokens_total", "Rows one target forward read (a "
+                                          "prompt chunk's, or a step's t0 and drafts over its sequences).", labels,
+                                          buckets=ITERATION_BUCKETS, registry=registry)
 
     def record_generation(self, stats: GenerationStats, finished_reason: str) -> None:
         m = self.model_name

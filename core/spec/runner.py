@@ -128,6 +128,12 @@ class Sequence:
     draft_state: Any = None
     decode_start: float = 0.0
     own_cache: bool = False  # taken from the runner's pool (given back at `finish`), not the runner's own cache
+    prefilled: int = 0  # prompt tokens the target has read
+    prompt_hidden: list = field(default_factory=list)  # their hidden rows, for a drafter that reads the target
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt)
 
     @property
     def done(self) -> bool:
@@ -160,6 +166,13 @@ class Runner:
         self._free_caches: list[Any] = []  # caches of finished sequences started without the runner's own
         self._end = getattr(drafter, "end", None)
         self._propose_many = getattr(drafter, "propose_many", None)
+
+    def set_slots(self, slots: int, context: int) -> None:
+        """Serve `slots` sequences at once, each in a cache of `context` positions, all of them allocated now (as
+        llama-server claims its whole cache at start): a server's memory is known before its first request."""
+        self.context = min(context, self.target.model.config.context_length)
+        self.cache = self.target.model.new_cache(self.context) if slots == 1 else None
+        self._free_caches = [self.target.model.new_cache(self.context) for _ in range(slots)]
 
     def new_draft_length(self) -> Any:
         """A draft-length policy as `--draft-max` asks: one per stream of generations that learns its own costs."""
@@ -207,10 +220,19 @@ class Runner:
     def start(self, prompt: list[int], max_tokens: int, params: SamplingParams,
               stop_ids: set[int] | frozenset[int] = frozenset(), cache: Any = None, acceptor: Any = None,
               draft_length: Any = None) -> tuple[Sequence, Round]:
-        """A new sequence, prefilled: its prompt's forward, its first token (round 0) and its drafter state. `cache`:
-        a KV cache of `self.context` positions to use (None: one from the runner's pool); `acceptor`: the sequence's
-        own (None: the runner's); `draft_length`: a policy (None: a new one; `rounds` gives the runner's, which
-        carries its costs from one generation to the next). Every started sequence is given to `finish`."""
+        """A new sequence, prefilled: `admit`, then `prefill` of its whole prompt; its first token is round 0."""
+        seq = self.admit(prompt, max_tokens, params, stop_ids, cache, acceptor, draft_length)
+        while (first := self.prefill(seq)) is None:
+            pass
+        return seq, first
+
+    def admit(self, prompt: list[int], max_tokens: int, params: SamplingParams,
+              stop_ids: set[int] | frozenset[int] = frozenset(), cache: Any = None, acceptor: Any = None,
+              draft_length: Any = None) -> Sequence:
+        """A new sequence, its prompt not yet read (`prefill` reads it). `cache`: a KV cache of `self.context`
+        positions to use (None: one from the runner's pool); `acceptor`: the sequence's own (None: the runner's);
+        `draft_length`: a policy (None: a new one; `rounds` gives the runner's, which carries its costs from one
+        generation to the next). Every admitted sequence is given to `finish`."""
         if not prompt:
             raise OutriderError("the prompt is empty and the model adds no BOS token; give a non-empty prompt")
         if len(prompt) >= self.context:
@@ -221,42 +243,60 @@ class Runner:
             cache = self._free_caches.pop() if self._free_caches else self.target.model.new_cache(self.context)
         acceptor = as_acceptor(acceptor) if acceptor is not None else self.acceptor
         draft_length = draft_length if draft_length is not None else self.new_draft_length()
-        stats = GenerationStats(prompt_tokens=len(prompt))
         if isinstance(draft_length, AdaptiveDraftLength):
             draft_length.begin_generation(timed=not self.lengths_change_the_output(params, acceptor))
-        rng = PositionRandom(params.seed)
         penalties = ContextPenalties(params, prompt) if params.penalizes else None
-        seq = Sequence(list(prompt), params, min(max_tokens, self.context - len(prompt)), frozenset(stop_ids), cache,
-                       acceptor, draft_length, rng, penalties, stats, own_cache=own_cache)
-        model, drafter, shows_hidden = self.target.model, self.drafter, self.traits.reads_the_target
-
-        t = time.perf_counter()
         cache.truncate(0)
+        return Sequence(list(prompt), params, min(max_tokens, self.context - len(prompt)), frozenset(stop_ids),
+                        cache, acceptor, draft_length, PositionRandom(params.seed), penalties,
+                        GenerationStats(prompt_tokens=len(prompt)), own_cache=own_cache)
+
+    def prefill(self, seq: Sequence, rows: int | None = None) -> Round | None:
+        """Read up to `rows` more of the sequence's prompt (None: the rest); once it is all read, its first token,
+        its drafter state and round 0, else None. A host that reads a long prompt a chunk at a time (a multiple of
+        PREFILL_CHUNK, so the rows' sums are those of one prefill) steps the running sequences in between."""
+        model, drafter, shows_hidden = self.target.model, self.drafter, self.traits.reads_the_target
+        prompt, done = seq.prompt, seq.prefilled
+        end = len(prompt) if rows is None else min(len(prompt), done + rows)
+        t = time.perf_counter()
         try:
-            out = model.forward(torch.tensor(prompt, device=self.device), 0, cache, last_only=True, hidden=shows_hidden)
-            logits, hidden = out if shows_hidden else (out, None)
-            logits = logits.float().cpu()
-            if penalties is not None:
-                logits = penalties.apply(logits, [])
-            first = acceptor.accept(VerifyRound(logits, [], None, params, rng, len(prompt))).tokens[0]
-            seq.draft_state = begin_drafting(drafter, prompt, params, self.controls)  # a draft model's prefill too
+            ids = torch.tensor(prompt[done:end], device=self.device)
+            extend = getattr(model, "extend", None)
+            if end < len(prompt) and extend is not None:  # not the last piece: no output head
+                hidden = extend(ids, done, seq.cache, hidden=shows_hidden)
+            else:
+                out = model.forward(ids, done, seq.cache, last_only=True, hidden=shows_hidden)
+                logits, hidden = out if shows_hidden else (out, None)
             if shows_hidden:
-                drafter.observe(seq.draft_state, hidden, 0, cache)
+                seq.prompt_hidden.append(hidden)
+            seq.prefilled = end
+            seq.stats.prefill_s += time.perf_counter() - t
+            if end < len(prompt):
+                return None
+            t = time.perf_counter()
+            logits = logits.float().cpu()
+            if seq.penalties is not None:
+                logits = seq.penalties.apply(logits, [])
+            first = seq.acceptor.accept(VerifyRound(logits, [], None, seq.params, seq.rng, len(prompt))).tokens[0]
+            seq.draft_state = begin_drafting(drafter, prompt, seq.params, self.controls)  # a draft model's prefill too
+            if shows_hidden:
+                hidden, seq.prompt_hidden = torch.cat(seq.prompt_hidden), []
+                drafter.observe(seq.draft_state, hidden, 0, seq.cache)
         except BaseException:
             self.finish(seq)
             raise
-        stats.prefill_s = time.perf_counter() - t
-
+        stats = seq.stats
+        stats.prefill_s += time.perf_counter() - t
         seq.tokens = list(prompt) + [first]
-        if penalties is not None:
-            penalties.extend([first])
+        if seq.penalties is not None:
+            seq.penalties.extend([first])
         stats.generated_tokens = 1
         if first in seq.stop_ids:
             stats.stop_reason = "eog"
         elif stats.generated_tokens >= seq.max_tokens:
             stats.stop_reason = "length"
         seq.decode_start = time.perf_counter()
-        return seq, Round(index=0, tokens=[first], verify_s=stats.prefill_s)
+        return Round(index=0, tokens=[first], verify_s=stats.prefill_s)
 
     def finish(self, seq: Sequence) -> None:
         """The sequence is done (or abandoned): its drafter state ended, a pooled cache given back, and its tokens

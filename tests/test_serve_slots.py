@@ -1,0 +1,200 @@
+"""The server's slots: several requests generate at once (continuous batching), each as it would alone.
+
+Oracles: the same request sent to a server with one slot (and `outrider generate`'s own tokens), hand-counted
+slot sizes and memory, and the runner's own record of which calls it was asked for, in order."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+uvicorn = pytest.importorskip("uvicorn")
+
+from click.testing import CliRunner  # noqa: E402
+
+from outrider.assembly import assemble  # noqa: E402
+from outrider.cli import main  # noqa: E402
+from outrider.config import resolve_config  # noqa: E402
+from outrider.errors import ConfigError  # noqa: E402
+from outrider.serve import create_app  # noqa: E402
+from outrider.serve.slots import DEFAULT_SLOTS, kv_bytes_per_token, plan_slots  # noqa: E402
+from outrider.testing.tiny_models import write_tiny_gemma4, write_tiny_llama  # noqa: E402
+
+CONTEXT = 1024
+
+
+class SlotServer:
+    """A server on a tiny model with `slots` slots of `context` tokens each, as `outrider serve -np` sets it up."""
+
+    def __init__(self, model_path, slots: int, context: int = CONTEXT, drafter: str = "lookup"):
+        config = resolve_config({"model": str(model_path), "context": context, "max_tokens": 24, "drafter": drafter,
+                                 "draft_max": 4})
+        assembly = assemble(config)
+        assembly.runner.set_slots(slots, context)
+        self.runner = assembly.runner
+        self.app = create_app(assembly, config, queue_size=16, slots=slots)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.uvicorn.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    def post(self, body: dict) -> tuple[int, dict]:
+        request = urllib.request.Request(self.base + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.base + path, timeout=30) as response:
+            return response.read().decode()
+
+    def stop(self):
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("slots") / "tiny.gguf", context=4 * CONTEXT)
+
+
+PROMPTS = ["the the the the the", "abc abc abc abc", "hello there", "one two one two one two", "x", "the cat sat on",
+           "1 2 3 1 2 3 1 2", "zz zz zz"]
+
+
+def _bodies(temperature: float) -> list[dict]:
+    return [{"prompt": p, "max_tokens": 24, "temperature": temperature, "seed": 100 + i}
+            for i, p in enumerate(PROMPTS)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_requests_in_four_slots_get_what_each_gets_alone(tiny, temperature):
+    """Eight requests sent at once to four slots (greedy, and seeded sampling): each one's text is the text a
+    one-slot server gives it; the slots ran together (the batch-size histogram saw steps of more than one)."""
+    one = SlotServer(tiny, 1)
+    try:
+        alone = [one.post(body) for body in _bodies(temperature)]
+    finally:
+        one.stop()
+    four = SlotServer(tiny, 4)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(four.post, _bodies(temperature)))
+        metrics = four.get("/metrics")
+    finally:
+        four.stop()
+    for i, ((status_a, a), (status_b, b)) in enumerate(zip(alone, together)):
+        assert status_a == status_b == 200, (a, b)
+        assert b["choices"][0]["text"] == a["choices"][0]["text"], f"request {i} ({PROMPTS[i]!r})"
+        assert b["usage"] == a["usage"], f"request {i}"
+    batched = [line for line in metrics.splitlines() if line.startswith("outrider:batch_size_bucket")]
+    one_only = next(float(line.split()[-1]) for line in batched if 'le="1.0"' in line)
+    total = next(float(line.split()[-1]) for line in batched if 'le="+Inf"' in line)
+    assert total > one_only, "no step ran more than one slot"
+
+
+def test_props_report_the_slots_and_each_ones_context(tiny):
+    server = SlotServer(tiny, 3, context=512)
+    try:
+        props = json.loads(server.get("/props"))
+        assert props["total_slots"] == 3 and props["default_generation_settings"]["n_ctx"] == 512
+        status, answer = server.post({"prompt": "a " * 600, "max_tokens": 2})
+        assert status == 400 and "512" in answer["error"]["message"], answer
+    finally:
+        server.stop()
+
+
+def test_a_newcomers_prompt_is_read_in_chunks_between_the_running_slots_steps(tiny):
+    """While one slot streams, a long prompt (three chunks) arrives: the runner is asked for a step of the running
+    slot between each chunk of it, so the stream never waits for the whole prompt."""
+    server = SlotServer(tiny, 2)
+    calls, lock = [], threading.Lock()
+    prefill, step = server.runner.prefill, server.runner.step
+
+    def recorded_prefill(seq, rows=None):
+        with lock:
+            calls.append(("prefill", len(seq.prompt)))
+        return prefill(seq, rows)
+
+    def recorded_step(seqs):
+        with lock:
+            calls.append(("step", len(seqs)))
+        return step(seqs)
+
+    server.runner.prefill, server.runner.step = recorded_prefill, recorded_step
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(server.post, {"prompt": "the cat", "max_tokens": 200})
+            deadline = time.monotonic() + 30
+            while not any(c[0] == "step" for c in calls):
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            second = pool.submit(server.post, {"prompt": "ab " * 300, "max_tokens": 4})
+            assert first.result()[0] == 200 and second.result()[0] == 200
+    finally:
+        server.stop()
+    long_prompt = max(n for kind, n in calls if kind == "prefill")
+    chunks = [i for i, (kind, n) in enumerate(calls) if kind == "prefill" and n == long_prompt]
+    assert len(chunks) >= 3, calls
+    for a, b in zip(chunks, chunks[1:]):
+        assert any(kind == "step" for kind, _ in calls[a + 1:b]), f"no step between two prompt chunks: {calls}"
+
+
+def test_slots_are_planned_as_llama_server_plans_them_and_what_does_not_fit_is_said(tiny):
+    from outrider.io.gguf import GGUFFile
+    from outrider.models import load_model
+
+    model = load_model(GGUFFile(tiny))
+    per_token = kv_bytes_per_token(model)
+    plenty = 10 ** 12
+    assert plan_slots(model, "cpu", 4096, False, None, plenty).slots == DEFAULT_SLOTS
+    assert plan_slots(model, "cpu", 4096, False, None, plenty).context == 4096  # no -c: each keeps the default
+    plan = plan_slots(model, "cpu", 4096, True, 4, plenty)
+    assert (plan.slots, plan.context) == (4, 1024)  # -c given: the total, split as llama-server splits it
+    for bad, words in ((0, "at least one slot"), (-2, "at least one slot")):
+        with pytest.raises(ConfigError, match=words):
+            plan_slots(model, "cpu", 4096, True, bad, plenty)
+    small = int(per_token * 4096 * 2.5 / 0.9)  # two and a half default slots' worth
+    shrunk = plan_slots(model, "cpu", 4096, False, None, small)
+    assert shrunk.slots == 2 and "serving 2" in shrunk.note
+    with pytest.raises(ConfigError) as refused:
+        plan_slots(model, "cpu", 4096, False, 4, small)
+    message = str(refused.value)
+    assert "\n" not in message and "2 such slots fit" in message and "-np 2" in message, message
+    with pytest.raises(ConfigError, match="leaves 16 tokens a slot"):
+        plan_slots(model, "cpu", 64, True, 4, plenty)
+    with pytest.raises(ConfigError, match="the cuda backend serves one sequence at a time"):
+        plan_slots(model, "cuda", 4096, False, 2, plenty)
+    assert plan_slots(model, "cuda", 4096, False, None, plenty).slots == 1
+
+
+def test_gemma4_serves_one_slot_and_refuses_more_by_name(tmp_path):
+    from outrider.io.gguf import GGUFFile
+    from outrider.models import load_model
+
+    model = load_model(GGUFFile(write_tiny_gemma4(tmp_path / "g4.gguf")))
+    assert plan_slots(model, "cpu", 4096, False, None, 10 ** 12).slots == 1
+    with pytest.raises(ConfigError, match="gemma4 model runs one sequence at a time; serve it with -np 1"):
+        plan_slots(model, "cpu", 4096, False, 2, 10 ** 12)
+
+
+def test_serve_np_0_is_a_one_line_error(tiny):
+    result = CliRunner().invoke(main, ["serve", "--model", str(tiny), "-np", "0"])
+    assert result.exit_code == 1 and result.output.startswith("error: ") and "-np 0" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
