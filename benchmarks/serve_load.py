@@ -1,16 +1,22 @@
-"""Load on `outrider serve`: N concurrent clients (the official openai client, streamed chat completions)
-for a bounded time against a server this script starts on 127.0.0.1 and stops at the end.
+"""Load on servers: N concurrent clients (the official openai client, streamed chat completions) for a bounded
+time against each engine this script starts on 127.0.0.1 and stops at the end, engines one after another in
+one run, each at every client count.
 
-    python benchmarks/serve_load.py [--duration 120] [--clients 8] [--max-requests 5000] [--max-tokens 64]
-                                    [--model smollm2-135m] [--drafter lookup] [--temperatures 0,0.7]
-                                    [-- more `outrider serve` arguments]
+    python benchmarks/serve_load.py [--duration 60] [--clients 1,2,4,8] [--max-tokens 64] [--temperatures 0,0.7]
+        [--model smollm2-135m] [--draft-model qwen2.5-coder-0.5b] [--threads 2]
+        [--engines outrider:1:none,outrider:4:none,outrider:4:lookup,llama:4:none]
+        [--disconnects 0.2] [-- more `outrider serve` arguments]
 
-Clients cycle through `outrider bench`'s three prompts (code edit, summary, story) and the temperatures;
-a sampled request has a seed. Prints requests/s, p50/p99 latency and time to first token (both as the
-client sees them: queueing included, since one generation runs at a time), errors by kind, the acceptance
-the server's /metrics counted, and the server's resident memory after a warm-up request and at the end.
-No request starts after --duration or --max-requests; those still in flight a moment after --duration are cut
-(closed, or given up on and closed when the server stops) and counted apart from errors, so the run ends on time.
+An engine is `outrider:SLOTS:DRAFTER` (`outrider serve -np SLOTS --drafter DRAFTER`; `outrider:1:...` is the one
+at a time server of before) or `llama:SLOTS:none|draft` (llama-server -np SLOTS, plain or `-md DRAFT_MODEL
+--spec-type draft-simple`; `$LLAMA_SERVER`, else the build of `../shared/tools/build-llama-cpp`). Every engine
+gets the same files, threads and a context of 4096 a slot. Clients cycle through `outrider bench`'s three prompts
+(code edit, summary, story) and the temperatures; a sampled request has a seed. Per engine and client count:
+aggregate completion tokens/s, requests/s, p50/p99 latency and time to first token (as the client sees them,
+queueing included), errors by kind, and the server's resident memory (after a warm-up request, at most, at the
+end). `--disconnects P`: each streamed request is closed after its first chunks with probability P (a client
+gone). No request starts after --duration; those still in flight a moment after it are cut (closed, or given up
+on) and counted apart from errors, so each load ends on time. Name the CPU's vector extensions beside the figures.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import collections
 import itertools
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -27,13 +34,13 @@ import tempfile
 import threading
 import time
 import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
+from pathlib import Path
 
 from outrider.bench import PROMPTS
 
 HOST = "127.0.0.1"  # never anything else: this script loads a machine, it must not reach another
 CUT_GRACE_S = 2.0
+SLOT_CONTEXT = 4096
 
 
 def free_port() -> int:
@@ -58,50 +65,135 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-def counters(base: str) -> dict[str, float]:
-    with urllib.request.urlopen(base + "/metrics", timeout=30) as response:
-        text = response.read().decode()
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels.keys()
-            - {"model_name"}}
-
-
 def wait_until_up(base: str, server: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise SystemExit(f"the server exited with status {server.returncode} before it was up")
         try:
-            with urllib.request.urlopen(base + "/health", timeout=5):
-                return
+            with urllib.request.urlopen(base + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return
         except OSError:
             time.sleep(0.5)
     raise SystemExit(f"the server was not up after {timeout_s:.0f} s")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=120.0, help="seconds of load [120]")
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--max-requests", type=int, default=5000, help="stop starting requests after this many")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--drafter", default="lookup")
-    parser.add_argument("--temperatures", default="0,0.7")
-    parser.add_argument("--startup-timeout", type=float, default=900.0, help="model load and kernel build")
-    parser.add_argument("server_args", nargs=argparse.REMAINDER,
-                        help="after --: more `outrider serve` arguments, e.g. -- -o backend.weights dense")
-    args = parser.parse_args()
+def llama_server_binary() -> str:
+    if os.environ.get("LLAMA_SERVER"):
+        return os.environ["LLAMA_SERVER"]
+    tool = Path(__file__).resolve().parents[2] / "shared" / "tools" / "build-llama-cpp"
+    out = subprocess.run([str(tool)], capture_output=True, text=True, check=True).stdout.strip()
+    return str(Path(out.splitlines()[-1]) / "llama-server")
+
+
+def server_command(engine: str, port: int, args) -> list[str]:
+    """The command line that starts `engine` (see the module's doc) on `port`."""
+    kind, slots, drafter = (engine.split(":") + ["none"])[:3]
+    if kind == "outrider":
+        return [sys.executable, "-m", "outrider", "serve", "--host", HOST, "--port", str(port), "--model",
+                args.model, "--drafter", drafter, "-np", slots, "-c", str(SLOT_CONTEXT * int(slots)),
+                "-t", str(args.threads), "--queue-size", str(max(args.clients)),
+                *(["-md", args.draft_model] if drafter == "draft-model" else []),
+                *[a for a in args.server_args if a != "--"]]
+    if kind == "llama":
+        from outrider.catalog import resolve_model
+
+        draft = ["-md", str(resolve_model(args.draft_model)), "--spec-type", "draft-simple", "--spec-draft-threads",
+                 str(args.threads)] if drafter == "draft" else []
+        return [llama_server_binary(), "-m", str(resolve_model(args.model)), "-np", slots, "-c",
+                str(SLOT_CONTEXT * int(slots)), "-t", str(args.threads), "-tb", str(args.threads), "--host", HOST,
+                "--port", str(port), "--no-webui", "--metrics", *draft]
+    raise SystemExit(f"unknown engine {engine!r}: give outrider:SLOTS:DRAFTER or llama:SLOTS:none|draft")
+
+
+def load(base: str, model: str, clients: int, args, temperatures: list[float]) -> dict:
+    """`clients` clients for `args.duration` seconds; what they saw."""
     import openai  # the test extra; imported late so --help works without it
 
-    temperatures = [float(t) for t in args.temperatures.split(",")]
+    requests = itertools.count()
+    lock = threading.Lock()
+    latencies, ttfts, tokens, errors, cut, dropped = [], [], [], collections.Counter(), [0], [0]
+    deadline = time.monotonic() + args.duration
+    jobs = list(itertools.product(PROMPTS.values(), temperatures))
+
+    def client_loop(index: int) -> None:
+        own = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
+        chance = random.Random(index)
+        while time.monotonic() < deadline:
+            n = next(requests)
+            if n >= args.max_requests:
+                return
+            prompt, temperature = jobs[n % len(jobs)]
+            start = time.perf_counter()
+            first, completion, drop_after = None, 0, (3 if chance.random() < args.disconnects else None)
+            # nothing may outlast the deadline by more than a moment: a request still waiting for bytes
+            # then times out, one still streaming is closed at its next chunk; both count as cut, not errors
+            timeout = max(1.0, deadline - time.monotonic() + CUT_GRACE_S)
+            try:
+                stream = own.with_options(timeout=timeout).chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
+                    temperature=temperature, seed=n, stream=True, stream_options={"include_usage": True})
+                chunks = 0
+                with stream:
+                    for chunk in stream:
+                        chunks += 1
+                        if first is None and chunk.choices and chunk.choices[0].delta.content:
+                            first = time.perf_counter() - start
+                        if chunk.usage:
+                            completion = chunk.usage.completion_tokens
+                        if time.monotonic() > deadline + CUT_GRACE_S:
+                            raise TimeoutError("cut at the deadline")
+                        if drop_after is not None and chunks >= drop_after:
+                            break  # a client gone: the stream is closed mid-answer
+                if drop_after is not None and chunks >= drop_after:
+                    with lock:
+                        dropped[0] += 1
+                    continue
+            except Exception as exc:  # noqa: BLE001 - counted and reported, the load goes on
+                with lock:
+                    if time.monotonic() > deadline:
+                        cut[0] += 1
+                    else:
+                        errors[f"{type(exc).__name__}: {str(exc)[:80]}"] += 1
+                continue
+            with lock:
+                latencies.append(time.perf_counter() - start)
+                ttfts.append(first if first is not None else latencies[-1])
+                tokens.append(completion)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads) and time.monotonic() < deadline + CUT_GRACE_S:
+        time.sleep(0.2)
+    elapsed = time.perf_counter() - started
+    with lock:  # what the given-up threads do from here on is not counted
+        cut_total = cut[0] + sum(thread.is_alive() for thread in threads)
+        done_latencies, done_ttfts, done_tokens = list(latencies), list(ttfts), list(tokens)
+        seen_errors = collections.Counter(errors)
+        dropped_total = dropped[0]
+    done = len(done_latencies)
+    return {"clients": clients, "duration_s": round(elapsed, 1), "requests": done,
+            "requests_per_s": round(done / elapsed, 3), "completion_tokens_per_s": round(sum(done_tokens) / elapsed, 2),
+            "latency_s": {"p50": round(percentile(done_latencies, 50), 3),
+                          "p99": round(percentile(done_latencies, 99), 3)},
+            "ttft_s": {"p50": round(percentile(done_ttfts, 50), 3), "p99": round(percentile(done_ttfts, 99), 3)},
+            "errors": sum(seen_errors.values()), "error_kinds": dict(seen_errors), "cut_at_deadline": cut_total,
+            "disconnected": dropped_total}
+
+
+def run_engine(engine: str, args, temperatures: list[float]) -> list[dict]:
+    import openai
+
     port = free_port()
     base = f"http://{HOST}:{port}"
-    log = tempfile.NamedTemporaryFile("w+", prefix="outrider-serve-", suffix=".log", delete=False)
-    command = [sys.executable, "-m", "outrider", "serve", "--host", HOST, "--port", str(port), "--model", args.model,
-               "--drafter", args.drafter, "--queue-size", str(args.clients),
-               *[a for a in args.server_args if a != "--"]]
-    print("server:", " ".join(command[1:]), f"(log: {log.name})", flush=True)
+    command = server_command(engine, port, args)
+    log = tempfile.NamedTemporaryFile("w+", prefix="serve-load-", suffix=".log", delete=False)
+    print(f"{engine}: {' '.join(command)} (log: {log.name})", flush=True)
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    reports = []
     try:
         wait_until_up(base, server, args.startup_timeout)
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
@@ -109,105 +201,53 @@ def main() -> None:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS["story"]}],
                                        max_tokens=args.max_tokens)  # warm-up: first-use costs are not load
         rss_start = rss_mib(server.pid)
-        before = counters(base)
-
-        requests = itertools.count()
-        lock = threading.Lock()
-        latencies, ttfts, tokens, errors, cut = [], [], [], collections.Counter(), [0]
-        deadline = time.monotonic() + args.duration
-        jobs = list(itertools.product(PROMPTS.values(), temperatures))
-
-        def client_loop(index: int) -> None:
-            own = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
-            while time.monotonic() < deadline:
-                n = next(requests)
-                if n >= args.max_requests:
-                    return
-                prompt, temperature = jobs[n % len(jobs)]
-                start = time.perf_counter()
-                first, completion = None, 0
-                # nothing may outlast the deadline by more than a moment: a request still waiting for bytes
-                # then times out, one still streaming is closed at its next chunk; both count as cut, not errors
-                timeout = max(1.0, deadline - time.monotonic() + CUT_GRACE_S)
-                try:
-                    stream = own.with_options(timeout=timeout).chat.completions.create(
-                        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
-                        temperature=temperature, seed=n, stream=True, stream_options={"include_usage": True})
-                    with stream:
-                        for chunk in stream:
-                            if first is None and chunk.choices and chunk.choices[0].delta.content:
-                                first = time.perf_counter() - start
-                            if chunk.usage:
-                                completion = chunk.usage.completion_tokens
-                            if time.monotonic() > deadline + CUT_GRACE_S:
-                                raise TimeoutError("cut at the deadline")
-                except Exception as exc:  # noqa: BLE001 - counted and reported, the load goes on
-                    with lock:
-                        if time.monotonic() > deadline:
-                            cut[0] += 1
-                        else:
-                            errors[f"{type(exc).__name__}: {str(exc)[:80]}"] += 1
-                    continue
-                with lock:
-                    latencies.append(time.perf_counter() - start)
-                    ttfts.append(first if first is not None else latencies[-1])
-                    tokens.append(completion)
-
-        started = time.perf_counter()
-        rss_samples = [rss_start]
-        # daemon threads: one still waiting at the deadline is given up on, not waited for (its read timeout
-        # counts from its last byte, which may be long before the deadline when the server was busy)
-        threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(args.clients)]
-        for thread in threads:
-            thread.start()
-        while any(thread.is_alive() for thread in threads) and time.monotonic() < deadline + CUT_GRACE_S:
-            time.sleep(0.5)
-            rss_samples.append(rss_mib(server.pid))
-        elapsed = time.perf_counter() - started
-        with lock:  # what the given-up threads do from here on is not counted
-            cut_total = cut[0] + sum(thread.is_alive() for thread in threads)
-            # copies under other names: the threads' closures would see a rebinding of these
-            done_latencies, done_ttfts, done_tokens = list(latencies), list(ttfts), list(tokens)
-            seen_errors = collections.Counter(errors)
-        rss_end = rss_mib(server.pid)
-        after = counters(base)
+        for clients in args.clients:
+            report = load(base, model, clients, args, temperatures)
+            report.update(engine=engine, server_rss_mib={"after_warm_up": round(rss_start, 1),
+                                                         "end": round(rss_mib(server.pid), 1)})
+            reports.append(report)
+            print(f"  {clients} clients: {report['completion_tokens_per_s']} tok/s, {report['requests']} requests, "
+                  f"latency p50/p99 {report['latency_s']['p50']}/{report['latency_s']['p99']} s, ttft p50/p99 "
+                  f"{report['ttft_s']['p50']}/{report['ttft_s']['p99']} s, errors {report['errors']}"
+                  f"{' ' + str(report['error_kinds']) if report['errors'] else ''}, disconnected "
+                  f"{report['disconnected']}, RSS {report['server_rss_mib']['end']} MiB", flush=True)
     finally:
         server.terminate()
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
-
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    done = len(done_latencies)
-    drafted, accepted = delta("outrider:spec_decode_num_draft_tokens_total"), \
-        delta("outrider:spec_decode_num_accepted_tokens_total")
-    report = {
-        "clients": args.clients, "duration_s": round(elapsed, 1), "requests": done,
-        "requests_per_s": round(done / elapsed, 3), "completion_tokens_per_s": round(sum(done_tokens) / elapsed, 1),
-        "latency_s": {"p50": round(percentile(done_latencies, 50), 3), "p99": round(percentile(done_latencies, 99), 3)},
-        "ttft_s": {"p50": round(percentile(done_ttfts, 50), 3), "p99": round(percentile(done_ttfts, 99), 3)},
-        "errors": sum(seen_errors.values()), "error_kinds": dict(seen_errors), "cut_at_deadline": cut_total,
-        "acceptance": {"drafted": drafted, "accepted": accepted,
-                       "rate": round(accepted / drafted, 3) if drafted else 0.0},
-        "server_rss_mib": {"start": round(rss_start, 1), "end": round(rss_end, 1), "max": round(max(rss_samples), 1)},
-    }
-    print(f"{done} requests from {args.clients} clients in {elapsed:.1f} s: {report['requests_per_s']} requests/s, "
-          f"{report['completion_tokens_per_s']} completion tokens/s")
-    print(f"latency p50 {report['latency_s']['p50']} s, p99 {report['latency_s']['p99']} s; "
-          f"time to first token p50 {report['ttft_s']['p50']} s, p99 {report['ttft_s']['p99']} s")
-    print(f"errors: {report['errors']} {dict(seen_errors) if seen_errors else ''}; requests in flight at the deadline, "
-          f"cut: {cut_total}")
-    print(f"acceptance: {accepted:.0f}/{drafted:.0f} drafted tokens ({report['acceptance']['rate']:.0%})")
-    print(f"server RSS: {rss_start:.1f} MiB after warm-up, {rss_end:.1f} MiB at the end, "
-          f"{max(rss_samples):.1f} MiB at most")
-    print(json.dumps(report))
-    if seen_errors:
-        print(f"server log kept: {log.name}")
-    else:
+    if not any(r["errors"] for r in reports):
         os.unlink(log.name)
+    return reports
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of load per engine and client count")
+    parser.add_argument("--clients", default="1,2,4,8", help="client counts, comma-separated")
+    parser.add_argument("--max-requests", type=int, default=100000, help="stop starting requests after this many")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engines", default="outrider:1:lookup,outrider:4:lookup")
+    parser.add_argument("--temperatures", default="0,0.7")
+    parser.add_argument("--disconnects", type=float, default=0.0, help="share of requests closed mid-stream")
+    parser.add_argument("--startup-timeout", type=float, default=900.0, help="model load and kernel build")
+    parser.add_argument("server_args", nargs=argparse.REMAINDER,
+                        help="after --: more `outrider serve` arguments, e.g. -- -o backend.weights dense")
+    args = parser.parse_args()
+    args.clients = [int(c) for c in args.clients.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    reports = [r for engine in args.engines.split(",") for r in run_engine(engine.strip(), args, temperatures)]
+    print(f"\naggregate completion tokens/s ({args.model}, temperatures {args.temperatures}, {args.max_tokens} "
+          f"tokens a request, {args.duration:g} s a cell)")
+    print("engine".ljust(28) + "".join(f"{c} clients".rjust(12) for c in args.clients))
+    for engine in dict.fromkeys(r["engine"] for r in reports):
+        row = {r["clients"]: r["completion_tokens_per_s"] for r in reports if r["engine"] == engine}
+        print(engine.ljust(28) + "".join(f"{row.get(c, float('nan')):12.2f}" for c in args.clients))
+    print(json.dumps(reports))
 
 
 if __name__ == "__main__":

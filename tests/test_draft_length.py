@@ -364,3 +364,25 @@ def test_a_timed_generation_after_an_untimed_one_keeps_to_its_budget():
     p.begin_generation(timed=True)
     seconds, tokens, _ = simulate(p, 1000, 0.0, 0.003, lambda n: 0.01 * (1 + 0.1 * (n - 1)))
     assert tokens / seconds >= 100 / (1 + p.explore_budget) - 0.5, tokens / seconds
+
+
+def test_batch_pricing_drafts_where_a_row_is_cheap_and_not_where_it_costs_a_step():
+    """Hand-checked: with a forward whose cost does not grow with its rows (the weights' reading is all of it)
+    and free drafts, every drafted token adds expected tokens at no cost, so each sequence drafts to its limit;
+    with every row costing a whole step and drafts accepted half the time, a token adds 0.5 tokens for a step's
+    cost, below the plain rate of one token a step: nobody drafts. Before any forward is timed: no say."""
+    from outrider.spec.drafter import DraftKind
+    from outrider.spec.length_policy import AdaptiveDraftLength, BatchPricing
+
+    likely, even = DraftKind("likely", 0.9), DraftKind("even", 0.5)
+    fresh = BatchPricing()
+    assert fresh.choose([(AdaptiveDraftLength(), likely, 4)]) is None
+    flat = BatchPricing()
+    for rows in (1, 4, 32):
+        flat.observe(rows, 0.05)
+    policies = [AdaptiveDraftLength(draft_s_per_token=0.0) for _ in range(3)]
+    assert flat.choose([(p, likely, limit) for p, limit in zip(policies, (4, 2, 0))]) == [4, 2, 0]
+    steep = BatchPricing()
+    for rows in (1, 2, 3, 8, 32):
+        steep.observe(rows, 0.05 * rows)
+    assert steep.choose([(p, even, 4) for p in policies]) == [0, 0, 0]

@@ -73,12 +73,14 @@ class Decoder:
 
     @torch.inference_mode()
     def forward_sequences(self, tokens: torch.Tensor, counts: list[int], starts: list[int], caches: list[KVCache],
-                          hidden: bool = False):
+                          hidden: bool = False, last_rows: bool = False):
         """Logits [N, vocab] (float32) of several independent sequences in one forward (a ragged batch): `tokens` [N]
         holds counts[b] tokens of sequence b, in order, at positions starts[b].. of caches[b], each cache's length
         set to starts[b] + counts[b]; with `hidden`, also the final-normed hidden states [N, hidden_size]. With the
         CPU kernels each row is bit for bit what `forward` of its own sequence's rows gives (a verify pass: not
-        `last_only`, whose prompt rows may sum in another order)."""
+        `last_only`, whose prompt rows may sum in another order). `last_rows`: the logits of each sequence's last
+        row only [B, vocab] (a drafter's catch-up: the output head is most of a small model's step); a sequence
+        with no rows has none."""
         if not (len(counts) == len(starts) == len(caches)) or sum(counts) != tokens.shape[0] or min(counts, default=1) < 0:
             raise ValueError(f"forward_sequences: {tokens.shape[0]} tokens, counts {list(counts)}, {len(starts)} starts "
                              f"and {len(caches)} caches do not describe one batch")
@@ -86,7 +88,12 @@ class Decoder:
         for cache, start, n in zip(caches, starts, counts):
             cache.length = start + n
         h = rms_norm(x, self.output_norm, self.config.eps)
-        logits = self.output(h, softcap=self.logit_softcap).float()
+        if last_rows:
+            ends = torch.tensor(counts, device=h.device).cumsum(0) - 1
+            rows = h[ends[torch.tensor(counts, device=h.device) > 0]]
+        else:
+            rows = h
+        logits = self.output(rows, softcap=self.logit_softcap).float()
         return (logits, h) if hidden else logits
 
     def _embedded(self, tokens: torch.Tensor) -> torch.Tensor:

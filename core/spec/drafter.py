@@ -209,19 +209,27 @@ def draft_loop(k: int, next_logits: Callable[[list[int]], torch.Tensor], params:
     `position`) and q is returned as its row, or it is the argmax (no rows: the acceptor's one-hot rule)."""
     drafted: list[int] = []
     rows: list[torch.Tensor] = []
-    sampled = sample and not params.greedy
     for _ in range(k):
-        logits = next_logits(drafted)
-        if sampled:
-            q = warp(logits, params)
-            if controls.draft_p_min > 0 and float(q.max()) < controls.draft_p_min:
-                break
-            drafted.append(sample_at(q, draws.uniform_draft(position + len(drafted))))
+        token, q = draft_position(next_logits(drafted), params, controls, sample, draws, position + len(drafted))
+        if token is None:
+            break
+        drafted.append(token)
+        if q is not None:
             rows.append(q)
-        else:
-            top = argmax_token(logits)
-            if controls.draft_p_min > 0 and \
-                    float(torch.exp(logits[top] - torch.logsumexp(logits, -1))) < controls.draft_p_min:
-                break
-            drafted.append(top)
     return Draft(drafted, torch.stack(rows) if rows else None)
+
+
+def draft_position(logits: torch.Tensor, params: SamplingParams, controls: DraftControls, sample: bool,
+                   draws: PositionRandom, position: int) -> tuple[int | None, torch.Tensor | None]:
+    """One position of `draft_loop`, for a drafter that drafts several sequences in lockstep (`propose_many`): the
+    token drafted at absolute `position` from its logits row and its q row (None for an argmax draft), or (None,
+    None) where the round stops before it."""
+    if sample and not params.greedy:
+        q = warp(logits, params)
+        if controls.draft_p_min > 0 and float(q.max()) < controls.draft_p_min:
+            return None, None
+        return sample_at(q, draws.uniform_draft(position)), q
+    top = argmax_token(logits)
+    if controls.draft_p_min > 0 and float(torch.exp(logits[top] - torch.logsumexp(logits, -1))) < controls.draft_p_min:
+        return None, None
+    return top, None

@@ -79,7 +79,8 @@ class FixedDraftLength:
         return self.n
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-               kind: DraftKind | None = DEFAULT_KIND, upkeep_s: float = 0.0, asked: int | None = None) -> None:
+               kind: DraftKind | None = DEFAULT_KIND, upkeep_s: float = 0.0, asked: int | None = None,
+               learn_verify: bool = True) -> None:
         pass
 
 
@@ -246,8 +247,11 @@ class AdaptiveDraftLength:
         return self.explore_loss_s + worst <= self.explore_budget * self.run_s + self.explore_allowance * worst
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
-               kind: DraftKind | None = DEFAULT_KIND, upkeep_s: float = 0.0, asked: int | None = None) -> None:
+               kind: DraftKind | None = DEFAULT_KIND, upkeep_s: float = 0.0, asked: int | None = None,
+               learn_verify: bool = True) -> None:
         """After a round; `kind` None: the drafter had nothing to offer. `draft_s` excludes `upkeep_s`.
+        `learn_verify` False: `verify_s` is this sequence's share of a forward that verified several (a batch's
+        costs are `BatchPricing`'s), so it teaches nothing about what a verify of this length alone costs.
         `asked`: the length asked for (default: `drafted`). A draft shorter than asked (the drafter's confidence
         stop, a lookup continuation that ran out) yields what a rejection there yields, and its drafter worked
         on the position it stopped at: that position counts as missed, and the draft's time is spread over
@@ -264,7 +268,7 @@ class AdaptiveDraftLength:
             self.explore_loss_s += round_s - (accepted + 1) * self.verify_cost(1)
             self.exploring = False
         self.run_s += round_s
-        if self.timed:
+        if self.timed and learn_verify:
             self.verify_s[n] = self._average(self.verify_s.get(n), verify_s, ("verify", n))
         if kind is None:
             return
@@ -291,3 +295,84 @@ class AdaptiveDraftLength:
             est.asked[j] += 1
             went_on = 1.0 if j < drafted else 0.0
             est.continued[j] += self._weight(est.asked[j]) * (went_on - est.continued[j])
+
+
+@dataclass
+class RowCosts:
+    """What a target forward over R rows costs (seconds), whatever sequences they belong to: running averages per
+    R, linear between measured ones, and beyond them a small slope from the nearest (optimistic, so that a longer
+    batch gets tried). A forward over more rows never costs less: no R is priced above a longer one measured."""
+
+    smoothing: float = 0.3
+    initial_slope: float = 0.03  # extra cost per extra row, as a share of the cheapest measured forward
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, rows: int, took: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = took if old is None else old + self.smoothing * (took - old)
+
+    def cost(self, rows: int) -> float | None:
+        known = sorted(self.seconds)
+        if not known:
+            return None
+        if rows in self.seconds:
+            estimate = self.seconds[rows]
+        else:
+            below, above = [m for m in known if m < rows], [m for m in known if m > rows]
+            if below and above:
+                lo, hi = below[-1], above[0]
+                w = (rows - lo) / (hi - lo)
+                estimate = self.seconds[lo] * (1 - w) + self.seconds[hi] * w
+            else:
+                anchor = below[-1] if below else above[0]
+                estimate = max(self.seconds[anchor] + self.initial_slope * self.seconds[known[0]] * (rows - anchor),
+                               1e-9)
+        return min([estimate, *(s for m, s in self.seconds.items() if m > rows)])
+
+
+class BatchPricing:
+    """Draft lengths for a step of several sequences, priced for the batch: the verify is ONE forward over every
+    sequence's t0 and drafts, so a drafted token costs what it adds to that forward over the batch's rows (little,
+    where the weights' reading dominates), not what a lone sequence's verify of that length would cost. Each
+    sequence brings its own acceptance per position and draft cost per token (its `AdaptiveDraftLength`); the
+    lengths are grown a token at a time, each to the sequence whose next token adds the most expected tokens per
+    second over all of them, for as long as the batch's rate rises: a sequence whose drafts do not pay gets none,
+    and a batch where drafting does not pay drafts nothing (speculation is never slower than the same load
+    without it, up to what the estimates miss)."""
+
+    def __init__(self) -> None:
+        self.rows = RowCosts()
+
+    def observe(self, rows: int, took: float) -> None:
+        self.rows.observe(rows, took)
+
+    def choose(self, plans: list[tuple[AdaptiveDraftLength, DraftKind, int]], other_rows: int = 0) -> list[int] | None:
+        """For each (policy, kind, most tokens it may draft): its length, beside `other_rows` rows of the step's
+        other sequences (their t0 and drafts, whose lengths are not this pricing's); None until a forward of about
+        the batch's rows has been timed."""
+        base = len(plans) + other_rows
+        if self.rows.cost(base) is None:
+            return None
+        expected = [[1.0, *islice(p._expected_by_length(kind), limit)] if limit > 0 else [1.0]
+                    for p, kind, limit in plans]
+        draft_cost = [p._draft_cost(kind) for p, kind, _ in plans]
+        ks = [0] * len(plans)
+        tokens, drafting = float(len(plans)), 0.0
+
+        def rate(extra_rows: int, more_tokens: float, more_draft: float) -> float:
+            return (tokens + more_tokens) / (self.rows.cost(base + sum(ks) + extra_rows) + drafting + more_draft)
+
+        current = rate(0, 0.0, 0.0)
+        while True:
+            best, best_rate = None, current
+            for j, (k, curve) in enumerate(zip(ks, expected)):
+                if k + 1 < len(curve):
+                    r = rate(1, curve[k + 1] - curve[k], draft_cost[j])
+                    if r > best_rate:
+                        best, best_rate = j, r
+            if best is None:
+                return ks
+            tokens += expected[best][ks[best] + 1] - expected[best][ks[best]]
+            drafting += draft_cost[best]
+            ks[best] += 1
+            current = best_rate

@@ -20,7 +20,7 @@ from outrider.errors import OutriderError
 from outrider.spec.acceptance import VerifyRound, as_acceptor
 from outrider.spec.drafter import Draft, DraftControls, DraftKind, Target, begin_drafting, default_draft_kind
 from outrider.spec.drafter_traits import DrafterTraits
-from outrider.spec.length_policy import AdaptiveDraftLength, FixedDraftLength
+from outrider.spec.length_policy import AdaptiveDraftLength, BatchPricing, FixedDraftLength
 from outrider.spec.penalties import ContextPenalties
 from outrider.spec.random_streams import PositionRandom
 from outrider.spec.sampling import SamplingParams
@@ -164,6 +164,7 @@ class Runner:
         self.stats = GenerationStats()
         self.last_tokens: list[int] = []  # the latest generation's prompt and output: what idle work reads
         self._free_caches: list[Any] = []  # caches of finished sequences started without the runner's own
+        self.batch_pricing = BatchPricing()  # what a forward over R rows costs: draft lengths of a batch's step
         self._end = getattr(drafter, "end", None)
         self._propose_many = getattr(drafter, "propose_many", None)
 
@@ -324,10 +325,12 @@ class Runner:
             c = seq.draft_length.choose(kind) if kind is not None else 0
             kinds.append(kind)
             chosen.append(c)
-            ks.append(min(c, seq.max_tokens - seq.stats.generated_tokens - 1, self.context - len(seq.tokens)))
+            ks.append(min(c, self._room(seq)))
             now = time.perf_counter()
             deciding.append(now - t)
             t = now
+        if len(seqs) > 1:
+            self._price_for_the_batch(seqs, kinds, chosen, ks)
         drafts, proposing = self._drafts(seqs, ks)
         draft_s = [a + b for a, b in zip(deciding, proposing)]
         t_drafted = time.perf_counter()
@@ -339,13 +342,15 @@ class Runner:
         else:
             out = model.forward_sequences(torch.cat(batches), [len(b) for b in batches], starts,
                                           [seq.cache for seq in seqs], hidden=shows_hidden)
+        self.batch_pricing.observe(sum(len(b) for b in batches), time.perf_counter() - t_drafted)
         logits, hidden = out if shows_hidden else (out, None)
         logits = logits.float().cpu()
         rounds, row = [], 0
         for seq, draft, kind, c, k, d_s, n in zip(seqs, drafts, kinds, chosen, ks, draft_s, starts):
             rows = len(draft.tokens) + 1
             rounds.append(self._commit(seq, draft, kind, c, k, d_s, n, logits[row:row + rows],
-                                       hidden[row:row + rows] if hidden is not None else None, t_drafted))
+                                       hidden[row:row + rows] if hidden is not None else None, t_drafted,
+                                       alone=len(seqs) == 1))
             row += rows
         return rounds
 
@@ -369,8 +374,30 @@ class Runner:
             spent[i], t = now - t, now
         return drafts, spent
 
+    def _room(self, seq: Sequence) -> int:
+        """The most tokens `seq` may draft this round: one short of its length limit, within its cache."""
+        return min(seq.max_tokens - seq.stats.generated_tokens - 1, self.context - len(seq.tokens))
+
+    def _price_for_the_batch(self, seqs: list[Sequence], kinds: list, chosen: list[int], ks: list[int]) -> None:
+        """Each timed auto-length sequence's draft length chosen for the batch (`BatchPricing`), in place of what
+        its own policy priced alone. Not a sequence whose lengths change its output (a seeded run with q, a lossy
+        acceptor: its policy is untimed, so its lengths follow its seeded history whatever else runs), nor an
+        exploring round, nor a fixed --draft-max."""
+        priced = [j for j, (seq, kind) in enumerate(zip(seqs, kinds))
+                  if kind is not None and isinstance(seq.draft_length, AdaptiveDraftLength)
+                  and seq.draft_length.timed and not seq.draft_length.exploring]
+        if not priced:
+            return
+        other_rows = sum(1 + ks[j] for j in range(len(seqs)) if j not in priced)
+        plans = [(seqs[j].draft_length, kinds[j], min(seqs[j].draft_length.cap, self._room(seqs[j]))) for j in priced]
+        lengths = self.batch_pricing.choose(plans, other_rows)
+        if lengths is None:
+            return
+        for j, k in zip(priced, lengths):
+            chosen[j] = ks[j] = k
+
     def _commit(self, seq: Sequence, draft: Draft, kind: DraftKind | None, chosen: int, k: int, draft_s: float,
-                n: int, logits: torch.Tensor, hidden: torch.Tensor | None, t_drafted: float) -> Round:
+                n: int, logits: torch.Tensor, hidden: torch.Tensor | None, t_drafted: float, alone: bool = True) -> Round:
         stats, penalties = seq.stats, seq.penalties
         upkeep = min(max(draft.upkeep_s, 0.0), draft_s)
         if penalties is not None:  # row i's penalties count x_1..x_i: plain decoding's at that position
@@ -385,7 +412,8 @@ class Runner:
         if kind is not None:
             stats.chosen_by_kind.setdefault(kind.name, []).append(chosen)
         # a draft's price is what drafting it took, less what the drafter spent keeping up with the target
-        seq.draft_length.update(len(draft.tokens), result.accepted, draft_s - upkeep, verify_s, kind, upkeep, asked=k)
+        seq.draft_length.update(len(draft.tokens), result.accepted, draft_s - upkeep, verify_s, kind, upkeep, asked=k,
+                                learn_verify=alone)
         seq.cache.truncate(n + 1 + result.accepted)
         self.drafter.rollback(seq.draft_state, n + 1 + result.accepted)
         if hidden is not None:  # t0 and the accepted drafts: the rows whose tokens are now certain

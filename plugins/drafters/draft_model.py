@@ -32,7 +32,7 @@ from outrider.io.tokenizer import Tokenizer, TokenType
 from outrider.models.layers import trunk_layers
 from outrider.models.weight_forms import load_linear
 from outrider.spec.drafter import (NEEDS_DRAFT_MODEL, Draft, DraftControls, DrafterBase, DraftKind, DraftState,
-                                   DraftStepClock, Target)
+                                   DraftStepClock, Target, draft_position)
 from outrider.spec.sampling import SamplingParams
 
 # llama.cpp's rule: ids below this may differ (special tokens), the rest must spell the same.
@@ -185,36 +185,72 @@ class DraftModelDrafter(DrafterBase):
         state.cache.truncate(min(state.cache.length, length))
 
     def propose(self, state: DraftModelState, tokens: list[int], k: int) -> Draft:
-        cache = state.cache
-        room = cache.max_len - len(tokens)
-        k = min(k, room)
-        if k <= 0 or not tokens:  # nothing to condition on (found by the contract suite: it used to raise)
-            return Draft()
-        # the first draft needs the logits after the last token: at least that one is run again
-        cache.truncate(min(cache.length, len(tokens) - 1))
-        start = cache.length
-        upkeep_s = 0.0
+        return self.propose_many([state], [tokens], [k])[0]
 
-        def next_logits(drafted: list[int]) -> torch.Tensor:
-            nonlocal start, upkeep_s
-            pending = tokens[start:] if not drafted else drafted[-1:]
+    def propose_many(self, states: list[DraftModelState], tokens: list[list[int]], ks: list[int]) -> list[Draft]:
+        """Every sequence's draft in lockstep, one draft-model forward a position for all of them (its weights are
+        read once a step, not once per sequence): first each one's catch-up (the rows accepted since its last
+        draft, and the last token again: the first draft needs the logits after it), then one row of each
+        sequence still drafting. Each sequence's draft is what it gets alone: the rows are bit for bit its own."""
+        drafts = [Draft() for _ in states]
+        live = []  # (index, tokens drafted so far, q rows, k): the sequences drafting
+        for i, (state, toks, k) in enumerate(zip(states, tokens, ks)):
+            k = min(k, state.cache.max_len - len(toks))
+            if k > 0 and toks:  # nothing to condition on: nothing to draft (the contract suite found it raising)
+                state.cache.truncate(min(state.cache.length, len(toks) - 1))
+                live.append((i, [], [], k))
+        if not live:
+            return drafts
+        with self._own_settings():
+            pending = [tokens[i][states[i].cache.length:] for i, *_ in live]
             t = time.perf_counter()
-            logits = self.model.forward(torch.tensor(pending, device=self.device), start, cache, last_only=True)[-1]
+            logits = self._last_logits([states[i] for i, *_ in live], pending)
             took = time.perf_counter() - t
             # a catch-up after rounds that drafted nothing: one step of it is the first draft's (DraftStepClock), or
-            # one round after a stretch without drafts would price drafting out
-            upkeep_s += self.step_clock.charge(took, len(pending))
-            start += len(pending)
-            if self.head_ids is None:
-                return logits[: self.vocab_size].float().cpu()
-            full = torch.full((self.vocab_size,), float("-inf"))  # tokens off the head are never drafted
-            full[self.head_ids] = logits.float().cpu()
-            return full
+            # one round after a stretch without drafts would price drafting out; shared by the rows caught up
+            upkeep = self.step_clock.charge(took, sum(map(len, pending))) if len(live) == 1 else \
+                max(took - (self.step_clock.step_s or took / sum(map(len, pending))), 0.0)
+            extra = [len(p) - 1 for p in pending]
+            for (i, *_), rows in zip(live, extra):
+                drafts[i].upkeep_s = upkeep * rows / sum(extra) if sum(extra) else (upkeep if len(live) == 1 else 0.0)
+            while live:
+                going = []
+                for (i, drafted, qs, k), row in zip(live, logits):
+                    state = states[i]
+                    token, q = draft_position(row, state.params, state.controls, self.sample, state.draws,
+                                              len(tokens[i]) + len(drafted))
+                    if token is not None:
+                        drafted.append(token)
+                        if q is not None:
+                            qs.append(q)
+                    if token is None or len(drafted) == k:
+                        drafts[i] = Draft(drafted, torch.stack(qs) if qs else None, upkeep_s=drafts[i].upkeep_s)
+                    else:
+                        going.append((i, drafted, qs, k))
+                live = going
+                if live:
+                    t = time.perf_counter()
+                    logits = self._last_logits([states[i] for i, *_ in live], [d[-1:] for _, d, _, _ in live])
+                    if len(live) == 1:
+                        self.step_clock.teach(time.perf_counter() - t)
+        return drafts
 
-        with self._own_settings():
-            draft = self.draft_from_logits(state, k, next_logits, tokens, self.sample)
-        draft.upkeep_s = upkeep_s
-        return draft
+    def _last_logits(self, states: list[DraftModelState], rows: list[list[int]]) -> list[torch.Tensor]:
+        """One forward of each sequence's `rows` at the end of its cache: the logits after each one's last row,
+        as float32 rows over the target's vocabulary (-inf off a reduced head: those tokens are never drafted)."""
+        caches = [s.cache for s in states]
+        ids = torch.tensor([t for r in rows for t in r], device=self.device)
+        if len(states) == 1:
+            logits = self.model.forward(ids, caches[0].length, caches[0], last_only=True)
+        else:
+            logits = self.model.forward_sequences(ids, [len(r) for r in rows], [c.length for c in caches], caches,
+                                                  last_rows=True)
+        logits = logits.float().cpu()
+        if self.head_ids is None:
+            return list(logits[:, : self.vocab_size])
+        full = torch.full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.head_ids] = logits
+        return list(full)
 
 
 @hookimpl
