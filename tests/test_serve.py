@@ -21,6 +21,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
+from live_server import LiveServer  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from outrider.assembly import assemble  # noqa: E402
@@ -53,21 +54,12 @@ class Server:
         config = resolve_config(flags, option_flags=options)
         self.app = create_app(assemble(config), config, queue_size=QUEUE_SIZE, api_keys=api_keys, **app_kwargs)
         self.model_id = self.app.state.server.model_id
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.uvicorn.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
+        self.live = LiveServer(self.app)
+        self.base = self.live.base
         self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=300)
 
     def stop(self):
-        self.uvicorn.should_exit = True
-        self.thread.join(timeout=30)
+        self.live.stop()
 
     def cli_text(self, *args) -> str:
         from click.testing import CliRunner

@@ -6,7 +6,6 @@ slot sizes and memory, and the runner's own record of which calls it was asked f
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 import urllib.request
@@ -15,9 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 pytest.importorskip("prometheus_client")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
 from click.testing import CliRunner  # noqa: E402
+from live_server import LiveServer  # noqa: E402
 
 from outrider.assembly import assemble  # noqa: E402
 from outrider.cli import main  # noqa: E402
@@ -40,16 +40,8 @@ class SlotServer:
         assembly.runner.set_slots(slots, context)
         self.runner = assembly.runner
         self.app = create_app(assembly, config, queue_size=16, slots=slots)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.uvicorn.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
+        self.live = LiveServer(self.app)
+        self.base = self.live.base
 
     def post(self, body: dict) -> tuple[int, dict]:
         request = urllib.request.Request(self.base + "/v1/completions", json.dumps(body).encode(),
@@ -65,8 +57,7 @@ class SlotServer:
             return response.read().decode()
 
     def stop(self):
-        self.uvicorn.should_exit = True
-        self.thread.join(timeout=30)
+        self.live.stop()
 
 
 @pytest.fixture(scope="module")

@@ -88,11 +88,10 @@ class Decoder:
         for cache, start, n in zip(caches, starts, counts):
             cache.length = start + n
         h = rms_norm(x, self.output_norm, self.config.eps)
+        rows = h
         if last_rows:
-            ends = torch.tensor(counts, device=h.device).cumsum(0) - 1
-            rows = h[ends[torch.tensor(counts, device=h.device) > 0]]
-        else:
-            rows = h
+            n = torch.tensor(counts, device=h.device)
+            rows = h[(n.cumsum(0) - 1)[n > 0]]
         logits = self.output(rows, softcap=self.logit_softcap).float()
         return (logits, h) if hidden else logits
 

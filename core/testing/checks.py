@@ -166,9 +166,6 @@ def _fed_drafter(subject: Subject, params: SamplingParams = GREEDY, prompt: list
     return _Sequence(subject, _set_up(subject), params, prompt)
 
 
-def _ready_drafter(subject: Subject, params: SamplingParams = GREEDY, prompt: list[int] = PROMPT) -> _Sequence:
-    return _fed_drafter(subject, params, prompt)
-
 
 def _vocab(subject: Subject) -> int:
     return subject.fixtures.target(_arch(subject)).model.config.vocab_size
@@ -318,7 +315,7 @@ def sane_on_an_empty_or_one_token_context(subject: Subject) -> None:
     """An empty or one-token prompt/context gives a valid (possibly empty) proposal, not an exception."""
     vocab = _vocab(subject)
     for prompt, tokens in (([], []), ([], [9]), ([9], [9]), ([9], [9, 9])):
-        seq = _ready_drafter(subject, GREEDY, prompt)
+        seq = _fed_drafter(subject, GREEDY, prompt)
         for k in (1, 4):
             where = f"begin(prompt={prompt}), propose({tokens}, k={k})"
             try:

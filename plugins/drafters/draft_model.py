@@ -207,12 +207,12 @@ class DraftModelDrafter(DrafterBase):
             logits = self._last_logits([states[i] for i, *_ in live], pending)
             took = time.perf_counter() - t
             # a catch-up after rounds that drafted nothing: one step of it is the first draft's (DraftStepClock), or
-            # one round after a stretch without drafts would price drafting out; shared by the rows caught up
-            upkeep = self.step_clock.charge(took, sum(map(len, pending))) if len(live) == 1 else \
-                max(took - (self.step_clock.step_s or took / sum(map(len, pending))), 0.0)
+            # one round after a stretch without drafts would price drafting out; the rest is shared by the rows caught
+            # up beyond each sequence's last token (none: the forward was all draft steps)
+            upkeep = self.step_clock.charge(took, sum(map(len, pending)))
             extra = [len(p) - 1 for p in pending]
             for (i, *_), rows in zip(live, extra):
-                drafts[i].upkeep_s = upkeep * rows / sum(extra) if sum(extra) else (upkeep if len(live) == 1 else 0.0)
+                drafts[i].upkeep_s = upkeep * rows / sum(extra) if sum(extra) else 0.0
             while live:
                 going = []
                 for (i, drafted, qs, k), row in zip(live, logits):
