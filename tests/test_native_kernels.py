@@ -496,6 +496,29 @@ def test_int8_rows_do_not_depend_on_the_thread_count(int8_kernels, weights, name
     assert torch.equal(lin(x[:8]), two[:8])
 
 
+@pytest.mark.torch_threads(2)
+@pytest.mark.parametrize("name", ["w.Q4_0", "w.Q4_K", "w.Q8_0"])
+def test_a_weight_pinned_to_a_mode_and_threads_gives_that_mode_s_bits_whatever_the_process_s(kernels, weights, name):
+    """`PackedLinear.pin(int8, threads)` (a draft model beside its target): each call takes the pinned
+    activations and at most the pinned threads, so its rows are the bits the process-wide mode gives, the
+    other mode's process setting notwithstanding, and one thread changes no bit."""
+    if not kernels.HAS_INT8_KERNELS:
+        pytest.skip("this build has no int8 kernels (no AVX2)")
+    g, _ = weights
+    lin = _packed(g, [name])  # made under float32: both forms held
+    x = torch.randn(9, COLS, generator=torch.Generator().manual_seed(4))
+    floats = lin(x)
+    with activations("int8"):
+        ints = lin(x)
+        lin.pin(False, 1)
+        assert torch.equal(lin(x), floats)
+    lin.pin(True, 1)
+    assert torch.equal(lin(x), ints)
+    assert not torch.equal(ints, floats)  # the two modes differ here, so the checks above tell them apart
+    lin.pin(None, 0)
+    assert torch.equal(lin(x), floats)
+
+
 LANE_NAMES = ["w.Q4_1", "w.Q4_K", "w.Q5_0", "w.Q5_K", "w.Q8_0", "w.Q6_K"]
 
 

@@ -247,8 +247,10 @@ def test_rounds_are_what_generate_streams_one_record_per_forward(tiny):
 
 
 def test_draft_model_keeps_its_own_activations_and_threads_and_the_target_its_own(tmp_path):
-    """Activations and threads are process-wide settings: a draft model loaded with its own (int8, 1 thread)
-    must run with them, and the target (float32, 2 threads) with its own, before, between and after drafts."""
+    """A draft model loaded with its own activations and threads (int8, 1 thread) beside a target with others
+    (float32, 2 threads) passes its own to each kernel call: the process's settings stay the target's through
+    a generation (nothing is flipped around a draft forward), the draft model's logits are those of the same
+    file run alone under the process-wide int8 setting, and the target's output is its float32 greedy one."""
     import torch
 
     from outrider import native
@@ -263,10 +265,10 @@ def test_draft_model_keeps_its_own_activations_and_threads_and_the_target_its_ow
     threads = torch.get_num_threads()
     try:
         g = GGUFFile(write_tiny_llama(tmp_path / "target.gguf", seed=0))
+        draft_path = write_tiny_llama(tmp_path / "draft.gguf", seed=1, n_layers=1)
         backend = CPUBackend(activations="float32", threads=2)
         target = Target(backend.load_model(g), Tokenizer.from_gguf(g), g, backend)
-        drafter = DraftModelDrafter(p_min=0.0, model=str(write_tiny_llama(tmp_path / "draft.gguf", seed=1, n_layers=1)),
-                                    activations="int8", threads=1)
+        drafter = DraftModelDrafter(p_min=0.0, model=str(draft_path), activations="int8", threads=1)
         drafter.setup(target)
         assert (kernels.int8_activations(), torch.get_num_threads()) == (False, 2)  # put back after loading
         seen = {"draft": set(), "target": set()}
@@ -278,8 +280,15 @@ def test_draft_model_keeps_its_own_activations_and_threads_and_the_target_its_ow
         runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=4), context=256)
         out = list(runner.generate(TINY_PROMPT, 24, SamplingParams()))
         assert runner.stats.drafted > 0
-        assert seen == {"draft": {(True, 1)}, "target": {(False, 2)}}
+        assert seen == {"draft": {(False, 2)}, "target": {(False, 2)}}
         assert out == plain_greedy(target.model, TINY_PROMPT, 24)  # float32 target: the float32 oracle's tokens
+
+        ids = torch.tensor(TINY_PROMPT)
+        pinned = drafter.model.forward(ids, 0, drafter.model.new_cache(64))
+        alone = CPUBackend(activations="int8").load_model(GGUFFile(draft_path))  # int8 for the process now
+        assert torch.equal(pinned, alone.forward(ids, 0, alone.new_cache(64)))
+        native.use_activations("float32")
+        assert not torch.equal(pinned, alone.forward(ids, 0, alone.new_cache(64)))  # the check tells the modes apart
     finally:
         torch.set_num_threads(threads)
         native.use_activations("auto")

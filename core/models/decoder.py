@@ -10,7 +10,7 @@ from outrider.errors import ModelFileError
 from outrider.io.gguf import GGUFFile
 from outrider.models.kv_cache import KVCache
 from outrider.models.layers import PREFILL_CHUNK, Attention, load_ends, run_in_chunks
-from outrider.models.linear import rms_norm
+from outrider.models.linear import PackedLinear, rms_norm
 from outrider.models.stack import LayerStack
 
 
@@ -48,6 +48,15 @@ class Decoder:
         self.linear_form = form = linear_form or ("native" if native else "dense")
         self.output, self.embed, self.output_norm = load_ends(g, form, dtype, device)
         return form
+
+    def pin_kernels(self, int8: bool | None, threads: int) -> None:
+        """Every forward of this model with int8 (True) or float32 (False) activations (None: the process's
+        setting) and at most `threads` of the pool's threads (0: all of them), whatever the process's settings
+        are then: a draft model loaded with its own beside its target's. Set where the weights' form was chosen
+        for that mode (they were loaded under it)."""
+        if isinstance(self.output, PackedLinear):
+            self.output.pin(int8, threads)
+        self.stack.pin(int8, threads)
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         return self.attention.new_cache(self.config.n_layers, max_len or self.config.context_length, self.device)

@@ -291,6 +291,13 @@ class Gemma4(Decoder):
             self.kernels = native_kernels.load()
         self.native_stack = self._native_stack()
 
+    def pin_kernels(self, int8: bool | None, threads: int) -> None:
+        parts = [self, *self.layers, *(l.experts for l in self.layers if l.experts is not None)]
+        for w in (w for part in parts for w in vars(part).values() if isinstance(w, PackedLinear)):
+            w.pin(int8, threads)
+        if self.native_stack is not None:
+            self.native_stack.pin(int8=-1 if int8 is None else int(int8), threads=threads)
+
     def _rotary(self, i: int) -> Rotary:
         return self.local_rotary if self.config.is_local[i] else self.global_rotary
 

@@ -89,6 +89,12 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
 
+    def pin(self, int8: bool | None, threads: int) -> None:
+        """Every call of this weight with int8 (True) or float32 (False) activations, None: the process's setting
+        (`outrider.native.use_activations`), and at most `threads` threads (0: the whole pool): the settings of
+        a model loaded beside another (a draft model), passed with each call, not set around it."""
+        self.int8, self.threads = (-1 if int8 is None else int(int8)), threads
+
     def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
                  act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                  softcap: float = 0.0, prompt: bool = False) -> torch.Tensor:
@@ -131,6 +137,7 @@ class PackedLinear:
     def __init__(self, kind: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  group: int, n_out: int, k: int, factors: ScaleFactors | None = None, lanes: bool = True):
         self.kernels = native.load()
+        self.int8, self.threads = -1, 0  # the process's activations, the whole pool (see pin)
         self.kind, self.group, self.n_out, self.k = kind, group, n_out, k
         self.codes = codes.contiguous()
         self.scales = scales.to(torch.float32).contiguous()  # why not float16: RowReader, weight_formats.h
@@ -162,6 +169,7 @@ class PackedLinear:
         """A weight holding what `held_tensors` gave, as it was: nothing is packed again."""
         self = cls.__new__(cls)
         self.kernels = native.load()
+        self.int8, self.threads = -1, 0
         self.kind, self.group, self.n_out, self.k = (int(held[key]) for key in ("kind", "group", "n_out", "k"))
         self.codes, self.scales, self.zeros, self.lanes = held["codes"], held["scales"], held["zeros"], held["lanes"]
         if self.lanes and not self.codes.numel() and self.kind != KIND_F32:
@@ -178,6 +186,12 @@ class PackedLinear:
         self.codes.set_(codes), self.scales.set_(scales), self.zeros.set_(zeros)
         _LANES_ONLY.discard(self)
 
+    def pin(self, int8: bool | None, threads: int) -> None:
+        """Every call of this weight with int8 (True) or float32 (False) activations, None: the process's setting
+        (`outrider.native.use_activations`), and at most `threads` threads (0: the whole pool): the settings of
+        a model loaded beside another (a draft model), passed with each call, not set around it."""
+        self.int8, self.threads = (-1 if int8 is None else int(int8)), threads
+
     def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
                  act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                  softcap: float = 0.0, prompt: bool = False) -> torch.Tensor:
@@ -185,7 +199,7 @@ class PackedLinear:
             residual = residual.expand(*x.shape[:-1], self.n_out).contiguous()
         return self.kernels.linear(x.contiguous(), self.kind, self.codes, self.scales, self.zeros, self.group,
                                    self.n_out, self.k, in_norm, eps, NATIVE_ACT[act], residual, out_norm, softcap,
-                                   prompt, self.lanes)
+                                   prompt, self.lanes, self.int8, self.threads)
 
     def held(self):
         """This weight as the kernels' `HeldLinear`, the form `LayerStack` takes its linears in."""
@@ -202,7 +216,7 @@ class PackedLinear:
     def tensors(self) -> list[torch.Tensor]:
         """The tensors a forward reads: the lane form with int8 activations, else the row form (with float32
         ones both are held, and only the rows are read)."""
-        if self.lanes and self.kernels.int8_activations():
+        if self.lanes and (self.kernels.int8_activations() if self.int8 < 0 else self.int8):
             return list(self.lanes)
         return [self.codes, self.scales, self.zeros]
 

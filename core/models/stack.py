@@ -78,6 +78,15 @@ class LayerStack:
             for l in layers:
                 add_layer(self.native, l, l.rotary)
 
+    def pin(self, int8: bool | None, threads: int) -> None:
+        """Every run's activations and most threads (`PackedLinear.pin`), the native stack's and each linear's."""
+        for l in self.layers:
+            for w in l.linears():
+                if isinstance(w, PackedLinear):
+                    w.pin(int8, threads)
+        if self.native is not None:
+            self.native.pin(int8=-1 if int8 is None else int(int8), threads=threads)
+
     def run(self, x: torch.Tensor, start: int, cache: KVCache, prompt: bool) -> torch.Tensor:
         if self.native is not None:
             return self.native.run(x, start, cache.keys, cache.values, prompt, None)

@@ -15,7 +15,6 @@ position is drafted depends on its q row only, so both acceptors stay lossless.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -88,8 +87,8 @@ class DraftModelDrafter(DrafterBase):
     def setup(self, target: Target) -> None:
         """Load the draft model on the target's backend, or on one of its own where `dtype`, `activations` or
         `threads` is given. Either way the draft runs with the activations and threads it was loaded with and
-        the target keeps its own: both are process-wide settings, so they are put back after loading and set
-        around every draft forward (`_own_settings`)."""
+        the target keeps its own: loading sets the process's (a backend's load does), so they are put back
+        after it, and the draft model passes its own to every kernel call (`Decoder.pin_kernels`)."""
         super().setup(target)
         gguf = GGUFFile(resolve_model(self.model_name))
         self.tokenizer = Tokenizer.from_gguf(gguf)
@@ -104,10 +103,12 @@ class DraftModelDrafter(DrafterBase):
                               f"{'/'.join(own)} option ({e}); drop -o drafter.{next(iter(own))}") from None
         try:
             self.model = backend.load_model(gguf)
-            self.int8, self.model_threads = native.int8_flag(), torch.get_num_threads()
+            int8, threads = native.int8_flag(), torch.get_num_threads()
         finally:
             native.set_int8_flag(targets_int8)
             torch.set_num_threads(targets_threads)
+        if (int8, threads) != (targets_int8, targets_threads) and hasattr(self.model, "pin_kernels"):
+            self.model.pin_kernels(int8, threads if threads < targets_threads else 0)
         self.vocab_size = min(target.tokenizer.vocab_size, self.model.config.vocab_size)
         self.cache_len = min(self.context, self.model.config.context_length)
         self.free_caches: list[Any] = []  # caches of finished sequences, for the next ones
@@ -142,22 +143,6 @@ class DraftModelDrafter(DrafterBase):
         m.output = load_linear(gguf, [name], m.linear_form, m.dtype, m.device, {name: lambda rows: rows[ids]})
         return ids
 
-    @contextlib.contextmanager
-    def _own_settings(self):
-        """The draft model's activations and threads for a block, then the target's back (two cheap stores
-        where they differ, nothing where they agree)."""
-        int8, threads = native.int8_flag(), torch.get_num_threads()
-        if (int8, threads) == (self.int8, self.model_threads):
-            yield
-            return
-        native.set_int8_flag(self.int8)
-        torch.set_num_threads(self.model_threads)
-        try:
-            yield
-        finally:
-            native.set_int8_flag(int8)
-            torch.set_num_threads(threads)
-
     def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> DraftModelState:
         """Prefill the draft model with the prompt now, as the target is: a round's catch-up is then only the
         tokens the last round made certain, and `--draft-max auto` prices drafting by what it costs per
@@ -169,8 +154,7 @@ class DraftModelDrafter(DrafterBase):
         state.cache.truncate(0)
         usable = prompt[: state.cache.max_len - 1]
         if usable:
-            with self._own_settings():
-                self.model.forward(torch.tensor(usable, device=self.device), 0, state.cache, last_only=True)
+            self.model.forward(torch.tensor(usable, device=self.device), 0, state.cache, last_only=True)
         return state
 
     def end(self, state: DraftModelState) -> None:
@@ -201,38 +185,37 @@ class DraftModelDrafter(DrafterBase):
                 live.append((i, [], [], k))
         if not live:
             return drafts
-        with self._own_settings():
-            pending = [tokens[i][states[i].cache.length:] for i, *_ in live]
-            t = time.perf_counter()
-            logits = self._last_logits([states[i] for i, *_ in live], pending)
-            took = time.perf_counter() - t
-            # a catch-up after rounds that drafted nothing: one step of it is the first draft's (DraftStepClock), or
-            # one round after a stretch without drafts would price drafting out; the rest is shared by the rows caught
-            # up beyond each sequence's last token (none: the forward was all draft steps)
-            upkeep = self.step_clock.charge(took, sum(map(len, pending)))
-            extra = [len(p) - 1 for p in pending]
-            for (i, *_), rows in zip(live, extra):
-                drafts[i].upkeep_s = upkeep * rows / sum(extra) if sum(extra) else 0.0
-            while live:
-                going = []
-                for (i, drafted, qs, k), row in zip(live, logits):
-                    state = states[i]
-                    token, q = draft_position(row, state.params, state.controls, self.sample, state.draws,
-                                              len(tokens[i]) + len(drafted))
-                    if token is not None:
-                        drafted.append(token)
-                        if q is not None:
-                            qs.append(q)
-                    if token is None or len(drafted) == k:
-                        drafts[i] = Draft(drafted, torch.stack(qs) if qs else None, upkeep_s=drafts[i].upkeep_s)
-                    else:
-                        going.append((i, drafted, qs, k))
-                live = going
-                if live:
-                    t = time.perf_counter()
-                    logits = self._last_logits([states[i] for i, *_ in live], [d[-1:] for _, d, _, _ in live])
-                    if len(live) == 1:
-                        self.step_clock.teach(time.perf_counter() - t)
+        pending = [tokens[i][states[i].cache.length:] for i, *_ in live]
+        t = time.perf_counter()
+        logits = self._last_logits([states[i] for i, *_ in live], pending)
+        took = time.perf_counter() - t
+        # a catch-up after rounds that drafted nothing: one step of it is the first draft's (DraftStepClock), or
+        # one round after a stretch without drafts would price drafting out; the rest is shared by the rows caught
+        # up beyond each sequence's last token (none: the forward was all draft steps)
+        upkeep = self.step_clock.charge(took, sum(map(len, pending)))
+        extra = [len(p) - 1 for p in pending]
+        for (i, *_), rows in zip(live, extra):
+            drafts[i].upkeep_s = upkeep * rows / sum(extra) if sum(extra) else 0.0
+        while live:
+            going = []
+            for (i, drafted, qs, k), row in zip(live, logits):
+                state = states[i]
+                token, q = draft_position(row, state.params, state.controls, self.sample, state.draws,
+                                          len(tokens[i]) + len(drafted))
+                if token is not None:
+                    drafted.append(token)
+                    if q is not None:
+                        qs.append(q)
+                if token is None or len(drafted) == k:
+                    drafts[i] = Draft(drafted, torch.stack(qs) if qs else None, upkeep_s=drafts[i].upkeep_s)
+                else:
+                    going.append((i, drafted, qs, k))
+            live = going
+            if live:
+                t = time.perf_counter()
+                logits = self._last_logits([states[i] for i, *_ in live], [d[-1:] for _, d, _, _ in live])
+                if len(live) == 1:
+                    self.step_clock.teach(time.perf_counter() - t)
         return drafts
 
     def _last_logits(self, states: list[DraftModelState], rows: list[list[int]]) -> list[torch.Tensor]:
@@ -262,7 +245,7 @@ def register_drafters(register):
         "dtype": (str, "the draft model's dtype on the target's backend (empty: the target's)"),
         "activations": (str, "the draft model's activations on the CPU backend: auto, int8 or float32 (empty: "
                         "the target's); the target keeps its own"),
-        "threads": (int, "threads for the draft model's forwards (0: the target's); the target keeps its own"),
+        "threads": (int, "threads for the draft model's kernels, at most the target's (0: the target's); the target keeps its own"),
         "p_min": (float, "stop a draft where the draft model's largest probability is below this, as "
                    "--draft-p-min does (which wins where given); 0 = draft the length asked"),
         "step_cost": (float, "a draft step's cost in target steps, for --draft-max auto before it has timed one "

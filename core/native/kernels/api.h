@@ -9,13 +9,15 @@
 torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
                      int64_t group, int64_t n_out, int64_t k, c10::optional<torch::Tensor> in_norm, double eps,
                      int64_t act, c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> out_norm,
-                     double softcap, bool prompt, const std::vector<torch::Tensor>& lanes);
+                     double softcap, bool prompt, const std::vector<torch::Tensor>& lanes, int64_t int8,
+                     int64_t threads);
 torch::Tensor dequantize_rows(torch::Tensor rows, int64_t kind, torch::Tensor codes, torch::Tensor scales,
                               torch::Tensor zeros, int64_t group, int64_t k);
 std::vector<torch::Tensor> lane_rows(torch::Tensor rows, int64_t kind, std::vector<torch::Tensor> lanes, int64_t group,
                                      int64_t k);
 void set_int8_activations(bool on);
 bool int8_activations();
+bool call_int8(int64_t int8);  // a call's int8 argument (-1, 0, 1) as a mode, checked
 
 // attention.cpp
 torch::Tensor attend(torch::Tensor qkv, torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, int64_t n_heads,

@@ -233,7 +233,7 @@ torch::Tensor attend_segments(const torch::Tensor& qkv, const std::vector<Attend
   // values together (independent chains, one load for all of them); fewer heads per item where that
   // would leave fewer than two items per thread. (Which heads share an item changes no head's result.)
   int64_t shared = std::min<int64_t>(MAX_SHARED_HEADS, per_kv);
-  while (shared > 1 && rows * n_kv * ((per_kv + shared - 1) / shared) < 2 * at::get_num_threads()) --shared;
+  while (shared > 1 && rows * n_kv * ((per_kv + shared - 1) / shared) < 2 * kernel_threads()) --shared;
   int64_t chunks_per_group = (per_kv + shared - 1) / shared;
 
   std::vector<AttendArgs> args;
@@ -281,7 +281,7 @@ torch::Tensor attend_segments(const torch::Tensor& qkv, const std::vector<Attend
   // Items in order of segment, kv group, then heads, then token: a thread's share is whole groups where it can be,
   // so the tokens of a verify pass read their group's keys and values one after another, the later ones from
   // cache, not each from memory
-  at::parallel_for(0, first_item.back(), 1, [&](int64_t i0, int64_t i1) {
+  kernel_parallel_for(0, first_item.back(), 1, [&](int64_t i0, int64_t i1) {
     std::unique_ptr<float[]> scores(new float[shared * scores_max]);
     size_t s = std::upper_bound(first_item.begin(), first_item.end(), i0) - first_item.begin() - 1;
     for (int64_t i = i0; i < i1; ++i) {

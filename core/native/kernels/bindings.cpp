@@ -47,6 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("gemma4", &LayerStack::gemma4, py::kw_only(), py::arg("n_heads"), py::arg("n_kv"), py::arg("head_dim"),
            py::arg("kv_layer"), py::arg("kv_mode"), py::arg("inp_gate"), py::arg("inp_proj"), py::arg("inp_post_norm"),
            py::arg("out_scale"))
+      .def("pin", &LayerStack::pin, py::kw_only(), py::arg("int8"), py::arg("threads"))
       .def("run", &LayerStack::run, no_gil())
       .def("run_ragged", &LayerStack::run_ragged, no_gil(), py::kw_only(), py::arg("x"), py::arg("counts"),
            py::arg("starts"), py::arg("keys"), py::arg("values"));

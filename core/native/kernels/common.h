@@ -15,7 +15,9 @@
 //   activations in integer dot products (int8.h, the fast path on AVX2).
 //
 // Threads: at::parallel_for, i.e. torch's own OpenMP pool (torch's wheel ships libgomp.so.1, which this
-// library then shares), so our kernels and torch's ops never fight over cores.
+// library then shares), so our kernels and torch's ops never fight over cores. A call may take fewer threads
+// than the pool (`threads` of linear and LayerStack: a draft model beside its target), so the kernels split
+// their work through kernel_parallel_for, which splits it into at most that call's count of tasks.
 //
 // Timings in the kernels' comments, unless they say otherwise: a 2-vCPU AMD EPYC (lscpu: avx2, fma, f16c,
 // avx512f/bw/vl, avx512_vnni, avx_vnni; no AMX). "x86-64-v3 build" = OUTRIDER_NATIVE_MARCH=x86-64-v3,
@@ -28,6 +30,7 @@
 
 #include "isa.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cfloat>
 #include <cmath>
@@ -36,6 +39,29 @@
 #include <memory>
 #include <type_traits>
 #include <vector>
+
+// The threads of the call running on this thread (ThreadsScope sets it for the call; 0: the whole pool). Each
+// output's float operations are the same however the work is split, so a count changes no result.
+inline thread_local int64_t call_threads = 0;
+
+inline int64_t kernel_threads() {
+  const int64_t pool = at::get_num_threads();
+  return call_threads > 0 ? std::min<int64_t>(call_threads, pool) : pool;
+}
+
+struct ThreadsScope {
+  int64_t before;
+  explicit ThreadsScope(int64_t threads) : before(call_threads) { if (threads > 0) call_threads = threads; }
+  ~ThreadsScope() { call_threads = before; }
+};
+
+// at::parallel_for in at most kernel_threads() tasks
+template <class F>
+inline void kernel_parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  const int64_t threads = kernel_threads();
+  if (threads < at::get_num_threads()) grain = std::max(grain, (end - begin + threads - 1) / threads);
+  at::parallel_for(begin, end, grain, f);
+}
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));

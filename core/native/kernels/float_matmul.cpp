@@ -116,7 +116,7 @@ static void tile(const W& w, int64_t groups, const float* x, int64_t ldx, float*
 template <class W>
 static void matmul(const W& w, int64_t groups, const float* x, int64_t rows, int64_t k, float* y, int64_t n_out) {
   // A grain of 16 output rows keeps the two halves of a small matrix on two threads.
-  at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
+  kernel_parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
     over_row_tiles<MAX_TILE>(rows, [&](auto row_count, int64_t r) {
       tile<W, decltype(row_count)::value>(w, groups, x + r * k, k, y + r * n_out, n_out, n0, n1);
     });
@@ -152,7 +152,7 @@ static inline v16f sum16(v16f* v) {
 template <class W>
 static void panel_matmul(const W& w, int64_t groups, const float* x, int64_t rows, int64_t k, float* y,
                          int64_t n_out) {
-  at::parallel_for(0, (n_out + 3) / 4, 1, [&](int64_t b0, int64_t b1) {
+  kernel_parallel_for(0, (n_out + 3) / 4, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> panel(4 * k);
     RowReader<W> row{w, groups};
     for (int64_t blk = b0; blk < b1; ++blk) {
@@ -210,7 +210,7 @@ static void blas_prompt_matmul(const W& w, int64_t groups, const float* x, int64
   float* bp = block.data_ptr<float>();
   for (int64_t n0 = 0; n0 < n_out; n0 += BLAS_BLOCK_ROWS) {
     const int64_t nb = std::min(BLAS_BLOCK_ROWS, n_out - n0);
-    at::parallel_for(0, nb, 16, [&](int64_t a, int64_t b) {
+    kernel_parallel_for(0, nb, 16, [&](int64_t a, int64_t b) {
       RowReader<W> row{w, groups};
       for (int64_t i = a; i < b; ++i) {
         row.start(n0 + i);

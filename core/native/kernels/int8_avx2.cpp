@@ -389,7 +389,7 @@ void run_four_group_matmul(int64_t kind, int64_t group, const void* codes, const
   prepare_quad_rows(xq, kind == KIND_Q8);
   with_int8_format(kind, group, codes, xq.k, [&](const auto& w) {
     using W = std::decay_t<decltype(w)>;
-    at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
+    kernel_parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
       over_row_tiles<INT8_MAX_TILE>(xq.rows, [&](auto row_count, int64_t r) {
         int8_tile<W, decltype(row_count)::value>(w, scales, zeros, xq, r, y + r * n_out, n_out, n0, n1);
       });

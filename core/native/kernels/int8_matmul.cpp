@@ -71,7 +71,7 @@ void lane_matmul(int64_t kind, int64_t group, const LaneWeights& w, const float*
               "linear: no lane tile for kind ", kind);
   const int scales = (kind == KIND_Q8 || kind == KIND_Q6_LANES) && group == 16 ? 2 : 1;
   const int amx_from = amx_from_rows();
-  at::parallel_for(0, n_out / 16, 1, [&](int64_t b0, int64_t b1) {
+  kernel_parallel_for(0, n_out / 16, 1, [&](int64_t b0, int64_t b1) {
     over_row_tiles<LANE_MAX_TILE>(xq.rows, [&](auto row_count, int64_t r) {
       constexpr int R = decltype(row_count)::value;
       if (amx_from && R >= amx_from) run_amx_lane_tile(kind, scales, R, w, xq, r, y + r * n_out, n_out, b0, b1);

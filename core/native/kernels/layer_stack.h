@@ -16,9 +16,9 @@ struct HeldLinear {
   std::vector<torch::Tensor> lanes;  // the lane form, where the weight has one (PackedLinear.lanes)
   torch::Tensor operator()(const torch::Tensor& x, c10::optional<torch::Tensor> in_norm, double eps, int64_t act,
                            c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> out_norm,
-                           bool prompt) const {
+                           bool prompt, int64_t int8) const {
     return linear(x, kind, codes, scales, zeros, group, n_out, k, in_norm, eps, act, residual, out_norm, 0.0, prompt,
-                  lanes);
+                  lanes, int8, 0);
   }
 };
 
@@ -40,6 +40,14 @@ class LayerStack {
  public:
   LayerStack(int64_t n_heads, int64_t n_kv, int64_t d, double eps, double scale, int64_t act)
       : n_heads_(n_heads), n_kv_(n_kv), d_(d), eps_(eps), scale_(scale), act_(act) {}
+
+  // The activations (int8: 1 int8, 0 float32, -1 the process's setting) and the most threads (0: the whole pool)
+  // every run takes: a model's own, given once where it differs from the process's (a draft model).
+  void pin(int64_t int8, int64_t threads) {
+    call_int8(int8);
+    TORCH_CHECK(threads >= 0, "LayerStack.pin: threads must be >= 0");
+    int8_ = int8, threads_ = threads;
+  }
 
   // One layer (keyword arguments only, see the bindings); norms may be None.
   void add(const HeldLinear& qkv, const HeldLinear& o, const HeldLinear& gate_up, const HeldLinear& down,
@@ -78,24 +86,25 @@ class LayerStack {
       cache_layers = std::max(cache_layers, static_cast<size_t>(layers_[i].kv_layer >= 0 ? layers_[i].kv_layer : i) + 1);
     TORCH_CHECK(keys.size() == cache_layers && values.size() == cache_layers,
                 "LayerStack.run: the cache has ", keys.size(), " layers, the model ", cache_layers);
+    ThreadsScope scope(threads_);
     x = x.contiguous();
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& l = layers_[i];
       size_t kv = l.kv_layer >= 0 ? l.kv_layer : i;
       c10::optional<torch::Tensor> bias;
       if (l.qkv_bias.has_value()) bias = l.qkv_bias->expand({x.size(0), l.qkv_bias->size(0)}).contiguous();
-      torch::Tensor qkv = l.qkv(x, l.attn_norm, eps_, ACT_NONE, bias, c10::nullopt, prompt);
+      torch::Tensor qkv = l.qkv(x, l.attn_norm, eps_, ACT_NONE, bias, c10::nullopt, prompt, int8_);
       torch::Tensor a = attend(qkv, keys[kv], values[kv], start, l.n_heads ? l.n_heads : n_heads_,
                                l.n_kv ? l.n_kv : n_kv_, l.d ? l.d : d_, l.cos, l.sin, l.q_norm, l.k_norm, eps_,
                                l.window, scale_, l.kv_mode, l.v_norm);
-      x = l.o(a, c10::nullopt, eps_, ACT_NONE, x, l.post_attn_norm, prompt);
-      torch::Tensor gu = l.gate_up(x, l.ffn_norm, eps_, ACT_NONE, c10::nullopt, c10::nullopt, prompt);
-      x = l.down(gu, c10::nullopt, eps_, act_, x, l.post_ffn_norm, prompt);
+      x = l.o(a, c10::nullopt, eps_, ACT_NONE, x, l.post_attn_norm, prompt, int8_);
+      torch::Tensor gu = l.gate_up(x, l.ffn_norm, eps_, ACT_NONE, c10::nullopt, c10::nullopt, prompt, int8_);
+      x = l.down(gu, c10::nullopt, eps_, act_, x, l.post_ffn_norm, prompt, int8_);
       if (l.per_layer_input) {
         TORCH_CHECK(per_layer.has_value(), "LayerStack.run: this model needs its per-layer inputs");
-        torch::Tensor gate = l.inp_gate(x, c10::nullopt, eps_, ACT_NONE, c10::nullopt, c10::nullopt, prompt);
+        torch::Tensor gate = l.inp_gate(x, c10::nullopt, eps_, ACT_NONE, c10::nullopt, c10::nullopt, prompt, int8_);
         torch::Tensor gate_in = torch::cat({gate, per_layer->select(1, static_cast<int64_t>(i))}, 1).contiguous();
-        x = l.inp_proj(gate_in, c10::nullopt, eps_, act_, x, l.inp_post_norm, prompt);
+        x = l.inp_proj(gate_in, c10::nullopt, eps_, act_, x, l.inp_post_norm, prompt, int8_);
       }
       if (l.out_scale.has_value()) x = x * *l.out_scale;
     }
@@ -123,20 +132,21 @@ class LayerStack {
     for (const StackLayer& l : layers_)
       TORCH_CHECK(l.kv_layer < 0 && !l.per_layer_input, "LayerStack.run_ragged: Gemma 4's layers run one sequence "
                   "at a time");
+    ThreadsScope scope(threads_);
     x = x.contiguous();
     std::vector<AttendSegment> segments(counts.size());
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& l = layers_[i];
       c10::optional<torch::Tensor> bias;
       if (l.qkv_bias.has_value()) bias = l.qkv_bias->expand({x.size(0), l.qkv_bias->size(0)}).contiguous();
-      torch::Tensor qkv = l.qkv(x, l.attn_norm, eps_, ACT_NONE, bias, c10::nullopt, false);
+      torch::Tensor qkv = l.qkv(x, l.attn_norm, eps_, ACT_NONE, bias, c10::nullopt, false, int8_);
       for (size_t b = 0, row = 0; b < counts.size(); row += counts[b], ++b)
         segments[b] = AttendSegment{static_cast<int64_t>(row), counts[b], starts[b], keys[b][i], values[b][i]};
       torch::Tensor a = attend_segments(qkv, segments, n_heads_, n_kv_, d_, l.cos, l.sin, l.q_norm, l.k_norm, eps_,
                                         l.window, scale_, l.kv_mode, l.v_norm);
-      x = l.o(a, c10::nullopt, eps_, ACT_NONE, x, l.post_attn_norm, false);
-      torch::Tensor gu = l.gate_up(x, l.ffn_norm, eps_, ACT_NONE, c10::nullopt, c10::nullopt, false);
-      x = l.down(gu, c10::nullopt, eps_, act_, x, l.post_ffn_norm, false);
+      x = l.o(a, c10::nullopt, eps_, ACT_NONE, x, l.post_attn_norm, false, int8_);
+      torch::Tensor gu = l.gate_up(x, l.ffn_norm, eps_, ACT_NONE, c10::nullopt, c10::nullopt, false, int8_);
+      x = l.down(gu, c10::nullopt, eps_, act_, x, l.post_ffn_norm, false, int8_);
       if (l.out_scale.has_value()) x = x * *l.out_scale;
     }
     return x;
@@ -146,5 +156,6 @@ class LayerStack {
   int64_t n_heads_, n_kv_, d_;
   double eps_, scale_;
   int64_t act_;
+  int64_t int8_ = -1, threads_ = 0;
   std::vector<StackLayer> layers_;
 };

@@ -27,8 +27,9 @@ static const void* row_codes(int64_t kind, const torch::Tensor& codes) {
   return codes.data_ptr();
 }
 
-// Whether quantized weights meet int8 activations or float32 ones: one setting per process, chosen by the
-// CPU backend (`-o backend.activations`, default PREFERS_INT8), read by every linear call.
+// Whether quantized weights meet int8 activations or float32 ones: the process's setting, chosen by the CPU
+// backend (`-o backend.activations`, default PREFERS_INT8), for every linear call that names none (int8 = -1);
+// a model loaded with its own mode (a draft model beside its target) names it in each call.
 static std::atomic<bool> int8_activations_on{PREFERS_INT8};
 
 void set_int8_activations(bool on) {
@@ -37,6 +38,12 @@ void set_int8_activations(bool on) {
 }
 
 bool int8_activations() { return int8_activations_on.load(); }
+
+bool call_int8(int64_t int8) {
+  TORCH_CHECK(int8 >= -1 && int8 <= 1, "linear: int8 is -1 (the process's setting), 0 or 1, not ", int8);
+  TORCH_CHECK(int8 != 1 || HAS_INT8_KERNELS, "int8 activations need a CPU with AVX2 (this build has no int8 kernels)");
+  return int8 < 0 ? int8_activations_on.load(std::memory_order_relaxed) : int8 == 1;
+}
 
 static const int8_t* held_int8(const torch::Tensor& t) { return held_as<int8_t>(t, "sub-scales and sub-zeros"); }
 
@@ -80,10 +87,9 @@ static int64_t lane_kind(int64_t kind, int64_t group, const std::vector<torch::T
 
 static void run_matmul(int64_t kind, const torch::Tensor& codes, const torch::Tensor& scales,
                        const torch::Tensor& zeros, int64_t group, const float* x, int64_t rows, int64_t k, float* y,
-                       int64_t n_out, bool prompt, const std::vector<torch::Tensor>& lanes) {
+                       int64_t n_out, bool prompt, const std::vector<torch::Tensor>& lanes, bool int8) {
   // int8 activations take every row, prompt rows too: a prefill then gives each row the bits a single
   // step would, so replaying a sequence from scratch agrees with decoding it (as float32 nearly does)
-  const bool int8 = int8_activations_on.load(std::memory_order_relaxed);
   if (int8 && !lanes.empty()) {
     TORCH_CHECK(HAS_LANE_TILES, "linear: this build has no lane tiles");
     return lane_matmul(lane_kind(kind, group, lanes, n_out, k), group, lane_weights(lanes, kind, group, n_out, k), x,
@@ -104,11 +110,15 @@ constexpr int64_t POST_BLOCK = 16384, POST_PARALLEL_MIN = 32768;
 // y = post(W @ pre(x)). pre: rms_norm with in_norm, then act(gate) * up over the two halves of x.
 // post: rms_norm with out_norm, then + residual, then softcap. kind: see with_format. zeros may be
 // empty (int8 only). prompt: the rows need not match one-row calls bit for bit (see panel_matmul,
-// float_matmul.cpp).
+// float_matmul.cpp). int8: int8 (1) or float32 (0) activations, -1 the process's setting; threads: at most that
+// many (0: the whole pool).
 torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros,
                      int64_t group, int64_t n_out, int64_t k, c10::optional<torch::Tensor> in_norm, double eps,
                      int64_t act, c10::optional<torch::Tensor> residual, c10::optional<torch::Tensor> out_norm,
-                     double softcap, bool prompt, const std::vector<torch::Tensor>& lanes) {
+                     double softcap, bool prompt, const std::vector<torch::Tensor>& lanes, int64_t int8,
+                     int64_t threads) {
+  const bool int8_on = call_int8(int8);
+  ThreadsScope scope(threads);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "linear: x must be contiguous float32");
   TORCH_CHECK(k % 32 == 0, "linear: K must be a multiple of 32");
   int64_t rows = x.numel() / x.size(-1);
@@ -135,7 +145,7 @@ torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::
   shape.back() = n_out;
   torch::Tensor y = torch::empty(shape, x.options());
   float* out = y.data_ptr<float>();
-  run_matmul(kind, codes, scales, zeros, group, xin, rows, k, out, n_out, prompt, lanes);
+  run_matmul(kind, codes, scales, zeros, group, xin, rows, k, out, n_out, prompt, lanes, int8_on);
   if (out_norm.has_value() || residual.has_value() || softcap > 0) {
     const float* res = residual.has_value() ? residual->data_ptr<float>() : nullptr;
     // Without a norm the steps are elementwise, so a row may be split into blocks of columns (a multiple
@@ -154,7 +164,7 @@ torch::Tensor linear(torch::Tensor x, int64_t kind, torch::Tensor codes, torch::
       }
     };
     if (rows * n_out < POST_PARALLEL_MIN) post(0, rows * per_row);
-    else at::parallel_for(0, rows * per_row, 1, post);
+    else kernel_parallel_for(0, rows * per_row, 1, post);
   }
   return y;
 }
