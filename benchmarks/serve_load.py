@@ -83,7 +83,10 @@ def llama_server_binary() -> str:
     if os.environ.get("LLAMA_SERVER"):
         return os.environ["LLAMA_SERVER"]
     tool = Path(__file__).resolve().parents[2] / "shared" / "tools" / "build-llama-cpp"
-    out = subprocess.run([str(tool)], capture_output=True, text=True, check=True).stdout.strip()
+    # ggml's AMX kernels die on prompt batches in these VMs (the tool's --no-amx note): a server needs the other build
+    amx = "amx_int8" in Path("/proc/cpuinfo").read_text()
+    out = subprocess.run([str(tool), *(["--no-amx"] if amx else [])], capture_output=True, text=True,
+                         check=True).stdout.strip()
     return str(Path(out.splitlines()[-1]) / "llama-server")
 
 
