@@ -84,7 +84,9 @@ def llama_server_binary() -> str:
         return os.environ["LLAMA_SERVER"]
     tool = Path(__file__).resolve().parents[2] / "shared" / "tools" / "build-llama-cpp"
     # ggml's AMX kernels die on prompt batches in these VMs (the tool's --no-amx note): a server needs the other build
-    amx = "amx_int8" in Path("/proc/cpuinfo").read_text()
+    from outrider.native import vector_extensions
+
+    amx = "amx_int8" in vector_extensions()
     out = subprocess.run([str(tool), *(["--no-amx"] if amx else [])], capture_output=True, text=True,
                          check=True).stdout.strip()
     return str(Path(out.splitlines()[-1]) / "llama-server")

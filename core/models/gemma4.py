@@ -27,7 +27,7 @@ from outrider.io.gguf import GGUFFile, dequantize
 from outrider.models.decoder import Decoder
 from outrider.models.kv_cache import KVCache
 from outrider.models.layers import ATTENTION_DTYPE, Rotary, attention, attention_mask
-from outrider.models.linear import ACTIVATIONS, NATIVE_ACT, PackedLinear, rms_norm
+from outrider.models.linear import ACTIVATIONS, NATIVE_ACT, PackedLinear, int8_code, rms_norm
 from outrider.models.stack import add_layer, attention_half, mlp_half
 from outrider.models.weight_forms import load_linear
 from outrider.native.codes import KV_MODES
@@ -296,7 +296,7 @@ class Gemma4(Decoder):
         for w in (w for part in parts for w in vars(part).values() if isinstance(w, PackedLinear)):
             w.pin(int8, threads)
         if self.native_stack is not None:
-            self.native_stack.pin(int8=-1 if int8 is None else int(int8), threads=threads)
+            self.native_stack.pin(int8=int8_code(int8), threads=threads)
 
     def _rotary(self, i: int) -> Rotary:
         return self.local_rotary if self.config.is_local[i] else self.global_rotary

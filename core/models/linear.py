@@ -54,6 +54,11 @@ NATIVE_ACT = {None if name == "none" else name: code for name, code in ACTIVATIO
 RowMap = Callable[[torch.Tensor], torch.Tensor]  # a row permutation, applied to anything with rows first
 
 
+def int8_code(int8: bool | None) -> int:
+    """A model's activations as the kernels take them per call: 1 int8, 0 float32, -1 (None) the process's."""
+    return -1 if int8 is None else int(int8)
+
+
 def check_weights_mode(weights: str) -> None:
     if weights not in WEIGHT_MODES:
         raise ConfigError(f"unknown weights mode '{weights}'; choose one of: {', '.join(WEIGHT_MODES)}")
@@ -88,12 +93,6 @@ def torch_post_steps(y: torch.Tensor, out_norm, residual, softcap: float, eps: f
 class DenseLinear:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
-
-    def pin(self, int8: bool | None, threads: int) -> None:
-        """Every call of this weight with int8 (True) or float32 (False) activations, None: the process's setting
-        (`outrider.native.use_activations`), and at most `threads` threads (0: the whole pool): the settings of
-        a model loaded beside another (a draft model), passed with each call, not set around it."""
-        self.int8, self.threads = (-1 if int8 is None else int(int8)), threads
 
     def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
                  act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,
@@ -190,7 +189,7 @@ class PackedLinear:
         """Every call of this weight with int8 (True) or float32 (False) activations, None: the process's setting
         (`outrider.native.use_activations`), and at most `threads` threads (0: the whole pool): the settings of
         a model loaded beside another (a draft model), passed with each call, not set around it."""
-        self.int8, self.threads = (-1 if int8 is None else int(int8)), threads
+        self.int8, self.threads = int8_code(int8), threads
 
     def __call__(self, x: torch.Tensor, in_norm: torch.Tensor | None = None, eps: float = 0.0,
                  act: str | None = None, out_norm: torch.Tensor | None = None, residual: torch.Tensor | None = None,

@@ -12,7 +12,7 @@ import torch
 
 from outrider.models.kv_cache import KVCache
 from outrider.models.layers import Attention, Rotary
-from outrider.models.linear import NATIVE_ACT, PackedLinear
+from outrider.models.linear import NATIVE_ACT, PackedLinear, int8_code
 
 
 @dataclass
@@ -85,7 +85,7 @@ class LayerStack:
                 if isinstance(w, PackedLinear):
                     w.pin(int8, threads)
         if self.native is not None:
-            self.native.pin(int8=-1 if int8 is None else int(int8), threads=threads)
+            self.native.pin(int8=int8_code(int8), threads=threads)
 
     def run(self, x: torch.Tensor, start: int, cache: KVCache, prompt: bool) -> torch.Tensor:
         if self.native is not None:
