@@ -15,8 +15,15 @@ gets the same files, threads and a context of 4096 a slot. Clients cycle through
 aggregate completion tokens/s, requests/s, p50/p99 latency and time to first token (as the client sees them,
 queueing included), errors by kind, and the server's resident memory (after a warm-up request, at most, at the
 end). `--disconnects P`: each streamed request is closed after its first chunks with probability P (a client
-gone). No request starts after --duration; those still in flight a moment after it are cut (closed, or given up
-on) and counted apart from errors, so each load ends on time. Name the CPU's vector extensions beside the figures.
+gone). No request starts after --duration; those in flight then run to their end (within --tail seconds more,
+else they are cut and counted apart from errors), so the load stays at its client count to the end of the window,
+and the aggregate counts the tokens made inside it: a request's tokens spread evenly from its first to its last
+chunk, the share inside the window counted (a request cut at the window's end would otherwise lose them all, a
+request run past it add those of a thinner load). Client i starts i * --stagger seconds after the first (clients
+that start together measure a burst, each later one waiting for the prompts before it) and the window opens when
+the last has started. Requests ask for `cache_prompt: false` (`--cache-prompt` to leave llama-server's prefix reuse
+on; Outrider's server has none yet), so every engine reads every prompt. Name the CPU's vector extensions beside
+the figures.
 """
 
 from __future__ import annotations
@@ -39,7 +46,6 @@ from pathlib import Path
 from outrider.bench import PROMPTS
 
 HOST = "127.0.0.1"  # never anything else: this script loads a machine, it must not reach another
-CUT_GRACE_S = 2.0
 SLOT_CONTEXT = 4096
 
 
@@ -55,6 +61,15 @@ def rss_mib(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS")
+
+
+def window_share(first: float, last: float, window_start: float, window_end: float) -> float:
+    """The share of a request's tokens made inside the window, its tokens spread evenly from its first chunk to its
+    last."""
+    if last <= first:
+        return float(window_start <= last <= window_end)
+    inside = min(last, window_end) - max(first, window_start)
+    return max(inside, 0.0) / (last - first)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -119,12 +134,18 @@ def load(base: str, model: str, clients: int, args, temperatures: list[float]) -
     requests = itertools.count()
     lock = threading.Lock()
     latencies, ttfts, tokens, errors, cut, dropped = [], [], [], collections.Counter(), [0], [0]
-    deadline = time.monotonic() + args.duration
+    spans = []  # (first chunk, last chunk, completion tokens) on the perf_counter clock
+    ramp = args.stagger * (clients - 1)
+    started = time.perf_counter() + ramp  # the window opens when the last client starts
+    deadline = time.monotonic() + ramp + args.duration
+    window_end = started + args.duration
+    last_call = deadline + args.tail
     jobs = list(itertools.product(PROMPTS.values(), temperatures))
 
     def client_loop(index: int) -> None:
         own = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
         chance = random.Random(index)
+        time.sleep(index * args.stagger)
         while time.monotonic() < deadline:
             n = next(requests)
             if n >= args.max_requests:
@@ -132,13 +153,14 @@ def load(base: str, model: str, clients: int, args, temperatures: list[float]) -
             prompt, temperature = jobs[n % len(jobs)]
             start = time.perf_counter()
             first, completion, drop_after = None, 0, (3 if chance.random() < args.disconnects else None)
-            # nothing may outlast the deadline by more than a moment: a request still waiting for bytes
-            # then times out, one still streaming is closed at its next chunk; both count as cut, not errors
-            timeout = max(1.0, deadline - time.monotonic() + CUT_GRACE_S)
+            # nothing may outlast the tail: a request still waiting for bytes then times out, one still streaming
+            # is closed at its next chunk; both count as cut, not errors
+            timeout = max(1.0, last_call - time.monotonic())
             try:
                 stream = own.with_options(timeout=timeout).chat.completions.create(
                     model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
-                    temperature=temperature, seed=n, stream=True, stream_options={"include_usage": True})
+                    temperature=temperature, seed=n, stream=True, stream_options={"include_usage": True},
+                    extra_body={"cache_prompt": args.cache_prompt})
                 chunks = 0
                 with stream:
                     for chunk in stream:
@@ -147,8 +169,8 @@ def load(base: str, model: str, clients: int, args, temperatures: list[float]) -
                             first = time.perf_counter() - start
                         if chunk.usage:
                             completion = chunk.usage.completion_tokens
-                        if time.monotonic() > deadline + CUT_GRACE_S:
-                            raise TimeoutError("cut at the deadline")
+                        if time.monotonic() > last_call:
+                            raise TimeoutError("cut at the end of the tail")
                         if drop_after is not None and chunks >= drop_after:
                             break  # a client gone: the stream is closed mid-answer
                 if drop_after is not None and chunks >= drop_after:
@@ -157,35 +179,37 @@ def load(base: str, model: str, clients: int, args, temperatures: list[float]) -
                     continue
             except Exception as exc:  # noqa: BLE001 - counted and reported, the load goes on
                 with lock:
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > last_call:
                         cut[0] += 1
                     else:
                         errors[f"{type(exc).__name__}: {str(exc)[:80]}"] += 1
                 continue
+            end = time.perf_counter()
             with lock:
-                latencies.append(time.perf_counter() - start)
+                latencies.append(end - start)
                 ttfts.append(first if first is not None else latencies[-1])
                 tokens.append(completion)
+                spans.append((start + ttfts[-1], end, completion))
 
-    started = time.perf_counter()
     threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(clients)]
     for thread in threads:
         thread.start()
-    while any(thread.is_alive() for thread in threads) and time.monotonic() < deadline + CUT_GRACE_S:
+    while any(thread.is_alive() for thread in threads) and time.monotonic() < last_call + 1.0:
         time.sleep(0.2)
-    elapsed = time.perf_counter() - started
+    elapsed = max(min(time.perf_counter(), window_end) - started, 1e-9)
     with lock:  # what the given-up threads do from here on is not counted
         cut_total = cut[0] + sum(thread.is_alive() for thread in threads)
-        done_latencies, done_ttfts, done_tokens = list(latencies), list(ttfts), list(tokens)
+        done_latencies, done_ttfts, done_spans = list(latencies), list(ttfts), list(spans)
         seen_errors = collections.Counter(errors)
         dropped_total = dropped[0]
     done = len(done_latencies)
+    in_window = sum(n * window_share(first, last, started, window_end) for first, last, n in done_spans)
     return {"clients": clients, "duration_s": round(elapsed, 1), "requests": done,
-            "requests_per_s": round(done / elapsed, 3), "completion_tokens_per_s": round(sum(done_tokens) / elapsed, 2),
+            "requests_per_s": round(done / elapsed, 3), "completion_tokens_per_s": round(in_window / elapsed, 2),
             "latency_s": {"p50": round(percentile(done_latencies, 50), 3),
                           "p99": round(percentile(done_latencies, 99), 3)},
             "ttft_s": {"p50": round(percentile(done_ttfts, 50), 3), "p99": round(percentile(done_ttfts, 99), 3)},
-            "errors": sum(seen_errors.values()), "error_kinds": dict(seen_errors), "cut_at_deadline": cut_total,
+            "errors": sum(seen_errors.values()), "error_kinds": dict(seen_errors), "cut_after_tail": cut_total,
             "disconnected": dropped_total}
 
 
@@ -239,6 +263,10 @@ def main() -> None:
     parser.add_argument("--engines", default="outrider:1:lookup,outrider:4:lookup")
     parser.add_argument("--temperatures", default="0,0.7")
     parser.add_argument("--disconnects", type=float, default=0.0, help="share of requests closed mid-stream")
+    parser.add_argument("--stagger", type=float, default=2.0, help="seconds between the clients' starts")
+    parser.add_argument("--cache-prompt", action="store_true", help="let llama-server reuse a slot's prompt prefix")
+    parser.add_argument("--tail", type=float, default=180.0, help="seconds past --duration the requests in flight "
+                        "may take to end")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="model load and kernel build")
     parser.add_argument("server_args", nargs=argparse.REMAINDER,
                         help="after --: more `outrider serve` arguments, e.g. -- -o backend.weights dense")

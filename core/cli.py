@@ -296,19 +296,25 @@ def serve(host, port, parallel, queue_size, api_key, api_key_file, stall_timeout
     from outrider.config import resolve_config
     from outrider.serve import create_app, run_server
     from outrider.serve.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS
+    from outrider.serve.engine import on_a_passing_thread
     from outrider.serve.slots import plan_slots
 
     keys = api_keys(api_key, api_key_file)
     config = resolve_config(flags, config_file, option_flags=with_threads(options, flags.pop("threads"), flags.get("backend")))
-    assembly = assemble(config)
+
+    def load():
+        assembly = assemble(config)
+        runner = assembly.runner
+        plan = plan_slots(runner.target.model, assembly.plugins["backend"].name, runner.context,
+                          config.sources.get("context", "default") != "default", parallel)
+        runner.set_slots(plan.slots, plan.context)
+        return assembly, plan
+
+    assembly, plan = on_a_passing_thread(load)  # the generation thread's kernels then have the cores to themselves
     for warning in assembly.warnings:
         click.echo(f"warning: {warning}", err=True)
-    runner = assembly.runner
-    plan = plan_slots(runner.target.model, assembly.plugins["backend"].name, runner.context,
-                      config.sources.get("context", "default") != "default", parallel)
     if plan.note:
         click.echo(f"note: {plan.note}", err=True)
-    runner.set_slots(plan.slots, plan.context)
     if not keys and not is_loopback(host):
         click.echo(f"warning: serving on {host} without an API key: anyone who can reach the port can use it; "
                    "pass --api-key or --api-key-file", err=True)

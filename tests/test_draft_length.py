@@ -386,3 +386,31 @@ def test_batch_pricing_drafts_where_a_row_is_cheap_and_not_where_it_costs_a_step
     for rows in (1, 2, 3, 8, 32):
         steep.observe(rows, 0.05 * rows)
     assert steep.choose([(p, even, 4) for p in policies]) == [0, 0, 0]
+
+
+def test_lockstep_batch_pricing_pays_each_depth_once():
+    """Hand-checked: two sequences whose drafts are accepted 0.9 of the time at every position, a forward whose
+    cost does not grow with its rows (1 s), and a lockstep drafter whose every depth costs 0.3 s for both. Both
+    drafting to depth d yields 2 + 2 * sum_{i<=d} 0.9^i tokens for 1 + 0.3 d seconds: 8.19 / 2.2 = 3.72 at d = 4,
+    9.37 / 2.5 = 3.748 at d = 5, 10.43 / 2.8 = 3.72 at d = 6, against 2 / 1 plain: depth 5 each. Priced per token
+    (0.3 s a token, as a drafter that is not lockstep pays), two each: 5.42 / 2.2 = 2.464 against 6.15 / 2.5 = 2.460
+    with a third for either."""
+    from outrider.spec.drafter import DraftKind
+    from outrider.spec.length_policy import AdaptiveDraftLength, BatchPricing
+
+    sure = DraftKind("sure", 0.9)
+    pricing = BatchPricing()
+    for rows in (1, 2, 40):
+        pricing.observe(rows, 1.0)
+    pricing.observe_draft(2, 0.6)
+    policies = [AdaptiveDraftLength(draft_s_per_token=0.3, draft_s_per_token_by_kind={sure: 0.3}) for _ in range(2)]
+    for p in policies:  # acceptance 0.9 measured at every position, so none is assumed from the deepest
+        est = p.estimates(sure)
+        est.acceptance[:] = [0.9] * len(est.acceptance)
+        est.reached[:] = [100] * len(est.reached)
+    plans = [(p, sure, 16) for p in policies]
+    assert pricing.choose(plans, lockstep=True) == [5, 5]
+    assert pricing.choose(plans) == [2, 2]
+    # a depth the step's other sequences already draft to is paid for: each token there costs only its row (none
+    # here): 2 + 2 * sum_{i<=8} 0.9^i = 12.25 tokens in 1 s, where a ninth depth would add 0.77 for 0.3 s
+    assert pricing.choose(plans, other_rows=9, lockstep=True, other_depth=8) == [8, 8]

@@ -189,3 +189,26 @@ def test_serve_np_0_is_a_one_line_error(tiny):
     result = CliRunner().invoke(main, ["serve", "--model", str(tiny), "-np", "0"])
     assert result.exit_code == 1 and result.output.startswith("error: ") and "-np 0" in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_a_server_loads_on_a_thread_that_ends_with_the_load():
+    """What the load returns comes back, what it raises is raised again, and the thread it ran on is gone (with it
+    the OpenMP pool its parallel ops made, which would otherwise sit beside the generation thread's)."""
+    import torch
+
+    from outrider.serve.engine import on_a_passing_thread
+
+    where = {}
+
+    def load():
+        where["thread"] = threading.current_thread()
+        return torch.ones(1 << 20).add(1).sum().item()
+
+    assert on_a_passing_thread(load) == 2 * (1 << 20)
+    assert where["thread"] is not threading.current_thread() and not where["thread"].is_alive()
+
+    def broken():
+        raise ValueError("no such model: pass a catalog name or a path")
+
+    with pytest.raises(ValueError, match="no such model"):
+        on_a_passing_thread(broken)

@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from outrider.assembly import Assembly, check_pair
 from outrider.errors import OutriderError
@@ -37,6 +37,29 @@ from outrider.spec.runner import GenerationStats
 from outrider.spec.sampling import SamplingParams
 
 log = logging.getLogger("outrider.serve")
+T = TypeVar("T")
+
+
+def on_a_passing_thread(work: Callable[[], T]) -> T:
+    """`work()` run on a thread that ends with it: its result, or what it raised. For loading the model a server
+    generates with: torch's OpenMP pool belongs to the thread that first runs a parallel op, and an idle pool left
+    on another thread (the main thread, after loading) slows every parallel region of the generation thread's own,
+    as libgomp's workers then outnumber the cores and stop spinning between regions (docs/bench/serving.md). A
+    thread's pool ends with the thread, so the generation thread's is then the process's only one."""
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["value"] = work()
+        except BaseException as exc:  # noqa: BLE001 - raised again on the calling thread
+            done["error"] = exc
+
+    thread = threading.Thread(target=run, name="outrider-load")
+    thread.start()
+    thread.join()
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
 
 
 class QueueFull(Exception):

@@ -46,6 +46,7 @@ class DrafterChain:
         # what its rounds give: q in every round (what an acceptor that needs q asks), or in some rounds
         # (what makes a seeded run's tokens depend on the draft lengths, so `auto` must not time them)
         self.gives_draft_probs = all(t.gives_draft_probs for t in self._traits)
+        self.drafts_in_lockstep = any(t.drafts_in_lockstep for t in self._traits)  # its sequences share a depth
         self.may_give_draft_probs = any(t.may_give_draft_probs for t in self._traits)
         self._kinds: dict[tuple[int, DraftKind], DraftKind] = {}
         self._member_kinds = [d.draft_kind if t.says_draft_kind else None for d, t in zip(drafters, self._traits)]

@@ -156,6 +156,7 @@ class DrafterBase:
 
     gives_draft_probs = False
     needs: frozenset[str] = frozenset()
+    drafts_in_lockstep = False  # propose_many is propose of each in turn
     State: type[DraftState] = DraftState  # what `begin` makes: a subclass's own, with its per-sequence fields
 
     def setup(self, target: Target) -> None:

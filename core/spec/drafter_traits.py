@@ -31,6 +31,9 @@ class DrafterTraits:
     says_draft_kind: bool = False  # it has draft_kind(tokens); a drafter that has not drafts one kind
     observes: bool = False  # it has observe(hidden, start, cache)
     draft_max: int | str = "auto"  # tokens a round may ask of it, or "auto": chosen each round
+    # its propose_many drafts every sequence in one draft forward a position: a step's drafting costs the depth of
+    # its deepest draft, not the sum of its drafts (how BatchPricing prices it)
+    drafts_in_lockstep: bool = False
     # every declared capability as this instance has it (target_architecture too): what the reports show
     capabilities: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), compare=False)
 
@@ -53,6 +56,7 @@ class DrafterTraits:
         return cls(gives_draft_probs=gives, may_give_draft_probs=may or gives, needs=frozenset(values["needs"]),
                    says_draft_kind=callable(getattr(drafter, "draft_kind", None)),
                    observes=callable(getattr(drafter, "observe", None)), draft_max=draft_max,
+                   drafts_in_lockstep=bool(getattr(drafter, "drafts_in_lockstep", False)),
                    capabilities=MappingProxyType(as_the_instance_has_them(declared, drafter)))
 
 

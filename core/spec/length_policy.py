@@ -334,40 +334,81 @@ class BatchPricing:
     """Draft lengths for a step of several sequences, priced for the batch: the verify is ONE forward over every
     sequence's t0 and drafts, so a drafted token costs what it adds to that forward over the batch's rows (little,
     where the weights' reading dominates), not what a lone sequence's verify of that length would cost. Each
-    sequence brings its own acceptance per position and draft cost per token (its `AdaptiveDraftLength`); the
-    lengths are grown a token at a time, each to the sequence whose next token adds the most expected tokens per
-    second over all of them, for as long as the batch's rate rises: a sequence whose drafts do not pay gets none,
-    and a batch where drafting does not pay drafts nothing (speculation is never slower than the same load
-    without it, up to what the estimates miss)."""
+    sequence brings its own acceptance per position (its `AdaptiveDraftLength`); the lengths are the ones with the
+    most expected tokens per second over all of them: a sequence whose drafts do not pay gets none, and a batch
+    where drafting does not pay drafts nothing (speculation is never slower than the same load without it, up to
+    what the estimates miss).
+
+    What drafting costs depends on how the drafter batches. One that drafts every sequence in lockstep
+    (`propose_many`: one draft forward a position for all of them) pays per position of the deepest draft, whatever
+    the number of sequences at that position: the batch pays each depth once (`draft_position_s`, learned from
+    its proposals), and a token at a depth already paid for costs only its verify row, so several sequences share
+    a depth that none would pay for alone. Any other drafter pays per drafted token (each sequence's own cost)."""
 
     def __init__(self) -> None:
         self.rows = RowCosts()
+        self.draft_position_s: float | None = None  # a lockstep drafter's seconds per depth of a step's drafts
+        self.smoothing = self.rows.smoothing
 
     def observe(self, rows: int, took: float) -> None:
         self.rows.observe(rows, took)
 
-    def choose(self, plans: list[tuple[AdaptiveDraftLength, DraftKind, int]], other_rows: int = 0) -> list[int] | None:
+    def observe_draft(self, depth: int, took: float) -> None:
+        """A lockstep drafter drafted to `depth` positions (the deepest sequence's) in `took` seconds."""
+        if depth > 0:
+            per = took / depth
+            old = self.draft_position_s
+            self.draft_position_s = per if old is None else old + self.smoothing * (per - old)
+
+    def choose(self, plans: list[tuple[AdaptiveDraftLength, DraftKind, int]], other_rows: int = 0,
+               lockstep: bool = False, other_depth: int = 0) -> list[int] | None:
         """For each (policy, kind, most tokens it may draft): its length, beside `other_rows` rows of the step's
-        other sequences (their t0 and drafts, whose lengths are not this pricing's); None until a forward of about
-        the batch's rows has been timed."""
+        other sequences (their t0 and drafts, whose lengths are not this pricing's; `other_depth` their deepest
+        draft, which a lockstep drafter pays for anyway); None until a forward of about the batch's rows has
+        been timed."""
         base = len(plans) + other_rows
         if self.rows.cost(base) is None:
             return None
         expected = [[1.0, *islice(p._expected_by_length(kind), limit)] if limit > 0 else [1.0]
                     for p, kind, limit in plans]
-        draft_cost = [p._draft_cost(kind) for p, kind, _ in plans]
-        ks = [0] * len(plans)
-        tokens, drafting = float(len(plans)), 0.0
+        row_cost = [self.rows.cost(base + n) for n in range(sum(len(c) - 1 for c in expected) + 1)]
+        if not lockstep:
+            return self._grown(expected, row_cost, [p._draft_cost(kind) for p, kind, _ in plans])
+        position = self.draft_position_s
+        if position is None:  # not timed yet: what the sequences' own policies think a drafted token costs
+            position = sum(p._draft_cost(kind) for p, kind, _ in plans) / len(plans)
+        # every token adds one row, so at a given depth the best tokens are the likeliest to be accepted
+        gains = [(curve[i] - curve[i - 1], i, j) for j, curve in enumerate(expected) for i in range(1, len(curve))]
+        gains.sort(key=lambda g: (-g[0], g[1]))
+        best, best_rate = [0] * len(plans), len(plans) / row_cost[0]
+        for depth in range(1, max(len(c) for c in expected)):
+            fixed = position * max(0, depth - other_depth)
+            ks, tokens, added = [0] * len(plans), float(len(plans)), 0
+            current = tokens / (row_cost[0] + fixed)
+            for gain, i, j in gains:
+                if i > depth or i != ks[j] + 1:
+                    continue
+                rate = (tokens + gain) / (row_cost[added + 1] + fixed)
+                if rate <= current:
+                    break
+                ks[j], tokens, added, current = i, tokens + gain, added + 1, rate
+            if current > best_rate:
+                best, best_rate = ks, current
+        return best
 
-        def rate(extra_rows: int, more_tokens: float, more_draft: float) -> float:
-            return (tokens + more_tokens) / (self.rows.cost(base + sum(ks) + extra_rows) + drafting + more_draft)
-
-        current = rate(0, 0.0, 0.0)
+    @staticmethod
+    def _grown(expected: list[list[float]], row_cost: list[float], draft_cost: list[float]) -> list[int]:
+        """Lengths grown a token at a time, each to the sequence whose next token gives the batch the highest
+        rate, while that rate rises (each token costs its row and its sequence's own draft cost)."""
+        ks = [0] * len(expected)
+        tokens, drafting = float(len(expected)), 0.0
+        current = tokens / row_cost[0]
         while True:
             best, best_rate = None, current
+            added = sum(ks)
             for j, (k, curve) in enumerate(zip(ks, expected)):
                 if k + 1 < len(curve):
-                    r = rate(1, curve[k + 1] - curve[k], draft_cost[j])
+                    r = (tokens + curve[k + 1] - curve[k]) / (row_cost[added + 1] + drafting + draft_cost[j])
                     if r > best_rate:
                         best, best_rate = j, r
             if best is None:

@@ -366,12 +366,15 @@ class Runner:
             for i, draft in zip(asked, got):
                 drafts[i] = self._clean(draft, ks[i])
             took, total = time.perf_counter() - t, sum(ks[i] for i in asked)
+            self.batch_pricing.observe_draft(max(ks), took)
             return drafts, [took * k / total if k > 0 else 0.0 for k in ks]
         spent = [0.0] * len(seqs)
         for i in asked:
             drafts[i] = self._clean(self.drafter.propose(seqs[i].draft_state, seqs[i].tokens, ks[i]), ks[i])
             now = time.perf_counter()
             spent[i], t = now - t, now
+        if len(asked) == 1 and self.traits.drafts_in_lockstep:  # a lockstep drafter's depth, one sequence deep
+            self.batch_pricing.observe_draft(ks[asked[0]], spent[asked[0]])
         return drafts, spent
 
     def _room(self, seq: Sequence) -> int:
@@ -388,9 +391,10 @@ class Runner:
                   and seq.draft_length.timed and not seq.draft_length.exploring]
         if not priced:
             return
-        other_rows = sum(1 + ks[j] for j in range(len(seqs)) if j not in priced)
+        others = [j for j in range(len(seqs)) if j not in priced]
         plans = [(seqs[j].draft_length, kinds[j], min(seqs[j].draft_length.cap, self._room(seqs[j]))) for j in priced]
-        lengths = self.batch_pricing.choose(plans, other_rows)
+        lengths = self.batch_pricing.choose(plans, sum(1 + ks[j] for j in others), lockstep=self.traits.drafts_in_lockstep,
+                                            other_depth=max((ks[j] for j in others), default=0))
         if lengths is None:
             return
         for j, k in zip(priced, lengths):

@@ -64,6 +64,7 @@ class DraftModelDrafter(DrafterBase):
     State = DraftModelState
     needs = frozenset({NEEDS_DRAFT_MODEL})
     gives_draft_probs = False  # True on an instance made with sample = true; assembly reads the instance
+    drafts_in_lockstep = True  # propose_many: one draft-model forward a position for every sequence
 
     def __init__(self, model: str = "", sample: bool = False, context: int = 4096, dtype: str = "",
                  activations: str = "", threads: int = 0, head_rows: int = 0, p_min: float = DEFAULT_P_MIN,
