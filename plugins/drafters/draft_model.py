@@ -58,6 +58,7 @@ def check_vocab_compatible(target: Tokenizer, draft: Tokenizer, draft_name: str)
 @dataclass
 class DraftModelState(DraftState):
     cache: Any = None  # the draft model's KV cache of this sequence
+    unread: int = 0  # prompt tokens the draft model has yet to read (at the sequence's first draft)
 
 
 class DraftModelDrafter(DrafterBase):
@@ -145,18 +146,24 @@ class DraftModelDrafter(DrafterBase):
         return ids
 
     def begin(self, prompt: list[int], params: SamplingParams, controls: DraftControls) -> DraftModelState:
-        """Prefill the draft model with the prompt now, as the target is: a round's catch-up is then only the
-        tokens the last round made certain, and `--draft-max auto` prices drafting by what it costs per
-        round, not by a prompt's prefill billed to the first draft."""
+        """A sequence whose prompt the draft model reads at its first draft, not now: under load most sequences of
+        a batch may never draft (`BatchPricing` finds that drafting does not pay), and a prompt read for each
+        would cost them all. That read is the first draft's upkeep, not billed per drafted token, so `--draft-max
+        auto` still prices drafting by what a round costs."""
         if controls.draft_p_min == 0.0 and self.p_min > 0.0:
             controls = dataclasses.replace(controls, draft_p_min=self.p_min)
         state = super().begin(prompt, params, controls)
         state.cache = self.free_caches.pop() if self.free_caches else self.model.new_cache(self.cache_len)
         state.cache.truncate(0)
-        usable = prompt[: state.cache.max_len - 1]
-        if usable:
-            self.model.forward(torch.tensor(usable, device=self.device), 0, state.cache, last_only=True)
+        state.unread = min(len(prompt), state.cache.max_len - 1)
         return state
+
+    def _read_prompt(self, state: DraftModelState, tokens: list[int]) -> float:
+        """Read the sequence's prompt (`tokens` starts with it) as a prefill reads one; the seconds it took."""
+        t = time.perf_counter()
+        self.model.forward(torch.tensor(tokens[: state.unread], device=self.device), 0, state.cache, last_only=True)
+        state.unread = 0
+        return time.perf_counter() - t
 
     def end(self, state: DraftModelState) -> None:
         if state.cache is not None:
@@ -179,9 +186,12 @@ class DraftModelDrafter(DrafterBase):
         sequence still drafting. Each sequence's draft is what it gets alone: the rows are bit for bit its own."""
         drafts = [Draft() for _ in states]
         live = []  # (index, tokens drafted so far, q rows, k): the sequences drafting
+        read_s = [0.0] * len(states)
         for i, (state, toks, k) in enumerate(zip(states, tokens, ks)):
             k = min(k, state.cache.max_len - len(toks))
             if k > 0 and toks:  # nothing to condition on: nothing to draft (the contract suite found it raising)
+                if state.unread:
+                    read_s[i] = self._read_prompt(state, toks)
                 state.cache.truncate(min(state.cache.length, len(toks) - 1))
                 live.append((i, [], [], k))
         if not live:
@@ -196,7 +206,7 @@ class DraftModelDrafter(DrafterBase):
         upkeep = self.step_clock.charge(took, sum(map(len, pending)))
         extra = [len(p) - 1 for p in pending]
         for (i, *_), rows in zip(live, extra):
-            drafts[i].upkeep_s = upkeep * rows / sum(extra) if sum(extra) else 0.0
+            drafts[i].upkeep_s = read_s[i] + (upkeep * rows / sum(extra) if sum(extra) else 0.0)
         while live:
             going = []
             for (i, drafted, qs, k), row in zip(live, logits):
