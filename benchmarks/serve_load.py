@@ -63,6 +63,30 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
+class RSSPeak:
+    """The most resident memory a process holds while the block runs, read every second."""
+
+    def __init__(self, pid: int):
+        self.pid, self.mib = pid, rss_mib(pid)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._done.wait(1.0):
+            try:
+                self.mib = max(self.mib, rss_mib(self.pid))
+            except (OSError, RuntimeError):
+                return
+
+    def __enter__(self) -> "RSSPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def window_share(first: float, last: float, window_start: float, window_end: float) -> float:
     """The share of a request's tokens made inside the window, its tokens spread evenly from its first chunk to its
     last."""
@@ -231,15 +255,17 @@ def run_engine(engine: str, args, temperatures: list[float]) -> list[dict]:
                                        max_tokens=args.max_tokens)  # warm-up: first-use costs are not load
         rss_start = rss_mib(server.pid)
         for clients in args.clients:
-            report = load(base, model, clients, args, temperatures)
-            report.update(engine=engine, server_rss_mib={"after_warm_up": round(rss_start, 1),
+            with RSSPeak(server.pid) as peak:
+                report = load(base, model, clients, args, temperatures)
+            report.update(engine=engine, server_rss_mib={"after_warm_up": round(rss_start, 1), "peak": round(peak.mib, 1),
                                                          "end": round(rss_mib(server.pid), 1)})
             reports.append(report)
             print(f"  {clients} clients: {report['completion_tokens_per_s']} tok/s, {report['requests']} requests, "
                   f"latency p50/p99 {report['latency_s']['p50']}/{report['latency_s']['p99']} s, ttft p50/p99 "
                   f"{report['ttft_s']['p50']}/{report['ttft_s']['p99']} s, errors {report['errors']}"
                   f"{' ' + str(report['error_kinds']) if report['errors'] else ''}, disconnected "
-                  f"{report['disconnected']}, RSS {report['server_rss_mib']['end']} MiB", flush=True)
+                  f"{report['disconnected']}, RSS {report['server_rss_mib']['end']} MiB (peak "
+                  f"{report['server_rss_mib']['peak']})", flush=True)
     finally:
         server.terminate()
         try:
