@@ -383,13 +383,12 @@ class Runner:
 
     def _price_for_the_batch(self, seqs: list[Sequence], kinds: list, chosen: list[int], ks: list[int]) -> None:
         """Each timed auto-length sequence's draft length chosen for the batch (`BatchPricing`), in place of what
-        its own policy priced alone, exploring rounds too: a sequence's look at drafting costs the whole batch its
-        draft forward (and a draft model's catch-up of everything since the sequence last drafted), which its own
-        policy prices as if alone; the batch's pricing drafts a sequence wherever its estimates pay, which keeps
-        them measured. Not a sequence whose lengths change its output (a seeded run with q, a lossy acceptor: its
-        policy is untimed, so its lengths follow its seeded history whatever else runs), nor a fixed --draft-max."""
+        its own policy priced alone. Not a sequence whose lengths change its output (a seeded run with q, a lossy
+        acceptor: its policy is untimed, so its lengths follow its seeded history whatever else runs), nor an
+        exploring round, nor a fixed --draft-max."""
         priced = [j for j, (seq, kind) in enumerate(zip(seqs, kinds))
-                  if kind is not None and isinstance(seq.draft_length, AdaptiveDraftLength) and seq.draft_length.timed]
+                  if kind is not None and isinstance(seq.draft_length, AdaptiveDraftLength)
+                  and seq.draft_length.timed and not seq.draft_length.exploring]
         if not priced:
             return
         others = [j for j in range(len(seqs)) if j not in priced]
@@ -400,7 +399,6 @@ class Runner:
             return
         for j, k in zip(priced, lengths):
             chosen[j] = ks[j] = k
-            seqs[j].draft_length.exploring = False  # the batch's length, not the policy's look
 
     def _commit(self, seq: Sequence, draft: Draft, kind: DraftKind | None, chosen: int, k: int, draft_s: float,
                 n: int, logits: torch.Tensor, hidden: torch.Tensor | None, t_drafted: float, alone: bool = True) -> Round:
