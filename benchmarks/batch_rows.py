@@ -1,11 +1,11 @@
 """What does a target forward cost by the rows it reads, and where does a batched step's time go?
 
 Three tables, on the CPU backend's compact kernels, medians of `--runs`:
-1. one sequence, R rows verified at once (`Decoder.forward` over R tokens after a `--context`-token prompt), R = 1..32;
-2. the same R rows as B sequences of R/B rows each (`Decoder.forward_sequences`, each over its own cache holding
-   the prompt), so the ragged batch's price beside one sequence's;
-3. `Runner.step` over B sequences (`--steps` rounds of `generate_many`, greedy): the share of its time in the
-   target forward, the drafter, the acceptors and the rest, per drafter named in `--drafters`.
+1. one sequence, R rows verified at once after a `--context`-token prompt, R = 1..32 (`outrider.bench.forward_seconds`);
+2. the same R rows as B sequences of R/B rows each, each over its own cache holding the prompt (`outrider.bench.
+   ragged_forward_seconds`, `Decoder.forward_sequences`), so the ragged batch's price beside one sequence's;
+3. `Runner.step` over B sequences (`generate_many`'s calls, greedy, `--tokens` each): the share of a step's time in
+   the target forward, the drafter and the rest (acceptors, bookkeeping), per drafter named in `--drafters`.
 
     python benchmarks/batch_rows.py --model qwen2.5-coder-1.5b --threads 2
 """
@@ -13,96 +13,48 @@ Three tables, on the CPU backend's compact kernels, medians of `--runs`:
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 
-
-def timed(fn, runs: int) -> float:
-    """Median seconds of `runs` calls, after one to warm up."""
-    fn()
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from outrider.bench import forward_seconds, ragged_forward_seconds
 
 
-def split(rows: int, seqs: int) -> list[int]:
-    base, extra = divmod(rows, seqs)
-    return [base + (i < extra) for i in range(seqs)]
-
-
-def forward_costs(model, prompt: list[int], rows: list[int], seqs: list[int], runs: int) -> None:
-    caches = []
-    ids = torch.tensor(prompt)
-    for _ in range(max(seqs)):
-        cache = model.new_cache(len(prompt) + max(rows) + 8)
-        model.forward(ids, 0, cache, last_only=True)
-        caches.append(cache)
-    n = len(prompt)
-    drafts = torch.tensor((prompt * (1 + max(rows) // len(prompt)))[: max(rows)])
-
-    def one(r: int):
-        model.forward(drafts[:r], n, caches[0])
-        caches[0].truncate(n)
-
-    def ragged(r: int, b: int):
-        counts = split(r, b)
-        toks = torch.cat([drafts[:c] for c in counts])
-        model.forward_sequences(toks, counts, [n] * b, caches[:b])
-        for cache in caches[:b]:
-            cache.truncate(n)
-
-    base = timed(lambda: one(1), runs)
-    print(f"\n1. one sequence, R rows after a {n}-token prompt")
+def forward_costs(model, rows: list[int], seqs: list[int], prompt_len: int, runs: int) -> None:
+    alone = forward_seconds(model, rows, prompt_len, runs)
+    print(f"\n1. one sequence, R rows after a {prompt_len}-token prompt")
     print(f"{'rows':>5} {'ms':>8} {'ms/row':>8} {'x 1 row':>8}")
     for r in rows:
-        s = timed(lambda: one(r), runs)
-        print(f"{r:>5} {s * 1e3:8.1f} {s * 1e3 / r:8.2f} {s / base:8.2f}")
+        print(f"{r:>5} {alone[r] * 1e3:8.1f} {alone[r] * 1e3 / r:8.2f} {alone[r] / alone[rows[0]]:8.2f}")
+    ragged = ragged_forward_seconds(model, rows, seqs, prompt_len, runs)
     print("\n2. R rows as B sequences (forward_sequences), ms; in brackets: over one sequence's R rows")
     print(f"{'rows':>5} " + " ".join(f"{'B=' + str(b):>14}" for b in seqs))
     for r in rows:
-        alone = timed(lambda: one(r), runs)
-        cells = []
-        for b in seqs:
-            if b > r:
-                cells.append(f"{'':>14}")
-                continue
-            s = timed(lambda: ragged(r, b), runs)
-            cells.append(f"{s * 1e3:7.1f} ({s / alone:4.2f})")
+        cells = [f"{ragged[r, b] * 1e3:7.1f} ({ragged[r, b] / alone[r]:4.2f})" if (r, b) in ragged else " " * 14
+                 for b in seqs]
         print(f"{r:>5} " + " ".join(cells))
 
 
 class Clock:
-    """Seconds spent inside each wrapped callable, and its calls; an `inner` one counts only inside `step` (the
-    target's forward also reads prompts)."""
+    """Seconds spent inside each wrapped callable."""
 
     def __init__(self):
         self.spent: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        self.stepping = False
 
-    def wrap(self, name: str, fn, inner: bool = False):
+    def wrap(self, name: str, fn):
         def timed_call(*a, **kw):
-            if inner and not self.stepping:
-                return fn(*a, **kw)
-            outer = name == "step"
-            self.stepping |= outer
             t = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
                 self.spent[name] = self.spent.get(name, 0.0) + time.perf_counter() - t
-                self.calls[name] = self.calls.get(name, 0) + 1
-                if outer:
-                    self.stepping = False
         return timed_call
 
 
-def step_breakdown(target, drafter_name: str, prompts: list[list[int]], tokens: int, draft_path) -> None:
+def step_breakdown(target, drafter_name: str, prompts: list[list[int]], tokens: int, draft_name: str) -> None:
+    """`generate_many`'s own calls, its prefills timed apart from its steps, and inside the steps the target's
+    forward and the drafting (wrapped only once the prompts are read)."""
+    from outrider.catalog import resolve_model
     from outrider.plugins.acceptors.greedy import GreedyAcceptor
     from outrider.plugins.drafters.draft_model import DraftModelDrafter
     from outrider.plugins.drafters.lookup import LookupDrafter
@@ -112,31 +64,33 @@ def step_breakdown(target, drafter_name: str, prompts: list[list[int]], tokens: 
     from outrider.spec.sampling import SamplingParams
 
     drafter = {"none": NoDrafter, "lookup": LookupDrafter,
-               "draft-model": lambda: DraftModelDrafter(model=str(draft_path))}[drafter_name]()
-    if hasattr(drafter, "setup"):
-        drafter.setup(target)
-    runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=0 if drafter_name == "none" else "auto"), context=4096)
-    params = [SamplingParams(temperature=0.0) for _ in prompts]
-    runner.generate_many(prompts, 8, params)  # warm-up
-    clock = Clock()
-    model = target.model
-    forward, forward_sequences, drafts, step = model.forward, model.forward_sequences, runner._drafts, runner.step
-    model.forward = clock.wrap("target forward", forward, inner=True)
-    model.forward_sequences = clock.wrap("target forward", forward_sequences, inner=True)
-    runner._drafts = clock.wrap("drafter", drafts, inner=True)
-    runner.step = clock.wrap("step", step)
+               "draft-model": lambda: DraftModelDrafter(model=str(resolve_model(draft_name)))}[drafter_name]()
+    drafter.setup(target)
+    traits = DrafterTraits.of(drafter, draft_max=0 if drafter_name == "none" else "auto")
+    runner = Runner(target, drafter, GreedyAcceptor(), traits, context=4096)
+    params = SamplingParams(temperature=0.0)
+    runner.generate_many(prompts, 8, [params] * len(prompts))  # warm-up
+    t = time.perf_counter()
+    seqs = [runner.start(prompt, tokens, params)[0] for prompt in prompts]
+    prefill = time.perf_counter() - t
+    clock, model = Clock(), target.model
+    forward, forward_sequences, drafts = model.forward, model.forward_sequences, runner._drafts
+    model.forward = clock.wrap("forward", forward)
+    model.forward_sequences = clock.wrap("forward", forward_sequences)
+    runner._drafts = clock.wrap("drafter", drafts)
+    steps, t = 0, time.perf_counter()
     try:
-        t = time.perf_counter()
-        seqs = runner.generate_many(prompts, tokens, params)
-        wall = time.perf_counter() - t
+        while running := [s for s in seqs if not s.done]:
+            runner.step(running)
+            steps += 1
     finally:
-        model.forward, model.forward_sequences, runner._drafts, runner.step = forward, forward_sequences, drafts, step
+        model.forward, model.forward_sequences, runner._drafts = forward, forward_sequences, drafts
+        for seq in seqs:
+            runner.finish(seq)
+    stepped = time.perf_counter() - t
     made = sum(len(s.output) for s in seqs)
-    steps = clock.calls.get("step", 1)
-    stepped = clock.spent.get("step", 0.0)
-    fwd, dr = clock.spent.get("target forward", 0.0), clock.spent.get("drafter", 0.0)
-    prefill = wall - stepped
-    print(f"{drafter_name:>12} B={len(prompts)}: {made / wall:6.1f} tok/s over {wall:5.1f} s "
+    fwd, dr = clock.spent.get("forward", 0.0), clock.spent.get("drafter", 0.0)
+    print(f"{drafter_name:>12} B={len(prompts)}: {made / (prefill + stepped):6.1f} tok/s over {prefill + stepped:5.1f} s "
           f"(prefill {prefill:4.1f} s); per step {stepped / steps * 1e3:6.1f} ms: forward {fwd / stepped:4.0%}, "
           f"drafter {dr / stepped:4.0%}, rest {(stepped - fwd - dr) / stepped:4.0%}; "
           f"{made / max(1, sum(s.stats.rounds for s in seqs)):4.2f} tokens a sequence-round")
@@ -160,29 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     from outrider.io.chat import template_or_raw_ids
     from outrider.native import vector_extensions
     from outrider.plugins.drafters.mtp.prompts import CODE_PROMPTS
-    from outrider.plugins.backends.cpu import CPUBackend
-    from outrider.io.gguf import GGUFFile
-    from outrider.io.tokenizer import Tokenizer
-    from outrider.spec.drafter import Target
+    from outrider.testing.fixtures import cpu_target
 
-    torch.set_num_threads(args.threads)
-    path = resolve_model(args.model)
-    g = GGUFFile(path)
-    backend = CPUBackend(threads=args.threads)
-    target = Target(backend.load_model(g), Tokenizer.from_gguf(g), g, backend)
+    torch.set_num_threads(args.threads)  # the CPU backend keeps torch's count
+    target = cpu_target(resolve_model(args.model))
     print(f"{args.model} on {args.threads} threads; CPU: {' '.join(vector_extensions())}")
-    text = " ".join(CODE_PROMPTS)
-    prompt = target.tokenizer.encode(text)[: args.context]
+    sequences = [int(b) for b in args.sequences.split(",")]
     if not args.skip_forward:
-        forward_costs(target.model, prompt, [int(r) for r in args.rows.split(",")],
-                      [int(b) for b in args.sequences.split(",")], args.runs)
+        forward_costs(target.model, [int(r) for r in args.rows.split(",")], sequences, args.context, args.runs)
     if args.drafters:
         print(f"\n3. Runner.step over B sequences, {args.tokens} tokens each, greedy")
         prompts = [template_or_raw_ids(target.gguf, target.tokenizer, p)[0] for p in CODE_PROMPTS]
-        draft_path = resolve_model(args.draft)
         for name in args.drafters.split(","):
-            for b in [int(b) for b in args.sequences.split(",")]:
-                step_breakdown(target, name, prompts[:b], args.tokens, draft_path)
+            for b in sequences:
+                step_breakdown(target, name, prompts[:b], args.tokens, args.draft)
     return 0
 
 

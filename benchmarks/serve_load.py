@@ -157,12 +157,10 @@ def load(base: str, model: str, clients: int, args, temperatures: list[float]) -
 
     requests = itertools.count()
     lock = threading.Lock()
-    latencies, ttfts, tokens, errors, cut, dropped = [], [], [], collections.Counter(), [0], [0]
-    spans = []  # (first chunk, last chunk, completion tokens) on the perf_counter clock
-    ramp = args.stagger * (clients - 1)
-    started = time.perf_counter() + ramp  # the window opens when the last client starts
-    deadline = time.monotonic() + ramp + args.duration
-    window_end = started + args.duration
+    latencies, ttfts, errors, cut, dropped = [], [], collections.Counter(), [0], [0]
+    spans = []  # (first chunk, last chunk, completion tokens)
+    started = time.perf_counter() + args.stagger * (clients - 1)  # the window opens when the last client starts
+    deadline = started + args.duration  # the window's end: no request starts after it
     last_call = deadline + args.tail
     jobs = list(itertools.product(PROMPTS.values(), temperatures))
 
@@ -170,7 +168,7 @@ def load(base: str, model: str, clients: int, args, temperatures: list[float]) -
         own = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
         chance = random.Random(index)
         time.sleep(index * args.stagger)
-        while time.monotonic() < deadline:
+        while time.perf_counter() < deadline:
             n = next(requests)
             if n >= args.max_requests:
                 return
@@ -179,7 +177,7 @@ def load(base: str, model: str, clients: int, args, temperatures: list[float]) -
             first, completion, drop_after = None, 0, (3 if chance.random() < args.disconnects else None)
             # nothing may outlast the tail: a request still waiting for bytes then times out, one still streaming
             # is closed at its next chunk; both count as cut, not errors
-            timeout = max(1.0, last_call - time.monotonic())
+            timeout = max(1.0, last_call - time.perf_counter())
             try:
                 stream = own.with_options(timeout=timeout).chat.completions.create(
                     model=model, messages=[{"role": "user", "content": prompt}], max_tokens=args.max_tokens,
@@ -193,7 +191,7 @@ def load(base: str, model: str, clients: int, args, temperatures: list[float]) -
                             first = time.perf_counter() - start
                         if chunk.usage:
                             completion = chunk.usage.completion_tokens
-                        if time.monotonic() > last_call:
+                        if time.perf_counter() > last_call:
                             raise TimeoutError("cut at the end of the tail")
                         if drop_after is not None and chunks >= drop_after:
                             break  # a client gone: the stream is closed mid-answer
@@ -203,7 +201,7 @@ def load(base: str, model: str, clients: int, args, temperatures: list[float]) -
                     continue
             except Exception as exc:  # noqa: BLE001 - counted and reported, the load goes on
                 with lock:
-                    if time.monotonic() > last_call:
+                    if time.perf_counter() > last_call:
                         cut[0] += 1
                     else:
                         errors[f"{type(exc).__name__}: {str(exc)[:80]}"] += 1
@@ -212,22 +210,21 @@ def load(base: str, model: str, clients: int, args, temperatures: list[float]) -
             with lock:
                 latencies.append(end - start)
                 ttfts.append(first if first is not None else latencies[-1])
-                tokens.append(completion)
                 spans.append((start + ttfts[-1], end, completion))
 
     threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(clients)]
     for thread in threads:
         thread.start()
-    while any(thread.is_alive() for thread in threads) and time.monotonic() < last_call + 1.0:
+    while any(thread.is_alive() for thread in threads) and time.perf_counter() < last_call + 1.0:
         time.sleep(0.2)
-    elapsed = max(min(time.perf_counter(), window_end) - started, 1e-9)
+    elapsed = max(min(time.perf_counter(), deadline) - started, 1e-9)
     with lock:  # what the given-up threads do from here on is not counted
         cut_total = cut[0] + sum(thread.is_alive() for thread in threads)
         done_latencies, done_ttfts, done_spans = list(latencies), list(ttfts), list(spans)
         seen_errors = collections.Counter(errors)
         dropped_total = dropped[0]
     done = len(done_latencies)
-    in_window = sum(n * window_share(first, last, started, window_end) for first, last, n in done_spans)
+    in_window = sum(n * window_share(first, last, started, deadline) for first, last, n in done_spans)
     return {"clients": clients, "duration_s": round(elapsed, 1), "requests": done,
             "requests_per_s": round(done / elapsed, 3), "completion_tokens_per_s": round(in_window / elapsed, 2),
             "latency_s": {"p50": round(percentile(done_latencies, 50), 3),

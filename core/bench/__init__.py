@@ -2,7 +2,7 @@
 
 The package by job: `prompts` (the texts and the token ids every engine gets), `engines` (one adapter per
 engine configuration), `results` (what a run measured, medians, paired ratios), `costs` (the bandwidth bound
-and the forward cost curve), `run` (settings and the interleaved rounds), `report` (table, JSON, chart).
+and the forward cost curve, of one sequence and of a ragged batch), `run` (settings and the interleaved rounds), `report` (table, JSON, chart).
 
 Engines (each a small adapter with the same interface: `load()`, then `run(prompt_ids, n_tokens,
 temperature, top_p, seed) -> RunResult`):
@@ -37,6 +37,7 @@ median over rounds of the ratio within a round (`paired_ratio`).
 from outrider.bench.costs import (
     forward_cost_curve,
     forward_seconds,
+    ragged_forward_seconds,
     read_bandwidth_gbs,
     relative_costs,
     stored_weight_bytes,
@@ -60,5 +61,5 @@ from outrider.bench.run import DEFAULT_MODELS, DEFAULT_SAMPLINGS, BenchSettings,
 __all__ = ["BenchSettings", "DEFAULT_MODELS", "DEFAULT_SAMPLINGS", "DRAFTERS", "ENGINES", "Engine", "LlamaBenchEngine",
            "LlamaCppEngine", "OutriderEngine", "PROMPTS", "RunResult", "Sampling", "TransformersEngine", "draw_chart",
            "forward_cost_curve", "forward_seconds", "make_engines", "markdown", "median", "medians", "paired_ratio",
-           "prompt_ids", "read_bandwidth_gbs", "relative_costs", "run_bench", "stored_weight_bytes", "tensor_bytes",
+           "prompt_ids", "ragged_forward_seconds", "read_bandwidth_gbs", "relative_costs", "run_bench", "stored_weight_bytes", "tensor_bytes",
            "write_json"]

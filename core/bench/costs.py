@@ -67,24 +67,62 @@ def tensor_bytes(root: Any) -> int:
     return sum(counted.values())
 
 
+def _median_seconds(run, reps: int) -> float:
+    """Median seconds of `reps` calls of `run`, after an untimed one (each shape's first pass finds colder caches)."""
+    run()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _prefilled_caches(model, prompt_len: int, count: int, room: int) -> list:
+    """`count` caches holding the same random prompt_len-token prefix, with room for `room` more rows."""
+    high = min(1000, model.config.vocab_size)
+    prompt = torch.randint(0, high, (prompt_len,))
+    caches = [model.new_cache(prompt_len + room + 1) for _ in range(count)]
+    for cache in caches:
+        model.forward(prompt, 0, cache)
+    return caches
+
+
 def forward_seconds(model, ks: Iterable[int], prompt_len: int = 128, reps: int = 5) -> dict[int, float]:
     """Median seconds of one forward over k new tokens after a prompt_len-token prefix, for each k."""
     ks = list(ks)
     high = min(1000, model.config.vocab_size)
-    cache = model.new_cache(prompt_len + max(ks) + 1)
-    model.forward(torch.randint(0, high, (prompt_len,)), 0, cache)
+    cache, = _prefilled_caches(model, prompt_len, 1, max(ks))
     seconds = {}
     for k in ks:
         block = torch.randint(0, high, (k,))
-        model.forward(block, prompt_len, cache)  # untimed: each shape's first pass finds colder caches
-        cache.truncate(prompt_len)
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
+
+        def run():
             model.forward(block, prompt_len, cache)
-            times.append(time.perf_counter() - t)
             cache.truncate(prompt_len)
-        seconds[k] = statistics.median(times)
+        seconds[k] = _median_seconds(run, reps)
+    return seconds
+
+
+def ragged_forward_seconds(model, rows: Iterable[int], sequences: Iterable[int], prompt_len: int = 128,
+                           reps: int = 5) -> dict[tuple[int, int], float]:
+    """Median seconds of one `forward_sequences` over R rows split as evenly as may be across B sequences (each
+    over its own cache, after the same prompt_len-token prefix), for each (R, B) with B <= R: what a batched
+    step's verify costs beside one sequence's R rows (`forward_seconds`)."""
+    rows, sequences = list(rows), list(sequences)
+    high = min(1000, model.config.vocab_size)
+    caches = _prefilled_caches(model, prompt_len, max(sequences), max(rows))
+    seconds = {}
+    for r in rows:
+        for b in (b for b in sequences if b <= r):
+            counts = [r // b + (i < r % b) for i in range(b)]
+            block = torch.randint(0, high, (r,))
+
+            def run():
+                model.forward_sequences(block, counts, [prompt_len] * b, caches[:b])
+                for cache in caches[:b]:
+                    cache.truncate(prompt_len)
+            seconds[r, b] = _median_seconds(run, reps)
     return seconds
 
 

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
@@ -46,20 +47,8 @@ def on_a_passing_thread(work: Callable[[], T]) -> T:
     on another thread (the main thread, after loading) slows every parallel region of the generation thread's own,
     as libgomp's workers then outnumber the cores and stop spinning between regions (docs/bench/serving.md). A
     thread's pool ends with the thread, so the generation thread's is then the process's only one."""
-    done: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            done["value"] = work()
-        except BaseException as exc:  # noqa: BLE001 - raised again on the calling thread
-            done["error"] = exc
-
-    thread = threading.Thread(target=run, name="outrider-load")
-    thread.start()
-    thread.join()
-    if "error" in done:
-        raise done["error"]
-    return done["value"]
+    with ThreadPoolExecutor(1, thread_name_prefix="outrider-load") as pool:  # leaving it joins the thread
+        return pool.submit(work).result()
 
 
 class QueueFull(Exception):

@@ -348,7 +348,6 @@ class BatchPricing:
     def __init__(self) -> None:
         self.rows = RowCosts()
         self.draft_position_s: float | None = None  # a lockstep drafter's seconds per depth of a step's drafts
-        self.smoothing = self.rows.smoothing
 
     def observe(self, rows: int, took: float) -> None:
         self.rows.observe(rows, took)
@@ -358,7 +357,7 @@ class BatchPricing:
         if depth > 0:
             per = took / depth
             old = self.draft_position_s
-            self.draft_position_s = per if old is None else old + self.smoothing * (per - old)
+            self.draft_position_s = per if old is None else old + self.rows.smoothing * (per - old)
 
     def choose(self, plans: list[tuple[AdaptiveDraftLength, DraftKind, int]], other_rows: int = 0,
                lockstep: bool = False, other_depth: int = 0) -> list[int] | None:

@@ -356,25 +356,27 @@ class Runner:
 
     def _drafts(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[Draft], list[float]]:
         """Each sequence's cleaned draft (none where k is 0) and the seconds its proposing took: one by one, or,
-        where several draft, in one `propose_many` whose time is shared out by the tokens asked."""
+        where several draft, in one `propose_many` whose time is shared out by the tokens asked. A lockstep
+        drafter's time less its upkeep (catch-ups, a prompt read) is what its deepest draft's depth cost."""
         asked = [i for i, k in enumerate(ks) if k > 0]
         drafts = [Draft() for _ in seqs]
-        t = time.perf_counter()
+        start = t = time.perf_counter()
         if len(asked) > 1 and self._propose_many is not None:
             got = self._propose_many([seqs[i].draft_state for i in asked], [seqs[i].tokens for i in asked],
                                      [ks[i] for i in asked])
             for i, draft in zip(asked, got):
                 drafts[i] = self._clean(draft, ks[i])
             took, total = time.perf_counter() - t, sum(ks[i] for i in asked)
-            self.batch_pricing.observe_draft(max(ks), took)
-            return drafts, [took * k / total if k > 0 else 0.0 for k in ks]
-        spent = [0.0] * len(seqs)
-        for i in asked:
-            drafts[i] = self._clean(self.drafter.propose(seqs[i].draft_state, seqs[i].tokens, ks[i]), ks[i])
-            now = time.perf_counter()
-            spent[i], t = now - t, now
-        if len(asked) == 1 and self.traits.drafts_in_lockstep:  # a lockstep drafter's depth, one sequence deep
-            self.batch_pricing.observe_draft(ks[asked[0]], spent[asked[0]])
+            spent = [took * k / total if k > 0 else 0.0 for k in ks]
+        else:
+            spent = [0.0] * len(seqs)
+            for i in asked:
+                drafts[i] = self._clean(self.drafter.propose(seqs[i].draft_state, seqs[i].tokens, ks[i]), ks[i])
+                now = time.perf_counter()
+                spent[i], t = now - t, now
+        if asked and self.traits.drafts_in_lockstep:
+            upkeep = sum(drafts[i].upkeep_s for i in asked)
+            self.batch_pricing.observe_draft(max(ks), max(time.perf_counter() - start - upkeep, 0.0))
         return drafts, spent
 
     def _room(self, seq: Sequence) -> int:
