@@ -19,7 +19,6 @@ codes (the CPU backend's int8 kernels), so the numbers are speed, not quality. T
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from outrider.bench import forward_cost_curve
+from outrider.bench import forward_cost_curve, median_seconds
 from outrider.catalog import outrider_home
 from outrider.io.gguf import GGUFFile
 from outrider.plugins.backends.cpu import CPUBackend
@@ -164,16 +163,6 @@ def note(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def _median_seconds(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def speedup(a: float, k: int, curve: dict[int, float], r: float) -> float:
     """Tokens per round over round cost (in target steps) for k drafts at per-position acceptance a."""
     tokens = sum(a ** j for j in range(k + 1))
@@ -213,7 +202,7 @@ def main() -> None:
         cache.truncate(args.prompt)
 
     note("target steps")
-    step = _median_seconds(target_step, args.reps)
+    step = median_seconds(target_step, args.reps)
     layers = target_kv_layers(model)
     kv = {kind: cache.read(i, args.prompt) for kind, i in layers.items()}
     a_file = GGUFFile(assistant_path)
@@ -222,7 +211,7 @@ def main() -> None:
         note(f"assistant steps, {head} head")
         assistant = Gemma4Assistant(a_file, head=head, centroid_top_k=ASSISTANT["top_k"])
         rows = lambda: assistant.input_rows(model.embed(token), hidden[-1:])
-        ratios[head] = _median_seconds(lambda: assistant.forward(rows(), args.prompt, kv), args.reps) / step
+        ratios[head] = median_seconds(lambda: assistant.forward(rows(), args.prompt, kv), args.reps) / step
     note("verify cost curve")
     curve = forward_cost_curve(model, range(1, args.max_k + 2), prompt_len=args.prompt, reps=args.reps)
 

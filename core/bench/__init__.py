@@ -37,6 +37,7 @@ median over rounds of the ratio within a round (`paired_ratio`).
 from outrider.bench.costs import (
     forward_cost_curve,
     forward_seconds,
+    median_seconds,
     ragged_forward_seconds,
     read_bandwidth_gbs,
     relative_costs,
@@ -60,6 +61,6 @@ from outrider.bench.run import DEFAULT_MODELS, DEFAULT_SAMPLINGS, BenchSettings,
 
 __all__ = ["BenchSettings", "DEFAULT_MODELS", "DEFAULT_SAMPLINGS", "DRAFTERS", "ENGINES", "Engine", "LlamaBenchEngine",
            "LlamaCppEngine", "OutriderEngine", "PROMPTS", "RunResult", "Sampling", "TransformersEngine", "draw_chart",
-           "forward_cost_curve", "forward_seconds", "make_engines", "markdown", "median", "medians", "paired_ratio",
+           "forward_cost_curve", "forward_seconds", "make_engines", "markdown", "median", "median_seconds", "medians", "paired_ratio",
            "prompt_ids", "ragged_forward_seconds", "read_bandwidth_gbs", "relative_costs", "run_bench", "stored_weight_bytes", "tensor_bytes",
            "write_json"]

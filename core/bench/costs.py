@@ -67,7 +67,7 @@ def tensor_bytes(root: Any) -> int:
     return sum(counted.values())
 
 
-def _median_seconds(run, reps: int) -> float:
+def median_seconds(run, reps: int) -> float:
     """Median seconds of `reps` calls of `run`, after an untimed one (each shape's first pass finds colder caches)."""
     run()
     times = []
@@ -100,7 +100,7 @@ def forward_seconds(model, ks: Iterable[int], prompt_len: int = 128, reps: int =
         def run():
             model.forward(block, prompt_len, cache)
             cache.truncate(prompt_len)
-        seconds[k] = _median_seconds(run, reps)
+        seconds[k] = median_seconds(run, reps)
     return seconds
 
 
@@ -122,7 +122,7 @@ def ragged_forward_seconds(model, rows: Iterable[int], sequences: Iterable[int],
                 model.forward_sequences(block, counts, [prompt_len] * b, caches[:b])
                 for cache in caches[:b]:
                     cache.truncate(prompt_len)
-            seconds[r, b] = _median_seconds(run, reps)
+            seconds[r, b] = median_seconds(run, reps)
     return seconds
 
 
