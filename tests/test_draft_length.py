@@ -414,3 +414,36 @@ def test_lockstep_batch_pricing_pays_each_depth_once():
     # a depth the step's other sequences already draft to is paid for: each token there costs only its row (none
     # here): 2 + 2 * sum_{i<=8} 0.9^i = 12.25 tokens in 1 s, where a ninth depth would add 0.77 for 0.3 s
     assert pricing.choose(plans, other_rows=9, lockstep=True, other_depth=8) == [8, 8]
+
+
+def test_a_sequence_with_a_read_to_catch_up_enters_drafting_only_where_the_read_is_won_back():
+    """Hand-checked, on the set-up above (a flat 1 s forward, 0.3 s a depth, acceptance 0.9 everywhere), where the
+    second sequence's drafter must first read 100 rows at 0.01 s a row (1 s) and the sequence has `horizon` tokens
+    left: each token it emits drafting bears 1 s / horizon. Brute force over both lengths, tokens 2 + S_a + S_b
+    (S_d = sum_{i<=d} 0.9^i) for 1 + 0.3 max(a, b) + tax (1 + S_b) seconds (tax only where b > 0): at 10 tokens
+    left (tax 0.1) both draft to 5, 9.371 / 2.969 = 3.157; at 2 left (tax 0.5) the read never pays and the first
+    drafts alone to 3, 4.439 / 1.9 = 2.336 (against 4.310 / 1.9 = 2.268 at its depth 3 with both drafting 2).
+    Priced per token (0.3 s each, no lockstep) a read of 0.1 a token already keeps the second out: 4.439 / 1.9 =
+    2.336 for [3, 0] against [2, 2]'s 5.42 / (2.2 + 0.1 * 2.71) = 2.193."""
+    from outrider.spec.drafter import DraftKind
+    from outrider.spec.length_policy import AdaptiveDraftLength, BatchPricing
+
+    sure = DraftKind("sure", 0.9)
+    pricing = BatchPricing()
+    for rows in (1, 2, 40):
+        pricing.observe(rows, 1.0)
+    pricing.observe_draft(2, 0.6)
+    policies = [AdaptiveDraftLength(draft_s_per_token=0.3, draft_s_per_token_by_kind={sure: 0.3}) for _ in range(2)]
+    for p in policies:
+        est = p.estimates(sure)
+        est.acceptance[:] = [0.9] * len(est.acceptance)
+        est.reached[:] = [100] * len(est.reached)
+    plans = [(p, sure, 16) for p in policies]
+    # no read timed yet: nothing is charged, so that one is
+    assert pricing.choose(plans, lockstep=True, catch_up=[(0, 100), (100, 2)]) == [5, 5]
+    pricing.observe_catch_up(100, 1.0)
+    assert pricing.catch_up_row_s == 0.01
+    assert pricing.choose(plans, lockstep=True, catch_up=[(0, 100), (100, 10)]) == [5, 5]
+    assert pricing.choose(plans, lockstep=True, catch_up=[(0, 100), (100, 2)]) == [3, 0]
+    assert pricing.choose(plans, catch_up=[(0, 100), (0, 100)]) == [2, 2]
+    assert pricing.choose(plans, catch_up=[(0, 100), (100, 10)]) == [3, 0]

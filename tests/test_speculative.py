@@ -380,3 +380,52 @@ def test_rounds_that_accept_part_of_a_draft_keep_every_acceptors_output(tiny, ac
     partial = [r for r in acceptor.rounds if 0 < r[1] < r[0]]
     assert len(partial) >= 3, acceptor.rounds
     assert out == want  # p-min 0.99 keeps a wrong draft only where the target gives it that much: never here
+
+
+def test_a_draft_model_says_the_rows_its_next_draft_reads_before_drafting(tiny):
+    """`catch_up_rows` is what the batch prices before asking for a draft, so it must be what `propose` reads: counted
+    at the draft model's forwards, a draft of d tokens reads the catch-up, then one row a step (the last token's, then
+    each draft but the last). Before the first draft the catch-up is the whole prompt; after a round whose drafts were
+    kept, none; after each round that drafted nothing, one more."""
+    drafter = DraftModelDrafter(p_min=0.0, model=str(tiny["llama_draft_path"]))
+    drafter.setup(tiny["llama"])
+    model, read = drafter.model, []
+    forward, forward_sequences = model.forward, model.forward_sequences
+    model.forward = lambda ids, *a, **k: read.append(len(ids)) or forward(ids, *a, **k)
+    model.forward_sequences = lambda ids, *a, **k: read.append(len(ids)) or forward_sequences(ids, *a, **k)
+    state = drafter.begin(TINY_PROMPT, SamplingParams(), DraftControls())
+    tokens = [*TINY_PROMPT, 7]
+
+    def drafted_reads(tokens, k):
+        rows, read[:] = drafter.catch_up_rows(state, tokens), []
+        draft = drafter.propose(state, tokens, k)
+        assert sum(read) == rows + len(draft.tokens), (rows, read, draft)
+        return rows, draft.tokens
+
+    rows, draft = drafted_reads(tokens, 3)
+    assert rows == len(TINY_PROMPT) and len(draft) == 3
+    drafter.rollback(state, len(tokens) + 1)  # the first draft kept, then another token
+    tokens = [*tokens, draft[0], 11]
+    assert drafted_reads(tokens, 2)[0] == 0
+    drafter.rollback(state, len(tokens))  # nothing kept: the recovered token is the next draft step's row
+    tokens = [*tokens, 12]
+    assert drafter.catch_up_rows(state, tokens) == 0
+    tokens = [*tokens, 13, 14, 15]  # three rounds without drafts
+    assert drafter.catch_up_rows(state, tokens) == 3
+    assert drafted_reads(tokens, 2)[0] == 3
+
+
+def test_a_runner_counts_the_sequences_it_has_admitted_until_each_is_finished(tiny):
+    """A step of one sequence while another is admitted (reading its prompt in chunks) is priced as their batch's:
+    the runner knows how many are admitted, and finishing one twice counts it once."""
+    drafter = DraftModelDrafter(p_min=0.0, model=str(tiny["llama_draft_path"]))
+    drafter.setup(tiny["llama"])
+    runner = Runner(tiny["llama"], drafter, GreedyAcceptor(), DrafterTraits.of(drafter), context=64)
+    a = runner.admit(TINY_PROMPT, 4, SamplingParams())
+    b = runner.admit(TINY_PROMPT[:5], 4, SamplingParams())
+    assert runner.admitted == 2
+    runner.finish(a)
+    runner.finish(a)
+    assert runner.admitted == 1
+    runner.finish(b)
+    assert runner.admitted == 0

@@ -106,6 +106,15 @@ class DrafterChain:
         picked, state.picked = state.picked, None
         return picked[2] if picked and picked[0] is tokens and picked[1] == len(tokens) else None
 
+    def catch_up_rows(self, state: ChainState, tokens: list[int]) -> int:
+        """The rows the member this round's `draft_kind` picked reads before it drafts (all members', where none was
+        picked for these tokens); the pick stays for `propose`."""
+        picked = state.picked
+        members = [picked[2]] if picked and picked[0] is tokens and picked[1] == len(tokens) else \
+            range(len(self.drafters))
+        return sum(int(self.drafters[i].catch_up_rows(state.members[i], tokens)) for i in members
+                   if hasattr(self.drafters[i], "catch_up_rows"))
+
     def propose(self, state: ChainState, tokens: list[int], k: int) -> Draft:
         first = self._picked(state, tokens)
         upkeep = 0.0  # what the members asked spent keeping up with the target (not drafting)

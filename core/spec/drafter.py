@@ -18,7 +18,9 @@ pool); nothing is called with that state after it.
 Optionally, `draft_kind(state, tokens)`, asked before `propose`, says what kind of draft this round's would be
 (`DraftKind`), or `None` when it would be empty: `--draft-max auto` learns each kind's acceptance apart.
 `propose_many(states, tokens, ks)` drafts for several sequences in one call (`DrafterBase`'s asks `propose` of
-each in turn); its drafts must be those `propose` would give each sequence alone.
+each in turn); its drafts must be those `propose` would give each sequence alone. `catch_up_rows(state, tokens)`
+says how many rows the next `propose` reads before it drafts (a draft model's unread prompt, the tokens accepted
+while it drafted nothing), so a batch prices that read before it asks.
 
 A drafter that declares `target_hidden` or `target_kv` in `needs` (an MTP head, Gemma 4's assistant) is
 shown what the target computed, with no second forward: after the prompt, and after every round once
@@ -146,6 +148,7 @@ class Drafter(Protocol):
     # optional: def end(self, state) -> None  (the sequence is done: let go of what its state holds)
     # optional: def draft_kind(self, state, tokens: list[int]) -> DraftKind | None
     # optional: def propose_many(self, states, tokens: list[list[int]], ks: list[int]) -> list[Draft]
+    # optional: def catch_up_rows(self, state, tokens: list[int]) -> int  (rows the next propose reads first)
     # optional: def idle(self, tokens: list[int]) -> bool  (one unit of deferred work between generations, on the
     #   latest generation's prompt and output `tokens`, whatever drafted them; whether more is left)
     # with needs target_hidden / target_kv: def observe(self, state, hidden: torch.Tensor, start: int, cache) -> None
@@ -173,6 +176,10 @@ class DrafterBase:
 
     def draft_kind(self, state: DraftState, tokens: list[int]) -> DraftKind | None:
         return DEFAULT_KIND
+
+    def catch_up_rows(self, state: DraftState, tokens: list[int]) -> int:
+        """Rows of `tokens` the next `propose` must read before it drafts (none: this drafter keeps up as it goes)."""
+        return 0
 
     def propose_many(self, states: list[DraftState], tokens: list[list[int]], ks: list[int]) -> list[Draft]:
         """One draft per sequence; a drafter that can draft for several in one forward overrides this."""

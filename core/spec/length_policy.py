@@ -343,11 +343,21 @@ class BatchPricing:
     (`propose_many`: one draft forward a position for all of them) pays per position of the deepest draft, whatever
     the number of sequences at that position: the batch pays each depth once (`draft_position_s`, learned from
     its proposals), and a token at a depth already paid for costs only its verify row, so several sequences share
-    a depth that none would pay for alone. Any other drafter pays per drafted token (each sequence's own cost)."""
+    a depth that none would pay for alone. Any other drafter pays per drafted token (each sequence's own cost).
+
+    A drafter that must read rows of a sequence before it drafts it (a draft model's first draft reads the prompt;
+    after rounds without drafts it reads the tokens accepted since) pays that once, when the sequence starts
+    drafting again, and the whole batch waits for it: a draft model's prompt read costs several of the batch's
+    steps. A sequence enters drafting only where that read, spread over the tokens it has left (at most what
+    generations have typically run to), is won back; once it drafts, the read is paid and prices nothing more. `catch_up_row_s` is learned from what the drafter reports as upkeep per row read.
+    """
+
+    CATCH_UP_DECAY = 0.9  # of the rows and seconds summed for `catch_up_row_s`: recent reads weigh most
 
     def __init__(self) -> None:
         self.rows = RowCosts()
         self.draft_position_s: float | None = None  # a lockstep drafter's seconds per depth of a step's drafts
+        self._caught_up = [0.0, 0.0]  # decayed sums of catch-up seconds and the rows they read
 
     def observe(self, rows: int, took: float) -> None:
         self.rows.observe(rows, took)
@@ -359,20 +369,44 @@ class BatchPricing:
             old = self.draft_position_s
             self.draft_position_s = per if old is None else old + self.rows.smoothing * (per - old)
 
+    def observe_catch_up(self, rows: int, took: float) -> None:
+        """A drafter read `rows` rows it had not seen (prompts, tokens accepted while it did not draft) in `took`
+        seconds of upkeep."""
+        if rows > 0:
+            d = self.CATCH_UP_DECAY
+            self._caught_up = [d * self._caught_up[0] + took, d * self._caught_up[1] + rows]
+
+    @property
+    def catch_up_row_s(self) -> float | None:
+        seconds, rows = self._caught_up
+        return seconds / rows if rows else None
+
+    def _entry_costs(self, n: int, catch_up: list[tuple[int, int]] | None) -> list[float]:
+        """Per plan, seconds each token it emits drafting must bear of its catch-up read: the read spread over the
+        `horizon` tokens it has left. 0 where nothing is to be read, or no read has been timed yet (optimistic, so
+        that one gets timed)."""
+        per_row = self.catch_up_row_s
+        if catch_up is None or per_row is None:
+            return [0.0] * n
+        return [per_row * rows / max(horizon, 1) for rows, horizon in catch_up]
+
     def choose(self, plans: list[tuple[AdaptiveDraftLength, DraftKind, int]], other_rows: int = 0,
-               lockstep: bool = False, other_depth: int = 0) -> list[int] | None:
+               lockstep: bool = False, other_depth: int = 0,
+               catch_up: list[tuple[int, int]] | None = None) -> list[int] | None:
         """For each (policy, kind, most tokens it may draft): its length, beside `other_rows` rows of the step's
         other sequences (their t0 and drafts, whose lengths are not this pricing's; `other_depth` their deepest
         draft, which a lockstep drafter pays for anyway); None until a forward of about the batch's rows has
-        been timed."""
+        been timed. `catch_up`, per plan: (rows the drafter must read before it drafts that sequence, tokens the
+        sequence has left to draft in)."""
         base = len(plans) + other_rows
         if self.rows.cost(base) is None:
             return None
         expected = [[1.0, *islice(p._expected_by_length(kind), limit)] if limit > 0 else [1.0]
                     for p, kind, limit in plans]
         row_cost = [self.rows.cost(base + n) for n in range(sum(len(c) - 1 for c in expected) + 1)]
+        entry = self._entry_costs(len(plans), catch_up)
         if not lockstep:
-            return self._grown(expected, row_cost, [p._draft_cost(kind) for p, kind, _ in plans])
+            return self._grown(expected, row_cost, [p._draft_cost(kind) for p, kind, _ in plans], entry)
         position = self.draft_position_s
         if position is None:  # not timed yet: what the sequences' own policies think a drafted token costs
             position = sum(p._draft_cost(kind) for p, kind, _ in plans) / len(plans)
@@ -382,37 +416,46 @@ class BatchPricing:
         best, best_rate = [0] * len(plans), len(plans) / row_cost[0]
         for depth in range(1, max(len(c) for c in expected)):
             fixed = position * max(0, depth - other_depth)
-            ks, tokens, added = [0] * len(plans), float(len(plans)), 0
+            ks, tokens, added, entering = [0] * len(plans), float(len(plans)), 0, 0.0
             current = tokens / (row_cost[0] + fixed)
-            for gain, i, j in gains:
+            for gain, i, j in gains:  # a sequence's positions come in order: its gains fall with depth
                 if i > depth or i != ks[j] + 1:
                     continue
-                rate = (tokens + gain) / (row_cost[added + 1] + fixed)
+                enters = entry[j] * (expected[j][1] if i == 1 else gain)  # its tokens' share of its read
+                rate = (tokens + gain) / (row_cost[added + 1] + fixed + entering + enters)
                 if rate <= current:
-                    break
+                    continue  # a smaller gain elsewhere may still pay, where it has less to read first
                 ks[j], tokens, added, current = i, tokens + gain, added + 1, rate
+                entering += enters
             if current > best_rate:
                 best, best_rate = ks, current
         return best
 
     @staticmethod
-    def _grown(expected: list[list[float]], row_cost: list[float], draft_cost: list[float]) -> list[int]:
+    def _grown(expected: list[list[float]], row_cost: list[float], draft_cost: list[float],
+               entry: list[float]) -> list[int]:
         """Lengths grown a token at a time, each to the sequence whose next token gives the batch the highest
-        rate, while that rate rises (each token costs its row and its sequence's own draft cost)."""
+        rate, while that rate rises (each token costs its row and its sequence's own draft cost, and the tokens of
+        a sequence that has a read to catch up bear their share of it)."""
         ks = [0] * len(expected)
         tokens, drafting = float(len(expected)), 0.0
         current = tokens / row_cost[0]
+
+        def cost(j: int, k: int) -> float:
+            curve = expected[j]
+            return draft_cost[j] + entry[j] * (curve[1] if k == 0 else curve[k + 1] - curve[k])
+
         while True:
             best, best_rate = None, current
             added = sum(ks)
             for j, (k, curve) in enumerate(zip(ks, expected)):
                 if k + 1 < len(curve):
-                    r = (tokens + curve[k + 1] - curve[k]) / (row_cost[added + 1] + drafting + draft_cost[j])
+                    r = (tokens + curve[k + 1] - curve[k]) / (row_cost[added + 1] + drafting + cost(j, k))
                     if r > best_rate:
                         best, best_rate = j, r
             if best is None:
                 return ks
             tokens += expected[best][ks[best] + 1] - expected[best][ks[best]]
-            drafting += draft_cost[best]
+            drafting += cost(best, ks[best])
             ks[best] += 1
             current = best_rate

@@ -130,6 +130,7 @@ class Sequence:
     own_cache: bool = False  # taken from the runner's pool (given back at `finish`), not the runner's own cache
     prefilled: int = 0  # prompt tokens the target has read
     prompt_hidden: list = field(default_factory=list)  # their hidden rows, for a drafter that reads the target
+    admitted: bool = True  # counted in the runner's `admitted` until `finish`
 
     @property
     def prefilling(self) -> bool:
@@ -167,6 +168,9 @@ class Runner:
         self.batch_pricing = BatchPricing()  # what a forward over R rows costs: draft lengths of a batch's step
         self._end = getattr(drafter, "end", None)
         self._propose_many = getattr(drafter, "propose_many", None)
+        self._catch_up_rows = getattr(drafter, "catch_up_rows", None)
+        self.typical_output: float | None = None  # tokens a generation runs to, a running mean over finished ones
+        self.admitted = 0  # sequences admitted and not yet finished: a step of fewer is still their batch's
 
     def set_slots(self, slots: int, context: int) -> None:
         """Serve `slots` sequences at once, each in a cache of `context` positions, all of them allocated now (as
@@ -248,6 +252,7 @@ class Runner:
             draft_length.begin_generation(timed=not self.lengths_change_the_output(params, acceptor))
         penalties = ContextPenalties(params, prompt) if params.penalizes else None
         cache.truncate(0)
+        self.admitted += 1
         return Sequence(list(prompt), params, min(max_tokens, self.context - len(prompt)), frozenset(stop_ids),
                         cache, acceptor, draft_length, PositionRandom(params.seed), penalties,
                         GenerationStats(prompt_tokens=len(prompt)), own_cache=own_cache)
@@ -302,8 +307,14 @@ class Runner:
     def finish(self, seq: Sequence) -> None:
         """The sequence is done (or abandoned): its drafter state ended, a pooled cache given back, and its tokens
         are what idle work reads next (the drafter's `end` keeps what it learns from). Twice is once."""
+        if seq.admitted:
+            seq.admitted = False
+            self.admitted -= 1
         if seq.tokens:
             self.last_tokens = seq.tokens
+            if not seq.prefilling:
+                made, mean = seq.stats.generated_tokens, self.typical_output
+                self.typical_output = made if mean is None else mean + 0.2 * (made - mean)
         if seq.draft_state is not None and self._end is not None:
             self._end(seq.draft_state)
         seq.draft_state = None
@@ -329,7 +340,7 @@ class Runner:
             now = time.perf_counter()
             deciding.append(now - t)
             t = now
-        if len(seqs) > 1:
+        if len(seqs) > 1 or self.admitted > 1:  # alone in this step while others read their prompts: their batch's
             self._price_for_the_batch(seqs, kinds, chosen, ks)
         drafts, proposing = self._drafts(seqs, ks)
         draft_s = [a + b for a, b in zip(deciding, proposing)]
@@ -360,6 +371,7 @@ class Runner:
         drafter's time less its upkeep (catch-ups, a prompt read) is what its deepest draft's depth cost."""
         asked = [i for i, k in enumerate(ks) if k > 0]
         drafts = [Draft() for _ in seqs]
+        read = sum(self._rows_to_catch_up(seqs[i]) for i in asked)
         start = t = time.perf_counter()
         if len(asked) > 1 and self._propose_many is not None:
             got = self._propose_many([seqs[i].draft_state for i in asked], [seqs[i].tokens for i in asked],
@@ -374,10 +386,23 @@ class Runner:
                 drafts[i] = self._clean(self.drafter.propose(seqs[i].draft_state, seqs[i].tokens, ks[i]), ks[i])
                 now = time.perf_counter()
                 spent[i], t = now - t, now
+        upkeep = sum(drafts[i].upkeep_s for i in asked)
         if asked and self.traits.drafts_in_lockstep:
-            upkeep = sum(drafts[i].upkeep_s for i in asked)
             self.batch_pricing.observe_draft(max(ks), max(time.perf_counter() - start - upkeep, 0.0))
+        self.batch_pricing.observe_catch_up(read, upkeep)
         return drafts, spent
+
+    def _rows_to_catch_up(self, seq: Sequence) -> int:
+        """Rows the drafter reads before it drafts `seq` again (`catch_up_rows`: its prompt, tokens accepted while it
+        did not draft); 0 for a drafter that keeps up every round, or says nothing."""
+        return int(self._catch_up_rows(seq.draft_state, seq.tokens)) if self._catch_up_rows is not None else 0
+
+    def _horizon(self, seq: Sequence) -> int:
+        """Tokens `seq` has left to draft in: its limit's, at most what generations typically run to beyond where it
+        is (a sequence past that is priced on its limit: it is one of the long ones)."""
+        left = seq.max_tokens - seq.stats.generated_tokens
+        typical, made = self.typical_output, seq.stats.generated_tokens
+        return left if typical is None or made >= typical else min(left, max(1, round(typical - made)))
 
     def _room(self, seq: Sequence) -> int:
         """The most tokens `seq` may draft this round: one short of its length limit, within its cache."""
@@ -386,21 +411,25 @@ class Runner:
     def _price_for_the_batch(self, seqs: list[Sequence], kinds: list, chosen: list[int], ks: list[int]) -> None:
         """Each timed auto-length sequence's draft length chosen for the batch (`BatchPricing`), in place of what
         its own policy priced alone. Not a sequence whose lengths change its output (a seeded run with q, a lossy
-        acceptor: its policy is untimed, so its lengths follow its seeded history whatever else runs), nor an
-        exploring round, nor a fixed --draft-max."""
+        acceptor: its policy is untimed, so its lengths follow its seeded history whatever else runs), nor a fixed
+        --draft-max, nor an exploring round of a drafter with nothing to catch up (a look costs the batch a draft; one
+        with rows to read first would cost it the read too, which only the batch's pricing weighs)."""
+        catch_up = [self._rows_to_catch_up(seq) if kind is not None else 0 for seq, kind in zip(seqs, kinds)]
         priced = [j for j, (seq, kind) in enumerate(zip(seqs, kinds))
                   if kind is not None and isinstance(seq.draft_length, AdaptiveDraftLength)
-                  and seq.draft_length.timed and not seq.draft_length.exploring]
+                  and seq.draft_length.timed and (not seq.draft_length.exploring or catch_up[j])]
         if not priced:
             return
         others = [j for j in range(len(seqs)) if j not in priced]
         plans = [(seqs[j].draft_length, kinds[j], min(seqs[j].draft_length.cap, self._room(seqs[j]))) for j in priced]
+        catch_up = [(catch_up[j], self._horizon(seqs[j])) for j in priced]
         lengths = self.batch_pricing.choose(plans, sum(1 + ks[j] for j in others), lockstep=self.traits.drafts_in_lockstep,
-                                            other_depth=max((ks[j] for j in others), default=0))
+                                            other_depth=max((ks[j] for j in others), default=0), catch_up=catch_up)
         if lengths is None:
             return
         for j, k in zip(priced, lengths):
             chosen[j] = ks[j] = k
+            seqs[j].draft_length.exploring = False  # the batch's choice, not a look: priced as a round, not a loss
 
     def _commit(self, seq: Sequence, draft: Draft, kind: DraftKind | None, chosen: int, k: int, draft_s: float,
                 n: int, logits: torch.Tensor, hidden: torch.Tensor | None, t_drafted: float, alone: bool = True) -> Round:

@@ -173,6 +173,12 @@ class DraftModelDrafter(DrafterBase):
     def draft_kind(self, state: DraftModelState, tokens: list[int]) -> DraftKind:
         return self.kind
 
+    def catch_up_rows(self, state: DraftModelState, tokens: list[int]) -> int:
+        """Rows the next draft reads before its draft step: the prompt, if not read yet, and the tokens accepted
+        since the last draft (the last token is the draft step's own row)."""
+        have = 0 if state.unread else state.cache.length
+        return max(len(tokens) - 1 - have, 0)
+
     def rollback(self, state: DraftModelState, length: int) -> None:
         state.cache.truncate(min(state.cache.length, length))
 
