@@ -419,12 +419,12 @@ def test_lockstep_batch_pricing_pays_each_depth_once():
 def test_a_sequence_with_a_read_to_catch_up_enters_drafting_only_where_the_read_is_won_back():
     """Hand-checked, on the set-up above (a flat 1 s forward, 0.3 s a depth, acceptance 0.9 everywhere), where the
     second sequence's drafter must first read 100 rows at 0.01 s a row (1 s) and the sequence has `horizon` tokens
-    left: each token it emits drafting bears 1 s / horizon. Brute force over both lengths, tokens 2 + S_a + S_b
-    (S_d = sum_{i<=d} 0.9^i) for 1 + 0.3 max(a, b) + tax (1 + S_b) seconds (tax only where b > 0): at 10 tokens
-    left (tax 0.1) both draft to 5, 9.371 / 2.969 = 3.157; at 2 left (tax 0.5) the read never pays and the first
-    drafts alone to 3, 4.439 / 1.9 = 2.336 (against 4.310 / 1.9 = 2.268 at its depth 3 with both drafting 2).
-    Priced per token (0.3 s each, no lockstep) a read of 0.1 a token already keeps the second out: 4.439 / 1.9 =
-    2.336 for [3, 0] against [2, 2]'s 5.42 / (2.2 + 0.1 * 2.71) = 2.193."""
+    left, half of which must win the read back: each token it emits drafting bears 1 s / (horizon / 2). Brute force
+    over both lengths, tokens 2 + S_a + S_b (S_d = sum_{i<=d} 0.9^i) for 1 + 0.3 max(a, b) + tax (1 + S_b) seconds
+    (tax only where b > 0): at 20 tokens left (tax 0.1) both draft to 5, 9.371 / 2.969 = 3.157; at 2 left (tax 1)
+    the read never pays and the first drafts alone to 3, 4.439 / 1.9 = 2.336 (against 4.310 / 1.9 = 2.268 at its
+    depth 3 with both drafting 2). Priced per token (0.3 s each, no lockstep) a read of 0.1 a token already keeps
+    the second out: 4.439 / 1.9 = 2.336 for [3, 0] against [2, 2]'s 5.42 / (2.2 + 0.1 * 2.71) = 2.193."""
     from outrider.spec.drafter import DraftKind
     from outrider.spec.length_policy import AdaptiveDraftLength, BatchPricing
 
@@ -443,7 +443,73 @@ def test_a_sequence_with_a_read_to_catch_up_enters_drafting_only_where_the_read_
     assert pricing.choose(plans, lockstep=True, catch_up=[(0, 100), (100, 2)]) == [5, 5]
     pricing.observe_catch_up(100, 1.0)
     assert pricing.catch_up_row_s == 0.01
-    assert pricing.choose(plans, lockstep=True, catch_up=[(0, 100), (100, 10)]) == [5, 5]
+    assert pricing.choose(plans, lockstep=True, catch_up=[(0, 100), (100, 20)]) == [5, 5]
     assert pricing.choose(plans, lockstep=True, catch_up=[(0, 100), (100, 2)]) == [3, 0]
     assert pricing.choose(plans, catch_up=[(0, 100), (0, 100)]) == [2, 2]
-    assert pricing.choose(plans, catch_up=[(0, 100), (100, 10)]) == [3, 0]
+    assert pricing.choose(plans, catch_up=[(0, 100), (100, 20)]) == [3, 0]
+
+
+def test_a_new_policy_starts_from_what_finished_generations_measured():
+    """PolicyMemory, hand-checked: a generation that measured a verify of 3 rows at 0.05 s, a draft token at 0.01 s
+    and its kind accepted 0.9 at position 1 and 0.8 at position 2 gives the next policy those costs (carried: its
+    own first measurement replaces them) and the acceptance [0.9, 0.8, 0.8, ...] (the unreached positions as the
+    deepest reached), in place of the prior 0.6; a second generation that measured 0.5 at position 1 moves it by
+    the memory's weight, 0.9 + 0.3 (0.5 - 0.9) = 0.78. An untimed policy (a seeded run whose lengths change its
+    output) starts from the prior whatever was remembered, and so does an untimed generation teach nothing."""
+    from outrider.spec.drafter import DraftKind
+    from outrider.spec.length_policy import PolicyMemory
+
+    kind = DraftKind("draft", 0.6)
+    memory = PolicyMemory()
+    first = memory.new_policy()
+    first.begin_generation()
+    assert first.estimates(kind).acceptance[:2] == [0.6, 0.6]
+    first.verify_s[3] = 0.05
+    first.measured |= {("verify", 3), "draft", ("draft", kind)}
+    first.draft_s_per_token = first.draft_s_per_token_by_kind[kind] = 0.01
+    est = first.estimates(kind)
+    est.acceptance[:2], est.reached[:2] = [0.9, 0.8], [5, 3]
+    memory.remember(first)
+
+    second = memory.new_policy()
+    second.begin_generation()
+    assert second.verify_s == {3: 0.05} and second.draft_s_per_token_by_kind == {kind: 0.01}
+    assert not second.measured  # carried, so the first measurement replaces it
+    assert second.estimates(kind).acceptance[:4] == [0.9, 0.8, 0.8, 0.8]
+    assert second.estimates(kind).reached[:2] == [0, 0]
+    est = second.estimates(kind)
+    est.acceptance[0], est.reached[0] = 0.5, 2
+    memory.remember(second)
+    assert memory.new_policy().estimates(kind).acceptance[:3] == pytest.approx([0.78, 0.8, 0.8])
+
+    untimed = memory.new_policy()
+    untimed.begin_generation(timed=False)
+    assert untimed.estimates(kind).acceptance[:2] == [0.6, 0.6]
+    untimed.estimates(kind).acceptance[0], untimed.estimates(kind).reached[0] = 0.1, 9
+    memory.remember(untimed)
+    assert memory.acceptance[kind][0] == pytest.approx(0.78)
+
+
+def test_a_batch_size_whose_drafting_steps_gave_less_than_plain_ones_stops_drafting_and_tries_again_later():
+    """The batch's own record overrules its estimates: at 4 sequences, 8 drafting steps of 10 tokens in 0.2 s (50
+    tokens/s) against 8 plain steps of 4 tokens in 0.05 s (80/s) rule drafting out at 4, not at 2; after
+    RETRY_STEPS plain steps at 4 it is tried again on a fresh record; where drafting gave more (10 tokens in 0.1 s,
+    100/s) it stays. Fewer than MIN_STEPS of either decide nothing."""
+    from outrider.spec.length_policy import BatchPricing
+
+    pricing = BatchPricing()
+    for _ in range(BatchPricing.MIN_STEPS - 1):
+        pricing.observe_step(4, True, 10, 0.2)
+        pricing.observe_step(4, False, 4, 0.05)
+    assert pricing.drafting_pays(4)
+    pricing.observe_step(4, True, 10, 0.2)
+    pricing.observe_step(4, False, 4, 0.05)
+    assert not pricing.drafting_pays(4) and pricing.drafting_pays(2)
+    for _ in range(BatchPricing.RETRY_STEPS - 1):
+        pricing.observe_step(4, False, 4, 0.05)
+    assert not pricing.drafting_pays(4)
+    pricing.observe_step(4, False, 4, 0.05)
+    assert pricing.drafting_pays(4)
+    for _ in range(BatchPricing.MIN_STEPS):
+        pricing.observe_step(4, True, 10, 0.1)
+    assert pricing.drafting_pays(4)

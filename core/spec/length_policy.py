@@ -124,6 +124,9 @@ class AdaptiveDraftLength:
     exploring: bool = False  # the length just chosen is an exploring round's
     measured: set = field(default_factory=set)  # the costs this generation has measured (the others carried)
     looked: set = field(default_factory=set)  # the kinds this generation has chosen a length for
+    # a kind's starting acceptance per position where earlier generations measured it (`PolicyMemory`), in place of
+    # its prior; timed generations only (an untimed one's lengths follow its own seeded history)
+    remembered: dict[DraftKind, list[float]] | None = None
 
     def begin_generation(self, timed: bool = True) -> None:
         if not timed or not self.timed:
@@ -133,7 +136,9 @@ class AdaptiveDraftLength:
 
     def estimates(self, kind: DraftKind = DEFAULT_KIND) -> KindAcceptance:
         if kind not in self.kinds:
-            self.kinds[kind] = KindAcceptance(kind.prior, self.cap)
+            est = self.kinds[kind] = KindAcceptance(kind.prior, self.cap)
+            if self.timed and self.remembered and kind in self.remembered:
+                est.acceptance[:] = self.remembered[kind][: self.cap]
         return self.kinds[kind]
 
     def _average(self, old: float | None, new: float, key: object) -> float:
@@ -297,6 +302,59 @@ class AdaptiveDraftLength:
             est.continued[j] += self._weight(est.asked[j]) * (went_on - est.continued[j])
 
 
+class PolicyMemory:
+    """What finished generations measured, for the policies of the next ones to start from: a server's requests
+    each get a policy of their own (their acceptance is their own text's), yet the machine's costs are the same
+    for all, and so, roughly, is what a drafter's kind of draft gets accepted on this workload. A new policy starts
+    from the latest measurement of each cost (carried, so its own first measurement replaces it, as a policy
+    carried from one generation to the next does) and from each kind's acceptance per position averaged over the
+    timed generations that reached it (a position none reached takes the deepest reached one's, as a policy
+    prices it), in place of the kind's prior: a newcomer's first draft in a batch is priced on what drafts like it
+    got, not on a guess."""
+
+    smoothing = 0.3  # weight of the newest generation in a position's remembered acceptance
+
+    def __init__(self) -> None:
+        self.verify_s: dict[int, float] = {}
+        self.draft_s_per_token: float | None = None
+        self.draft_s_per_token_by_kind: dict[DraftKind, float] = {}
+        self.acceptance: dict[DraftKind, list[float]] = {}  # per kind, per position: the starting values
+        self._reached: dict[DraftKind, list[bool]] = {}
+
+    def new_policy(self) -> AdaptiveDraftLength:
+        return AdaptiveDraftLength(verify_s=dict(self.verify_s), draft_s_per_token=self.draft_s_per_token,
+                                   draft_s_per_token_by_kind=dict(self.draft_s_per_token_by_kind),
+                                   remembered=self.acceptance)
+
+    def remember(self, policy: AdaptiveDraftLength) -> None:
+        """A timed generation's measurements, once it is done."""
+        if not policy.timed:
+            return
+        for key in policy.measured:
+            if key == "draft":
+                self.draft_s_per_token = policy.draft_s_per_token
+            elif key[0] == "verify":
+                self.verify_s[key[1]] = policy.verify_s[key[1]]
+            else:
+                self.draft_s_per_token_by_kind[key[1]] = policy.draft_s_per_token_by_kind[key[1]]
+        for kind, est in policy.kinds.items():
+            if not est.reached[0]:
+                continue
+            values = self.acceptance.setdefault(kind, [kind.prior] * policy.cap)
+            reached = self._reached.setdefault(kind, [False] * policy.cap)
+            for j, seen in enumerate(est.reached[: len(values)]):
+                if seen:
+                    values[j] = est.acceptance[j] if not reached[j] else \
+                        values[j] + self.smoothing * (est.acceptance[j] - values[j])
+                    reached[j] = True
+            deepest = None
+            for j, seen in enumerate(reached):  # unreached positions as the policy prices them: the deepest's
+                if seen:
+                    deepest = values[j]
+                elif deepest is not None:
+                    values[j] = deepest
+
+
 @dataclass
 class RowCosts:
     """What a target forward over R rows costs (seconds), whatever sequences they belong to: running averages per
@@ -348,16 +406,56 @@ class BatchPricing:
     A drafter that must read rows of a sequence before it drafts it (a draft model's first draft reads the prompt;
     after rounds without drafts it reads the tokens accepted since) pays that once, when the sequence starts
     drafting again, and the whole batch waits for it: a draft model's prompt read costs several of the batch's
-    steps. A sequence enters drafting only where that read, spread over the tokens it has left (at most what
-    generations have typically run to), is won back; once it drafts, the read is paid and prices nothing more. `catch_up_row_s` is learned from what the drafter reports as upkeep per row read.
+    steps. A sequence enters drafting only where that read is won back within half the tokens it has left (at most
+    what generations have typically run to); once it drafts, the read is paid and prices nothing more.
+    `catch_up_row_s` is learned from what the drafter reports as upkeep per row read.
+
+    What the estimates miss (acceptance carried from other texts, a cost that moved) the batch's own record catches:
+    per batch size, the tokens a second its steps gave where they drafted and where they did not. Where drafting
+    steps have given less than plain ones, a batch of that size drafts nothing, and tries again (its drafting record
+    cleared) only after `RETRY_STEPS` plain steps: a wrong estimate costs a few steps, not the load's rate.
     """
 
+    ENTRY_PAYBACK = 0.5  # of a sequence's tokens left, the share that must win its read back: the read is paid
+    # now, the gains are estimates
     CATCH_UP_DECAY = 0.9  # of the rows and seconds summed for `catch_up_row_s`: recent reads weigh most
+    RECORD_DECAY = 0.95  # of the tokens and seconds summed per (batch size, drafted or not)
+    MIN_STEPS = 8  # steps of each kind before the record overrules the estimates
+    RETRY_STEPS = 256  # plain steps at a batch size before drafting there is tried again
 
     def __init__(self) -> None:
         self.rows = RowCosts()
         self.draft_position_s: float | None = None  # a lockstep drafter's seconds per depth of a step's drafts
         self._caught_up = [0.0, 0.0]  # decayed sums of catch-up seconds and the rows they read
+        self._record: dict[tuple[int, bool], list[float]] = {}  # (batch, drafted): decayed tokens, seconds, steps
+        self._plain_since: dict[int, int] = {}  # plain steps per batch size since drafting was ruled out there
+
+    def observe_step(self, batch: int, drafted: bool, tokens: int, took: float) -> None:
+        """A step of `batch` sequences, with drafts or without, emitted `tokens` in `took` seconds (drafting, its
+        catch-ups and the verify)."""
+        d = self.RECORD_DECAY
+        record = self._record.setdefault((batch, drafted), [0.0, 0.0, 0])
+        record[0], record[1], record[2] = d * record[0] + tokens, d * record[1] + took, record[2] + 1
+        if not drafted and batch in self._plain_since:
+            self._plain_since[batch] += 1
+
+    def drafting_pays(self, batch: int) -> bool:
+        """Whether a batch of this size may draft: unless its drafting steps have given fewer tokens a second than
+        its plain ones (each kind seen `MIN_STEPS` times), or since that was found fewer than `RETRY_STEPS` plain
+        steps have run."""
+        since = self._plain_since.get(batch)
+        if since is not None:
+            if since < self.RETRY_STEPS:
+                return False
+            del self._plain_since[batch], self._record[batch, True]  # try again, on a fresh record
+            return True
+        drafting, plain = self._record.get((batch, True)), self._record.get((batch, False))
+        if drafting is None or plain is None or min(drafting[2], plain[2]) < self.MIN_STEPS:
+            return True
+        if drafting[0] / drafting[1] < plain[0] / plain[1]:
+            self._plain_since[batch] = 0
+            return False
+        return True
 
     def observe(self, rows: int, took: float) -> None:
         self.rows.observe(rows, took)
@@ -383,12 +481,12 @@ class BatchPricing:
 
     def _entry_costs(self, n: int, catch_up: list[tuple[int, int]] | None) -> list[float]:
         """Per plan, seconds each token it emits drafting must bear of its catch-up read: the read spread over the
-        `horizon` tokens it has left. 0 where nothing is to be read, or no read has been timed yet (optimistic, so
+        first `ENTRY_PAYBACK` of the `horizon` tokens it has left. 0 where nothing is to be read, or no read has been timed yet (optimistic, so
         that one gets timed)."""
         per_row = self.catch_up_row_s
         if catch_up is None or per_row is None:
             return [0.0] * n
-        return [per_row * rows / max(horizon, 1) for rows, horizon in catch_up]
+        return [per_row * rows / max(horizon * self.ENTRY_PAYBACK, 1) for rows, horizon in catch_up]
 
     def choose(self, plans: list[tuple[AdaptiveDraftLength, DraftKind, int]], other_rows: int = 0,
                lockstep: bool = False, other_depth: int = 0,

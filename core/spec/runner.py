@@ -20,7 +20,7 @@ from outrider.errors import OutriderError
 from outrider.spec.acceptance import VerifyRound, as_acceptor
 from outrider.spec.drafter import Draft, DraftControls, DraftKind, Target, begin_drafting, default_draft_kind
 from outrider.spec.drafter_traits import DrafterTraits
-from outrider.spec.length_policy import AdaptiveDraftLength, BatchPricing, FixedDraftLength
+from outrider.spec.length_policy import AdaptiveDraftLength, BatchPricing, FixedDraftLength, PolicyMemory
 from outrider.spec.penalties import ContextPenalties
 from outrider.spec.random_streams import PositionRandom
 from outrider.spec.sampling import SamplingParams
@@ -156,7 +156,10 @@ class Runner:
     def __init__(self, target: Target, drafter: Any, acceptor: Any, traits: DrafterTraits,
                  controls: DraftControls | None = None, context: int | None = None):
         self.target, self.drafter, self.acceptor, self.traits = target, drafter, as_acceptor(acceptor), traits
-        self.draft_length = self.new_draft_length()
+        self.memory = PolicyMemory()  # what finished generations measured: where a new sequence's policy starts
+        # one user's stream of generations (`rounds`) carries its own costs in its own policy, and each of its texts
+        # starts from the kinds' priors (the next text is another text)
+        self.draft_length = AdaptiveDraftLength() if traits.draft_max == "auto" else FixedDraftLength(int(traits.draft_max))
         self.controls = controls or DraftControls()
         self.vocab_size = target.model.config.vocab_size
         self.context = min(context or target.model.config.context_length, target.model.config.context_length)
@@ -180,8 +183,9 @@ class Runner:
         self._free_caches = [self.target.model.new_cache(self.context) for _ in range(slots)]
 
     def new_draft_length(self) -> Any:
-        """A draft-length policy as `--draft-max` asks: one per stream of generations that learns its own costs."""
-        return AdaptiveDraftLength() if self.traits.draft_max == "auto" else FixedDraftLength(int(self.traits.draft_max))
+        """A draft-length policy as `--draft-max` asks; for auto, one that starts from what finished generations
+        measured (`PolicyMemory`)."""
+        return self.memory.new_policy() if self.traits.draft_max == "auto" else FixedDraftLength(int(self.traits.draft_max))
 
     def generate(self, prompt: list[int], max_tokens: int, params: SamplingParams,
                  stop_ids: set[int] | frozenset[int] = frozenset()) -> Iterator[int]:
@@ -315,6 +319,8 @@ class Runner:
             if not seq.prefilling:
                 made, mean = seq.stats.generated_tokens, self.typical_output
                 self.typical_output = made if mean is None else mean + 0.2 * (made - mean)
+                if isinstance(seq.draft_length, AdaptiveDraftLength):
+                    self.memory.remember(seq.draft_length)
         if seq.draft_state is not None and self._end is not None:
             self._end(seq.draft_state)
         seq.draft_state = None
@@ -329,7 +335,7 @@ class Runner:
         in order; a sequence's round is what its own `rounds` would give."""
         drafter, traits, model = self.drafter, self.traits, self.target.model
         kinds, chosen, ks, deciding = [], [], [], []
-        t = time.perf_counter()
+        t = t_step = time.perf_counter()
         for seq in seqs:
             kind = drafter.draft_kind(seq.draft_state, seq.tokens) if traits.says_draft_kind \
                 else default_draft_kind(seq.tokens)
@@ -340,7 +346,10 @@ class Runner:
             now = time.perf_counter()
             deciding.append(now - t)
             t = now
-        if len(seqs) > 1 or self.admitted > 1:  # alone in this step while others read their prompts: their batch's
+        # alone in this step while others read their prompts, a sequence with a read to catch up first is priced as
+        # their batch's: the read would hold up all of them
+        batched = len(seqs) > 1 or (self.admitted > 1 and self._rows_to_catch_up(seqs[0]))
+        if batched:
             self._price_for_the_batch(seqs, kinds, chosen, ks)
         drafts, proposing = self._drafts(seqs, ks)
         draft_s = [a + b for a, b in zip(deciding, proposing)]
@@ -363,6 +372,9 @@ class Runner:
                                        hidden[row:row + rows] if hidden is not None else None, t_drafted,
                                        alone=len(seqs) == 1))
             row += rows
+        if batched:
+            self.batch_pricing.observe_step(len(seqs), any(ks), sum(len(r.tokens) for r in rounds),
+                                            time.perf_counter() - t_step)
         return rounds
 
     def _drafts(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[Draft], list[float]]:
@@ -419,6 +431,11 @@ class Runner:
                   if kind is not None and isinstance(seq.draft_length, AdaptiveDraftLength)
                   and seq.draft_length.timed and (not seq.draft_length.exploring or catch_up[j])]
         if not priced:
+            return
+        if not self.batch_pricing.drafting_pays(len(seqs)):  # this batch size's own record says drafting lost
+            for j in priced:
+                chosen[j] = ks[j] = 0
+                seqs[j].draft_length.exploring = False
             return
         others = [j for j in range(len(seqs)) if j not in priced]
         plans = [(seqs[j].draft_length, kinds[j], min(seqs[j].draft_length.cap, self._room(seqs[j]))) for j in priced]
