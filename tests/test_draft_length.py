@@ -388,13 +388,10 @@ def test_batch_pricing_drafts_where_a_row_is_cheap_and_not_where_it_costs_a_step
     assert steep.choose([(p, even, 4) for p in policies]) == [0, 0, 0]
 
 
-def test_lockstep_batch_pricing_pays_each_depth_once():
-    """Hand-checked: two sequences whose drafts are accepted 0.9 of the time at every position, a forward whose
-    cost does not grow with its rows (1 s), and a lockstep drafter whose every depth costs 0.3 s for both. Both
-    drafting to depth d yields 2 + 2 * sum_{i<=d} 0.9^i tokens for 1 + 0.3 d seconds: 8.19 / 2.2 = 3.72 at d = 4,
-    9.37 / 2.5 = 3.748 at d = 5, 10.43 / 2.8 = 3.72 at d = 6, against 2 / 1 plain: depth 5 each. Priced per token
-    (0.3 s a token, as a drafter that is not lockstep pays), two each: 5.42 / 2.2 = 2.464 against 6.15 / 2.5 = 2.460
-    with a third for either."""
+def _two_sure_sequences():
+    """A pricing whose forward costs 1 s whatever its rows, a lockstep drafter at 0.3 s a depth, and two sequences
+    whose drafts (0.3 s a token) are accepted 0.9 of the time at every position, measured there (so none is assumed
+    from the deepest)."""
     from outrider.spec.drafter import DraftKind
     from outrider.spec.length_policy import AdaptiveDraftLength, BatchPricing
 
@@ -404,11 +401,21 @@ def test_lockstep_batch_pricing_pays_each_depth_once():
         pricing.observe(rows, 1.0)
     pricing.observe_draft(2, 0.6)
     policies = [AdaptiveDraftLength(draft_s_per_token=0.3, draft_s_per_token_by_kind={sure: 0.3}) for _ in range(2)]
-    for p in policies:  # acceptance 0.9 measured at every position, so none is assumed from the deepest
+    for p in policies:
         est = p.estimates(sure)
         est.acceptance[:] = [0.9] * len(est.acceptance)
         est.reached[:] = [100] * len(est.reached)
-    plans = [(p, sure, 16) for p in policies]
+    return pricing, [(p, sure, 16) for p in policies]
+
+
+def test_lockstep_batch_pricing_pays_each_depth_once():
+    """Hand-checked: two sequences whose drafts are accepted 0.9 of the time at every position, a forward whose
+    cost does not grow with its rows (1 s), and a lockstep drafter whose every depth costs 0.3 s for both. Both
+    drafting to depth d yields 2 + 2 * sum_{i<=d} 0.9^i tokens for 1 + 0.3 d seconds: 8.19 / 2.2 = 3.72 at d = 4,
+    9.37 / 2.5 = 3.748 at d = 5, 10.43 / 2.8 = 3.72 at d = 6, against 2 / 1 plain: depth 5 each. Priced per token
+    (0.3 s a token, as a drafter that is not lockstep pays), two each: 5.42 / 2.2 = 2.464 against 6.15 / 2.5 = 2.460
+    with a third for either."""
+    pricing, plans = _two_sure_sequences()
     assert pricing.choose(plans, lockstep=True) == [5, 5]
     assert pricing.choose(plans) == [2, 2]
     # a depth the step's other sequences already draft to is paid for: each token there costs only its row (none
@@ -425,20 +432,7 @@ def test_a_sequence_with_a_read_to_catch_up_enters_drafting_only_where_the_read_
     the read never pays and the first drafts alone to 3, 4.439 / 1.9 = 2.336 (against 4.310 / 1.9 = 2.268 at its
     depth 3 with both drafting 2). Priced per token (0.3 s each, no lockstep) a read of 0.1 a token already keeps
     the second out: 4.439 / 1.9 = 2.336 for [3, 0] against [2, 2]'s 5.42 / (2.2 + 0.1 * 2.71) = 2.193."""
-    from outrider.spec.drafter import DraftKind
-    from outrider.spec.length_policy import AdaptiveDraftLength, BatchPricing
-
-    sure = DraftKind("sure", 0.9)
-    pricing = BatchPricing()
-    for rows in (1, 2, 40):
-        pricing.observe(rows, 1.0)
-    pricing.observe_draft(2, 0.6)
-    policies = [AdaptiveDraftLength(draft_s_per_token=0.3, draft_s_per_token_by_kind={sure: 0.3}) for _ in range(2)]
-    for p in policies:
-        est = p.estimates(sure)
-        est.acceptance[:] = [0.9] * len(est.acceptance)
-        est.reached[:] = [100] * len(est.reached)
-    plans = [(p, sure, 16) for p in policies]
+    pricing, plans = _two_sure_sequences()
     # no read timed yet: nothing is charged, so that one is
     assert pricing.choose(plans, lockstep=True, catch_up=[(0, 100), (100, 2)]) == [5, 5]
     pricing.observe_catch_up(100, 1.0)
@@ -449,13 +443,10 @@ def test_a_sequence_with_a_read_to_catch_up_enters_drafting_only_where_the_read_
     assert pricing.choose(plans, catch_up=[(0, 100), (100, 20)]) == [3, 0]
 
 
-def test_a_new_policy_starts_from_what_finished_generations_measured():
-    """PolicyMemory, hand-checked: a generation that measured a verify of 3 rows at 0.05 s, a draft token at 0.01 s
-    and its kind accepted 0.9 at position 1 and 0.8 at position 2 gives the next policy those costs (carried: its
-    own first measurement replaces them) and the acceptance [0.9, 0.8, 0.8, ...] (the unreached positions as the
-    deepest reached), in place of the prior 0.6; a second generation that measured 0.5 at position 1 moves it by
-    the memory's weight, 0.9 + 0.3 (0.5 - 0.9) = 0.78. An untimed policy (a seeded run whose lengths change its
-    output) starts from the prior whatever was remembered, and so does an untimed generation teach nothing."""
+def test_a_new_policy_starts_from_the_costs_finished_generations_measured():
+    """PolicyMemory: a timed generation that measured a verify of 3 rows at 0.05 s and a draft token at 0.01 s gives
+    the next policy those costs, carried (its own first measurement replaces them), and the kind's prior, not the
+    acceptance it measured (the next request is another text). An untimed generation teaches nothing."""
     from outrider.spec.drafter import DraftKind
     from outrider.spec.length_policy import PolicyMemory
 
@@ -463,31 +454,22 @@ def test_a_new_policy_starts_from_what_finished_generations_measured():
     memory = PolicyMemory()
     first = memory.new_policy()
     first.begin_generation()
-    assert first.estimates(kind).acceptance[:2] == [0.6, 0.6]
-    first.verify_s[3] = 0.05
-    first.measured |= {("verify", 3), "draft", ("draft", kind)}
-    first.draft_s_per_token = first.draft_s_per_token_by_kind[kind] = 0.01
-    est = first.estimates(kind)
-    est.acceptance[:2], est.reached[:2] = [0.9, 0.8], [5, 3]
+    first.update(1, 1, 0.01, 0.05, kind)  # a draft of 1 token in 0.01 s, its verify of 2 rows in 0.05 s
+    first.update(2, 2, 0.02, 0.05, kind)  # 2 tokens in 0.02 s, 3 rows in 0.05 s
     memory.remember(first)
 
     second = memory.new_policy()
     second.begin_generation()
-    assert second.verify_s == {3: 0.05} and second.draft_s_per_token_by_kind == {kind: 0.01}
+    assert second.verify_s == {2: 0.05, 3: 0.05}
+    assert second.draft_s_per_token_by_kind == {kind: 0.01} and second.draft_s_per_token == 0.01
     assert not second.measured  # carried, so the first measurement replaces it
-    assert second.estimates(kind).acceptance[:4] == [0.9, 0.8, 0.8, 0.8]
-    assert second.estimates(kind).reached[:2] == [0, 0]
-    est = second.estimates(kind)
-    est.acceptance[0], est.reached[0] = 0.5, 2
-    memory.remember(second)
-    assert memory.new_policy().estimates(kind).acceptance[:3] == pytest.approx([0.78, 0.8, 0.8])
+    assert second.estimates(kind).acceptance[:2] == [0.6, 0.6]
 
     untimed = memory.new_policy()
     untimed.begin_generation(timed=False)
-    assert untimed.estimates(kind).acceptance[:2] == [0.6, 0.6]
-    untimed.estimates(kind).acceptance[0], untimed.estimates(kind).reached[0] = 0.1, 9
+    untimed.update(1, 0, 5.0, 5.0, kind)
     memory.remember(untimed)
-    assert memory.acceptance[kind][0] == pytest.approx(0.78)
+    assert memory.verify_s == {2: 0.05, 3: 0.05}
 
 
 def test_a_batch_size_whose_drafting_steps_gave_less_than_plain_ones_stops_drafting_and_tries_again_later():

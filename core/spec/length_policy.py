@@ -124,9 +124,6 @@ class AdaptiveDraftLength:
     exploring: bool = False  # the length just chosen is an exploring round's
     measured: set = field(default_factory=set)  # the costs this generation has measured (the others carried)
     looked: set = field(default_factory=set)  # the kinds this generation has chosen a length for
-    # a kind's starting acceptance per position where earlier generations measured it (`PolicyMemory`), in place of
-    # its prior; timed generations only (an untimed one's lengths follow its own seeded history)
-    remembered: dict[DraftKind, list[float]] | None = None
 
     def begin_generation(self, timed: bool = True) -> None:
         if not timed or not self.timed:
@@ -136,9 +133,7 @@ class AdaptiveDraftLength:
 
     def estimates(self, kind: DraftKind = DEFAULT_KIND) -> KindAcceptance:
         if kind not in self.kinds:
-            est = self.kinds[kind] = KindAcceptance(kind.prior, self.cap)
-            if self.timed and self.remembered and kind in self.remembered:
-                est.acceptance[:] = self.remembered[kind][: self.cap]
+            self.kinds[kind] = KindAcceptance(kind.prior, self.cap)
         return self.kinds[kind]
 
     def _average(self, old: float | None, new: float, key: object) -> float:
@@ -304,30 +299,22 @@ class AdaptiveDraftLength:
 
 class PolicyMemory:
     """What finished generations measured, for the policies of the next ones to start from: a server's requests
-    each get a policy of their own (their acceptance is their own text's), yet the machine's costs are the same
-    for all, and so, roughly, is what a drafter's kind of draft gets accepted on this workload. A new policy starts
-    from the latest measurement of each cost (carried, so its own first measurement replaces it, as a policy
-    carried from one generation to the next does) and from each kind's acceptance per position averaged over the
-    timed generations that reached it (a position none reached takes the deepest reached one's, as a policy
-    prices it), in place of the kind's prior: a newcomer's first draft in a batch is priced on what drafts like it
-    got, not on a guess."""
-
-    smoothing = 0.3  # weight of the newest generation in a position's remembered acceptance
+    each get a policy of their own, yet the machine's costs are the same for all. A new policy starts from the
+    latest measurement of each cost, carried (its own first measurement replaces it, as a policy carried from one
+    generation to the next does). Acceptance is not carried: the next request is another text (a story after a code
+    edit), and a story's acceptance as a code edit's prior kept the edit from drafting for most of its tokens."""
 
     def __init__(self) -> None:
         self.verify_s: dict[int, float] = {}
         self.draft_s_per_token: float | None = None
         self.draft_s_per_token_by_kind: dict[DraftKind, float] = {}
-        self.acceptance: dict[DraftKind, list[float]] = {}  # per kind, per position: the starting values
-        self._reached: dict[DraftKind, list[bool]] = {}
 
     def new_policy(self) -> AdaptiveDraftLength:
         return AdaptiveDraftLength(verify_s=dict(self.verify_s), draft_s_per_token=self.draft_s_per_token,
-                                   draft_s_per_token_by_kind=dict(self.draft_s_per_token_by_kind),
-                                   remembered=self.acceptance)
+                                   draft_s_per_token_by_kind=dict(self.draft_s_per_token_by_kind))
 
     def remember(self, policy: AdaptiveDraftLength) -> None:
-        """A timed generation's measurements, once it is done."""
+        """A timed generation's measured costs, once it is done."""
         if not policy.timed:
             return
         for key in policy.measured:
@@ -337,22 +324,6 @@ class PolicyMemory:
                 self.verify_s[key[1]] = policy.verify_s[key[1]]
             else:
                 self.draft_s_per_token_by_kind[key[1]] = policy.draft_s_per_token_by_kind[key[1]]
-        for kind, est in policy.kinds.items():
-            if not est.reached[0]:
-                continue
-            values = self.acceptance.setdefault(kind, [kind.prior] * policy.cap)
-            reached = self._reached.setdefault(kind, [False] * policy.cap)
-            for j, seen in enumerate(est.reached[: len(values)]):
-                if seen:
-                    values[j] = est.acceptance[j] if not reached[j] else \
-                        values[j] + self.smoothing * (est.acceptance[j] - values[j])
-                    reached[j] = True
-            deepest = None
-            for j, seen in enumerate(reached):  # unreached positions as the policy prices them: the deepest's
-                if seen:
-                    deepest = values[j]
-                elif deepest is not None:
-                    values[j] = deepest
 
 
 @dataclass

@@ -157,9 +157,7 @@ class Runner:
                  controls: DraftControls | None = None, context: int | None = None):
         self.target, self.drafter, self.acceptor, self.traits = target, drafter, as_acceptor(acceptor), traits
         self.memory = PolicyMemory()  # what finished generations measured: where a new sequence's policy starts
-        # one user's stream of generations (`rounds`) carries its own costs in its own policy, and each of its texts
-        # starts from the kinds' priors (the next text is another text)
-        self.draft_length = AdaptiveDraftLength() if traits.draft_max == "auto" else FixedDraftLength(int(traits.draft_max))
+        self.draft_length = self.new_draft_length()  # one user's stream of generations (`rounds`): it carries its own
         self.controls = controls or DraftControls()
         self.vocab_size = target.model.config.vocab_size
         self.context = min(context or target.model.config.context_length, target.model.config.context_length)
