@@ -103,15 +103,20 @@ class DrafterChain:
     def _picked(self, state: ChainState, tokens: list[int]) -> int | None:
         """The member draft_kind picked for these very tokens: the members before it have no draft, and it has, so
         neither is asked again (a lookup member's match ran thrice a round); None: each member is asked."""
-        picked, state.picked = state.picked, None
+        member = self._pick_of(state, tokens)
+        state.picked = None
+        return member
+
+    @staticmethod
+    def _pick_of(state: ChainState, tokens: list[int]) -> int | None:
+        picked = state.picked
         return picked[2] if picked and picked[0] is tokens and picked[1] == len(tokens) else None
 
     def catch_up_rows(self, state: ChainState, tokens: list[int]) -> int:
         """The rows the member this round's `draft_kind` picked reads before it drafts (all members', where none was
         picked for these tokens); the pick stays for `propose`."""
-        picked = state.picked
-        members = [picked[2]] if picked and picked[0] is tokens and picked[1] == len(tokens) else \
-            range(len(self.drafters))
+        member = self._pick_of(state, tokens)
+        members = range(len(self.drafters)) if member is None else [member]
         return sum(int(self.drafters[i].catch_up_rows(state.members[i], tokens)) for i in members
                    if hasattr(self.drafters[i], "catch_up_rows"))
 

@@ -136,6 +136,13 @@ class AdaptiveDraftLength:
             self.kinds[kind] = KindAcceptance(kind.prior, self.cap)
         return self.kinds[kind]
 
+    def measured_costs(self) -> tuple[dict[int, float], float | None, dict[DraftKind, float]]:
+        """The costs this generation measured: verify seconds by rows, draft seconds a token (over all kinds, None
+        where unmeasured) and by kind."""
+        return ({n: s for n, s in self.verify_s.items() if ("verify", n) in self.measured},
+                self.draft_s_per_token if "draft" in self.measured else None,
+                {k: s for k, s in self.draft_s_per_token_by_kind.items() if ("draft", k) in self.measured})
+
     def _average(self, old: float | None, new: float, key: object) -> float:
         """The running average of the cost `key`; its first measurement in a generation replaces what an earlier
         generation left (or a caller set), if anything."""
@@ -317,13 +324,31 @@ class PolicyMemory:
         """A timed generation's measured costs, once it is done."""
         if not policy.timed:
             return
-        for key in policy.measured:
-            if key == "draft":
-                self.draft_s_per_token = policy.draft_s_per_token
-            elif key[0] == "verify":
-                self.verify_s[key[1]] = policy.verify_s[key[1]]
-            else:
-                self.draft_s_per_token_by_kind[key[1]] = policy.draft_s_per_token_by_kind[key[1]]
+        verify_s, per_token, by_kind = policy.measured_costs()
+        self.verify_s.update(verify_s)
+        self.draft_s_per_token_by_kind.update(by_kind)
+        if per_token is not None:
+            self.draft_s_per_token = per_token
+
+
+@dataclass
+class DecayedRatio:
+    """A ratio of two sums in which every observation weighs `decay` times less with each newer one: what recent
+    observations say, weighted by their size (a 300-row read counts for more than a 2-row one)."""
+
+    decay: float
+    numerator: float = 0.0
+    denominator: float = 0.0
+    count: int = 0
+
+    def add(self, numerator: float, denominator: float) -> None:
+        self.numerator = self.decay * self.numerator + numerator
+        self.denominator = self.decay * self.denominator + denominator
+        self.count += 1
+
+    @property
+    def value(self) -> float | None:
+        return self.numerator / self.denominator if self.denominator else None
 
 
 @dataclass
@@ -397,33 +422,31 @@ class BatchPricing:
     def __init__(self) -> None:
         self.rows = RowCosts()
         self.draft_position_s: float | None = None  # a lockstep drafter's seconds per depth of a step's drafts
-        self._caught_up = [0.0, 0.0]  # decayed sums of catch-up seconds and the rows they read
-        self._record: dict[tuple[int, bool], list[float]] = {}  # (batch, drafted): decayed tokens, seconds, steps
+        self._catch_up = DecayedRatio(self.CATCH_UP_DECAY)  # catch-up seconds over the rows they read
+        self._record: dict[tuple[int, bool], DecayedRatio] = {}  # (batch, drafted): tokens over seconds
         self._plain_since: dict[int, int] = {}  # plain steps per batch size since drafting was ruled out there
 
     def observe_step(self, batch: int, drafted: bool, tokens: int, took: float) -> None:
         """A step of `batch` sequences, with drafts or without, emitted `tokens` in `took` seconds (drafting, its
         catch-ups and the verify)."""
-        d = self.RECORD_DECAY
-        record = self._record.setdefault((batch, drafted), [0.0, 0.0, 0])
-        record[0], record[1], record[2] = d * record[0] + tokens, d * record[1] + took, record[2] + 1
+        self._record.setdefault((batch, drafted), DecayedRatio(self.RECORD_DECAY)).add(tokens, took)
         if not drafted and batch in self._plain_since:
             self._plain_since[batch] += 1
 
     def drafting_pays(self, batch: int) -> bool:
-        """Whether a batch of this size may draft: unless its drafting steps have given fewer tokens a second than
-        its plain ones (each kind seen `MIN_STEPS` times), or since that was found fewer than `RETRY_STEPS` plain
-        steps have run."""
+        """Whether a batch of this size may draft now. Not where its drafting steps have given fewer tokens a second
+        than its plain ones (each seen `MIN_STEPS` times), until `RETRY_STEPS` plain steps have run since that was
+        found; then it may again, on a fresh drafting record."""
         since = self._plain_since.get(batch)
         if since is not None:
             if since < self.RETRY_STEPS:
                 return False
-            del self._plain_since[batch], self._record[batch, True]  # try again, on a fresh record
+            del self._plain_since[batch], self._record[batch, True]
             return True
         drafting, plain = self._record.get((batch, True)), self._record.get((batch, False))
-        if drafting is None or plain is None or min(drafting[2], plain[2]) < self.MIN_STEPS:
+        if drafting is None or plain is None or min(drafting.count, plain.count) < self.MIN_STEPS:
             return True
-        if drafting[0] / drafting[1] < plain[0] / plain[1]:
+        if drafting.value < plain.value:
             self._plain_since[batch] = 0
             return False
         return True
@@ -442,18 +465,16 @@ class BatchPricing:
         """A drafter read `rows` rows it had not seen (prompts, tokens accepted while it did not draft) in `took`
         seconds of upkeep."""
         if rows > 0:
-            d = self.CATCH_UP_DECAY
-            self._caught_up = [d * self._caught_up[0] + took, d * self._caught_up[1] + rows]
+            self._catch_up.add(took, rows)
 
     @property
     def catch_up_row_s(self) -> float | None:
-        seconds, rows = self._caught_up
-        return seconds / rows if rows else None
+        return self._catch_up.value
 
     def _entry_costs(self, n: int, catch_up: list[tuple[int, int]] | None) -> list[float]:
         """Per plan, seconds each token it emits drafting must bear of its catch-up read: the read spread over the
-        first `ENTRY_PAYBACK` of the `horizon` tokens it has left. 0 where nothing is to be read, or no read has been timed yet (optimistic, so
-        that one gets timed)."""
+        first `ENTRY_PAYBACK` of the `horizon` tokens it has left. 0 where nothing is to be read, or no read has
+        been timed yet (optimistic, so that one gets timed)."""
         per_row = self.catch_up_row_s
         if catch_up is None or per_row is None:
             return [0.0] * n

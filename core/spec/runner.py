@@ -344,12 +344,13 @@ class Runner:
             now = time.perf_counter()
             deciding.append(now - t)
             t = now
+        catch_up = [self._rows_to_catch_up(seq) if kind is not None else 0 for seq, kind in zip(seqs, kinds)]
         # alone in this step while others read their prompts, a sequence with a read to catch up first is priced as
         # their batch's: the read would hold up all of them
-        batched = len(seqs) > 1 or (self.admitted > 1 and self._rows_to_catch_up(seqs[0]))
+        batched = len(seqs) > 1 or (self.admitted > 1 and catch_up[0] > 0)
         if batched:
-            self._price_for_the_batch(seqs, kinds, chosen, ks)
-        drafts, proposing = self._drafts(seqs, ks)
+            self._price_for_the_batch(seqs, kinds, chosen, ks, catch_up)
+        drafts, proposing = self._drafts(seqs, ks, catch_up)
         draft_s = [a + b for a, b in zip(deciding, proposing)]
         t_drafted = time.perf_counter()
         batches = [torch.tensor([seq.tokens[-1], *d.tokens], device=self.device) for seq, d in zip(seqs, drafts)]
@@ -375,13 +376,13 @@ class Runner:
                                             time.perf_counter() - t_step)
         return rounds
 
-    def _drafts(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[Draft], list[float]]:
+    def _drafts(self, seqs: list[Sequence], ks: list[int], catch_up: list[int]) -> tuple[list[Draft], list[float]]:
         """Each sequence's cleaned draft (none where k is 0) and the seconds its proposing took: one by one, or,
         where several draft, in one `propose_many` whose time is shared out by the tokens asked. A lockstep
-        drafter's time less its upkeep (catch-ups, a prompt read) is what its deepest draft's depth cost."""
+        drafter's time less its upkeep (catch-ups, a prompt read) is what its deepest draft's depth cost, and the
+        upkeep over the `catch_up` rows read is what a row of it costs."""
         asked = [i for i, k in enumerate(ks) if k > 0]
         drafts = [Draft() for _ in seqs]
-        read = sum(self._rows_to_catch_up(seqs[i]) for i in asked)
         start = t = time.perf_counter()
         if len(asked) > 1 and self._propose_many is not None:
             got = self._propose_many([seqs[i].draft_state for i in asked], [seqs[i].tokens for i in asked],
@@ -399,7 +400,7 @@ class Runner:
         upkeep = sum(drafts[i].upkeep_s for i in asked)
         if asked and self.traits.drafts_in_lockstep:
             self.batch_pricing.observe_draft(max(ks), max(time.perf_counter() - start - upkeep, 0.0))
-        self.batch_pricing.observe_catch_up(read, upkeep)
+        self.batch_pricing.observe_catch_up(sum(catch_up[i] for i in asked), upkeep)
         return drafts, spent
 
     def _rows_to_catch_up(self, seq: Sequence) -> int:
@@ -418,30 +419,31 @@ class Runner:
         """The most tokens `seq` may draft this round: one short of its length limit, within its cache."""
         return min(seq.max_tokens - seq.stats.generated_tokens - 1, self.context - len(seq.tokens))
 
-    def _price_for_the_batch(self, seqs: list[Sequence], kinds: list, chosen: list[int], ks: list[int]) -> None:
+    def _price_for_the_batch(self, seqs: list[Sequence], kinds: list, chosen: list[int], ks: list[int],
+                             catch_up: list[int]) -> None:
         """Each timed auto-length sequence's draft length chosen for the batch (`BatchPricing`), in place of what
         its own policy priced alone. Not a sequence whose lengths change its output (a seeded run with q, a lossy
         acceptor: its policy is untimed, so its lengths follow its seeded history whatever else runs), nor a fixed
         --draft-max, nor an exploring round of a drafter with nothing to catch up (a look costs the batch a draft; one
-        with rows to read first would cost it the read too, which only the batch's pricing weighs)."""
-        catch_up = [self._rows_to_catch_up(seq) if kind is not None else 0 for seq, kind in zip(seqs, kinds)]
+        with rows to read first would cost it the read too, which only the batch's pricing weighs). `catch_up`: each
+        sequence's rows to read before it drafts."""
         priced = [j for j, (seq, kind) in enumerate(zip(seqs, kinds))
                   if kind is not None and isinstance(seq.draft_length, AdaptiveDraftLength)
                   and seq.draft_length.timed and (not seq.draft_length.exploring or catch_up[j])]
         if not priced:
             return
-        if not self.batch_pricing.drafting_pays(len(seqs)):  # this batch size's own record says drafting lost
-            for j in priced:
-                chosen[j] = ks[j] = 0
-                seqs[j].draft_length.exploring = False
-            return
-        others = [j for j in range(len(seqs)) if j not in priced]
-        plans = [(seqs[j].draft_length, kinds[j], min(seqs[j].draft_length.cap, self._room(seqs[j]))) for j in priced]
-        catch_up = [(catch_up[j], self._horizon(seqs[j])) for j in priced]
-        lengths = self.batch_pricing.choose(plans, sum(1 + ks[j] for j in others), lockstep=self.traits.drafts_in_lockstep,
-                                            other_depth=max((ks[j] for j in others), default=0), catch_up=catch_up)
-        if lengths is None:
-            return
+        if self.batch_pricing.drafting_pays(len(seqs)):
+            others = [j for j in range(len(seqs)) if j not in priced]
+            plans = [(seqs[j].draft_length, kinds[j], min(seqs[j].draft_length.cap, self._room(seqs[j])))
+                     for j in priced]
+            lengths = self.batch_pricing.choose(plans, sum(1 + ks[j] for j in others),
+                                                lockstep=self.traits.drafts_in_lockstep,
+                                                other_depth=max((ks[j] for j in others), default=0),
+                                                catch_up=[(catch_up[j], self._horizon(seqs[j])) for j in priced])
+            if lengths is None:
+                return
+        else:  # this batch size's own record says drafting lost
+            lengths = [0] * len(priced)
         for j, k in zip(priced, lengths):
             chosen[j] = ks[j] = k
             seqs[j].draft_length.exploring = False  # the batch's choice, not a look: priced as a round, not a loss
