@@ -304,3 +304,28 @@ def test_idle_work_that_fails_is_logged_and_not_asked_for_again(caplog):
     finally:
         runner.go.release(10)
         engine.stop()
+
+
+def test_a_request_is_expected_just_after_a_slot_frees_for_twice_the_gap_clients_come_back_in(monkeypatch):
+    """Hand-timed: before any request came back, one is expected for twice RETURN_GAP_S after a slot frees; a
+    request that comes moves the mean gap a fifth of the way to its gap and ends the expectation; one that comes
+    later than RETURN_WINDOW_S (not a client coming back) moves nothing."""
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    gap = engine_module.ReturnGap()
+    assert not gap.expected()  # no slot has freed
+    gap.freed()
+    clock.now += 2 * engine_module.RETURN_GAP_S - 0.001
+    assert gap.expected()
+    clock.now += 0.002
+    assert not gap.expected()
+    gap.freed()
+    clock.now += 0.010
+    gap.arrived()
+    assert gap.mean_s == pytest.approx(engine_module.RETURN_GAP_S + 0.2 * (0.010 - engine_module.RETURN_GAP_S))
+    assert not gap.expected()  # it came
+    mean = gap.mean_s
+    gap.freed()
+    clock.now += engine_module.RETURN_WINDOW_S + 1.0
+    gap.arrived()
+    assert gap.mean_s == mean

@@ -24,6 +24,7 @@ from outrider.cli import main  # noqa: E402
 from outrider.config import resolve_config  # noqa: E402
 from outrider.errors import ConfigError  # noqa: E402
 from outrider.serve import create_app  # noqa: E402
+from outrider.serve import engine as engine_module  # noqa: E402
 from outrider.serve.slots import DEFAULT_SLOTS, kv_bytes_per_token, plan_slots  # noqa: E402
 from outrider.testing.tiny_models import write_tiny_gemma4, write_tiny_llama  # noqa: E402
 
@@ -123,10 +124,10 @@ def test_a_newcomers_prompt_is_read_in_chunks_between_the_running_slots_steps(ti
             calls.append(("prefill", len(seq.prompt)))
         return prefill(seq, rows)
 
-    def recorded_step(seqs):
+    def recorded_step(seqs, waited_on=False):
         with lock:
-            calls.append(("step", len(seqs)))
-        return step(seqs)
+            calls.append(("step", len(seqs), waited_on))
+        return step(seqs, waited_on=waited_on)
 
     server.runner.prefill, server.runner.step = recorded_prefill, recorded_step
     try:
@@ -140,11 +141,53 @@ def test_a_newcomers_prompt_is_read_in_chunks_between_the_running_slots_steps(ti
             assert first.result()[0] == 200 and second.result()[0] == 200
     finally:
         server.stop()
-    long_prompt = max(n for kind, n in calls if kind == "prefill")
-    chunks = [i for i, (kind, n) in enumerate(calls) if kind == "prefill" and n == long_prompt]
+    long_prompt = max(c[1] for c in calls if c[0] == "prefill")
+    chunks = [i for i, c in enumerate(calls) if c[0] == "prefill" and c[1] == long_prompt]
     assert len(chunks) >= 3, calls
     for a, b in zip(chunks, chunks[1:]):
-        assert any(kind == "step" for kind, _ in calls[a + 1:b]), f"no step between two prompt chunks: {calls}"
+        between = [c for c in calls[a + 1:b] if c[0] == "step"]
+        assert between, f"no step between two prompt chunks: {calls}"
+        # the newcomer's next chunk waits for these steps: they draft nothing where timings choose (Runner.step)
+        assert all(waited_on for *_, waited_on in between), calls
+    before = [c for c in calls[:chunks[0]] if c[0] == "step"]
+    assert before and not any(waited_on for *_, waited_on in before), "a step nobody waited on was hurried"
+
+
+def test_the_steps_just_after_a_slot_frees_wait_for_its_clients_next_request_and_then_not(tiny):
+    """A short request ends while a long one streams: the survivor's next step is hurried (its client's next
+    request is expected within ReturnGap's window), and once no request has come for the window, steps are not."""
+    server = SlotServer(tiny, 2)
+    calls, lock = [], threading.Lock()
+    step, finish = server.runner.step, server.runner.finish
+
+    def recorded_step(seqs, waited_on=False):
+        with lock:
+            calls.append(("step", len(seqs), waited_on, time.perf_counter()))
+        return step(seqs, waited_on=waited_on)
+
+    def recorded_finish(seq):
+        with lock:
+            calls.append(("finish", len(seq.prompt), None, time.perf_counter()))
+        return finish(seq)
+
+    server.runner.step, server.runner.finish = recorded_step, recorded_finish
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            long = pool.submit(server.post, {"prompt": "the cat", "max_tokens": 1000})
+            deadline = time.monotonic() + 30
+            while not any(c[0] == "step" for c in calls):
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            assert server.post({"prompt": "ab ab", "max_tokens": 3})[0] == 200
+            assert long.result()[0] == 200
+    finally:
+        server.stop()
+    freed = next(i for i, c in enumerate(calls) if c[0] == "finish")
+    after = [c for c in calls[freed + 1:] if c[0] == "step"]
+    window = min(engine_module.RETURN_WINDOW_S, 2 * engine_module.RETURN_GAP_S)
+    assert after and after[0][1] == 1 and after[0][2], calls[freed:freed + 3]
+    late = [waited_on for _, _, waited_on, at in after if at - calls[freed][3] > window]
+    assert late and not any(late), "steps long after the slot freed were still hurried"
 
 
 def test_slots_are_planned_as_llama_server_plans_them_and_what_does_not_fit_is_said(tiny):

@@ -446,3 +446,39 @@ def test_a_sequence_admitted_after_others_starts_from_what_they_measured(tiny):
     assert after.draft_length.verify_s == runner.memory.verify_s
     assert after.draft_length.draft_s_per_token == runner.memory.draft_s_per_token is not None
     runner.finish(after)
+
+
+class KnowingDrafter(DrafterBase):
+    """Drafts the continuation it was told (plain greedy's): every draft is right, so a policy free to choose drafts."""
+
+    def __init__(self, prompt: list[int], continuation: list[int]):
+        self.prompt, self.continuation = prompt, continuation
+
+    def propose(self, state, tokens, k):
+        made = len(tokens) - len(self.prompt)
+        return Draft(self.continuation[made:made + k], None)
+
+
+def test_a_step_someone_waits_on_drafts_nothing_where_timings_choose_the_length(tiny):
+    """`step(waited_on=True)` (a request waits for the step: the server reads a prompt between steps) is a plain
+    step for a sequence whose draft length the timings choose, and still plain greedy's tokens; a fixed
+    --draft-max keeps its drafts, and without waiting the same sequence drafts (so the test can fail)."""
+    target, n = tiny["llama"], 24
+    expected = plain_greedy(target.model, TINY_PROMPT, n)
+    drafter = KnowingDrafter(TINY_PROMPT, expected)
+
+    def drafted(waited_on: bool, draft_max) -> tuple[list[int], list[int]]:
+        runner = Runner(target, drafter, GreedyAcceptor(), DrafterTraits.of(drafter, draft_max=draft_max), context=64)
+        seq, first = runner.start(TINY_PROMPT, n, SamplingParams())
+        lengths = []
+        while not seq.done:
+            lengths.append(runner.step([seq], waited_on=waited_on)[0].drafted)
+        runner.finish(seq)
+        return seq.output, lengths
+
+    out, lengths = drafted(True, "auto")
+    assert out == expected and set(lengths) == {0}, lengths
+    out, lengths = drafted(True, 3)
+    assert out == expected and max(lengths) == 3, lengths
+    out, lengths = drafted(False, "auto")
+    assert out == expected and max(lengths) > 0, lengths

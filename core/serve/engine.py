@@ -5,7 +5,8 @@ Requests come from the event loop as `Job`s. The worker keeps up to `slots` gene
 still prefilling (so no running stream waits more than a chunk for a newcomer's prompt), then steps every running
 slot together (`Runner.step`: each drafts, one ragged target forward verifies them all) and sends each slot's text
 back, one event per round (a round's tokens become certain together); a finished slot sends `done` with its
-stats and frees its place at once. A job whose client has gone is skipped if it is still waiting, and stopped
+stats and frees its place at once. A step that a request waits on (a prompt still being read, or a client's next
+request expected just after a slot freed) is a plain step (`Runner.step(waited_on=True)`). A job whose client has gone is skipped if it is still waiting, and stopped
 after the round in progress if it is running; timeouts are per slot; the stall watchdog fails every slot held by
 a step that makes no progress. Per-request sampling settings go to `Runner.admit`; with `--acceptor auto` the
 acceptor (greedy at temperature 0, sampled above) is chosen per request from two built at start-up, so nothing
@@ -139,6 +140,33 @@ class Slot:
 
 
 PREFILL_ROWS = 4 * PREFILL_CHUNK  # a newcomer's prompt read per loop between the running slots' steps
+RETURN_GAP_S = 0.025  # a client's next request after its last answer's end, until the server has seen some
+RETURN_WINDOW_S = 0.25  # the longest wait after a slot frees that is still taken for a client coming back
+
+
+class ReturnGap:
+    """How soon after a slot frees the next request comes: a client's next turn is sent as its answer ends, a
+    loopback hop later (tens of milliseconds), while a step that drafts as deep as one user would takes many times
+    that, and holds the newcomer up for all of it. A request within `RETURN_WINDOW_S` of a freed slot counts as
+    coming back; the window in which one is expected is twice their decayed mean gap."""
+
+    def __init__(self) -> None:
+        self.mean_s = RETURN_GAP_S
+        self.freed_at: float | None = None  # when a slot last freed with others still running, until a request
+
+    def freed(self) -> None:
+        self.freed_at = time.perf_counter()
+
+    def arrived(self) -> None:
+        """From the event loop's thread: a request was queued."""
+        freed, self.freed_at = self.freed_at, None
+        if freed is not None and (gap := time.perf_counter() - freed) < RETURN_WINDOW_S:
+            self.mean_s += 0.2 * (gap - self.mean_s)
+
+    def expected(self) -> bool:
+        """Whether a request is expected now: a slot freed within twice the mean gap and none came since."""
+        freed = self.freed_at
+        return freed is not None and time.perf_counter() - freed < min(RETURN_WINDOW_S, 2 * self.mean_s)
 
 
 class GenerationEngine:
@@ -158,6 +186,7 @@ class GenerationEngine:
         self._stopping = False
         self._slots: list[Slot] = []  # in admission order
         self._ending = False  # stop()'s end-of-work mark was taken from the queue
+        self.return_gap = ReturnGap()
         self._mean_service_s = 1.0  # a generation's time, averaged; for Retry-After
         # asked for between requests (a learning drafter trains then); False after a unit fails, so a broken
         # learner costs one logged error, not one per request
@@ -239,6 +268,7 @@ class GenerationEngine:
                 raise QueueFull
             self.waiting += 1
             self._jobs.put(job)
+        self.return_gap.arrived()
 
     def retry_after_s(self) -> int:
         """A guess at when a place frees up: a generation's mean time over the slots, at least a second."""
@@ -332,7 +362,8 @@ class GenerationEngine:
                 self._deliver(slot, round_, now)
 
     def _step(self, running: list[Slot]) -> list:
-        rounds = self.runner.step([slot.seq for slot in running])
+        waited_on = any(slot.seq.prefilling for slot in self._slots) or self.return_gap.expected()
+        rounds = self.runner.step([slot.seq for slot in running], waited_on=waited_on)
         self._step_rows.observe(sum(r.drafted + 1 for r in rounds))
         return rounds
 
@@ -369,6 +400,8 @@ class GenerationEngine:
             with self._lock:
                 self._slots.remove(slot)
                 self.busy = len(self._slots)
+                if self._slots:
+                    self.return_gap.freed()
                 recovered = self.stalled if not self._slots else None
                 if recovered:
                     self.stalled = None

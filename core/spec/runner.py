@@ -326,11 +326,13 @@ class Runner:
             seq.own_cache = False
             self._free_caches.append(seq.cache)
 
-    def step(self, seqs: list[Sequence]) -> list[Round]:
+    def step(self, seqs: list[Sequence], waited_on: bool = False) -> list[Round]:
         """One round of every sequence in `seqs` (none of them done): each drafts (`propose_many` over those that
         draft, where more than one does), ONE target forward verifies every sequence's t0 and draft (a ragged
         batch, each over its own cache), and each accepts, rolls back and commits its own. A `Round` per sequence,
-        in order; a sequence's round is what its own `rounds` would give."""
+        in order; a sequence's round is what its own `rounds` would give. `waited_on`: a request outside the step
+        waits for it (a host reads its prompt between steps, or expects it any moment): the sequences whose
+        lengths the timings choose draft nothing, as a plain step is the shortest wait (`_hurry`)."""
         drafter, traits, model = self.drafter, self.traits, self.target.model
         kinds, chosen, ks, deciding = [], [], [], []
         t = t_step = time.perf_counter()
@@ -348,7 +350,9 @@ class Runner:
         # alone in this step while others read their prompts, a sequence with a read to catch up first is priced as
         # their batch's: the read would hold up all of them
         batched = len(seqs) > 1 or (self.admitted > 1 and catch_up[0] > 0)
-        if batched:
+        if waited_on:
+            self._hurry(seqs, kinds, chosen, ks)
+        elif batched:
             self._price_for_the_batch(seqs, kinds, chosen, ks, catch_up)
         drafts, proposing = self._drafts(seqs, ks, catch_up)
         draft_s = [a + b for a, b in zip(deciding, proposing)]
@@ -418,6 +422,17 @@ class Runner:
     def _room(self, seq: Sequence) -> int:
         """The most tokens `seq` may draft this round: one short of its length limit, within its cache."""
         return min(seq.max_tokens - seq.stats.generated_tokens - 1, self.context - len(seq.tokens))
+
+    def _hurry(self, seqs: list[Sequence], kinds: list, chosen: list[int], ks: list[int]) -> None:
+        """No draft for any timed auto-length sequence of a step someone waits on. A deep draft is priced by what
+        its own sequences gain, and a step of one sequence drafts as deep as one user would (many times a plain
+        step's time); the request held up meanwhile gains nothing, and the batch it joins afterwards is where the
+        throughput is. Sequences whose lengths change their output (untimed policies) and a fixed --draft-max keep
+        what they chose."""
+        for j, (seq, kind) in enumerate(zip(seqs, kinds)):
+            if kind is not None and isinstance(seq.draft_length, AdaptiveDraftLength) and seq.draft_length.timed:
+                chosen[j] = ks[j] = 0
+                seq.draft_length.exploring = False  # not a look: a plain round asked for
 
     def _price_for_the_batch(self, seqs: list[Sequence], kinds: list, chosen: list[int], ks: list[int],
                              catch_up: list[int]) -> None:
