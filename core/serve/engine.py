@@ -6,9 +6,9 @@ still prefilling (so no running stream waits more than a chunk for a newcomer's 
 slot together (`Runner.step`: each drafts, one ragged target forward verifies them all) and sends each slot's text
 back, one event per round (a round's tokens become certain together); a finished slot sends `done` with its
 stats and frees its place at once. A step that a request waits on (a prompt still being read, or a client's next
-request expected just after a slot freed) is a plain step (`Runner.step(waited_on=True)`). A job whose client has gone is skipped if it is still waiting, and stopped
-after the round in progress if it is running; timeouts are per slot; the stall watchdog fails every slot held by
-a step that makes no progress. Per-request sampling settings go to `Runner.admit`; with `--acceptor auto` the
+request expected just after a slot freed) is a plain step (`Runner.step(waited_on=True)`). A job whose client has
+gone is skipped if it is still waiting, and stopped after the round in progress if it is running; timeouts are
+per slot; the stall watchdog fails every slot held by a step that makes no progress. Per-request sampling settings go to `Runner.admit`; with `--acceptor auto` the
 acceptor (greedy at temperature 0, sampled above) is chosen per request from two built at start-up, so nothing
 is re-assembled. The drafter's deferred work (`drafter.learn`) runs only while no slot is running.
 """

@@ -130,7 +130,7 @@ class Sequence:
     own_cache: bool = False  # taken from the runner's pool (given back at `finish`), not the runner's own cache
     prefilled: int = 0  # prompt tokens the target has read
     prompt_hidden: list = field(default_factory=list)  # their hidden rows, for a drafter that reads the target
-    admitted: bool = True  # counted in the runner's `admitted` until `finish`
+    finished: bool = False  # given to `finish`: a second call is a no-op
 
     @property
     def prefilling(self) -> bool:
@@ -171,7 +171,6 @@ class Runner:
         self._propose_many = getattr(drafter, "propose_many", None)
         self._catch_up_rows = getattr(drafter, "catch_up_rows", None)
         self.typical_output: float | None = None  # tokens a generation runs to, a running mean over finished ones
-        self.admitted = 0  # sequences admitted and not yet finished: a step of fewer is still their batch's
 
     def set_slots(self, slots: int, context: int) -> None:
         """Serve `slots` sequences at once, each in a cache of `context` positions, all of them allocated now (as
@@ -254,7 +253,6 @@ class Runner:
             draft_length.begin_generation(timed=not self.lengths_change_the_output(params, acceptor))
         penalties = ContextPenalties(params, prompt) if params.penalizes else None
         cache.truncate(0)
-        self.admitted += 1
         return Sequence(list(prompt), params, min(max_tokens, self.context - len(prompt)), frozenset(stop_ids),
                         cache, acceptor, draft_length, PositionRandom(params.seed), penalties,
                         GenerationStats(prompt_tokens=len(prompt)), own_cache=own_cache)
@@ -309,9 +307,9 @@ class Runner:
     def finish(self, seq: Sequence) -> None:
         """The sequence is done (or abandoned): its drafter state ended, a pooled cache given back, and its tokens
         are what idle work reads next (the drafter's `end` keeps what it learns from). Twice is once."""
-        if seq.admitted:
-            seq.admitted = False
-            self.admitted -= 1
+        if seq.finished:
+            return
+        seq.finished = True
         if seq.tokens:
             self.last_tokens = seq.tokens
             if not seq.prefilling:
@@ -347,9 +345,7 @@ class Runner:
             deciding.append(now - t)
             t = now
         catch_up = [self._rows_to_catch_up(seq) if kind is not None else 0 for seq, kind in zip(seqs, kinds)]
-        # alone in this step while others read their prompts, a sequence with a read to catch up first is priced as
-        # their batch's: the read would hold up all of them
-        batched = len(seqs) > 1 or (self.admitted > 1 and catch_up[0] > 0)
+        batched = len(seqs) > 1
         if waited_on:
             self._hurry(seqs, kinds, chosen, ks)
         elif batched:
