@@ -112,35 +112,59 @@ def test_props_report_the_slots_and_each_ones_context(tiny):
         server.stop()
 
 
-def test_a_newcomers_prompt_is_read_in_chunks_between_the_running_slots_steps(tiny):
-    """While one slot streams, a long prompt (three chunks) arrives: the runner is asked for a step of the running
-    slot between each chunk of it, so the stream never waits for the whole prompt."""
+class CallLog:
+    """The runner's prefill, step and finish calls, in order, as (kind, prompt length or sequences stepped,
+    waited_on, time)."""
+
+    def __init__(self, runner):
+        self.calls, self._lock = [], threading.Lock()
+        prefill, step, finish = runner.prefill, runner.step, runner.finish
+
+        def recorded_prefill(seq, rows=None):
+            self._add("prefill", len(seq.prompt))
+            return prefill(seq, rows)
+
+        def recorded_step(seqs, waited_on=False):
+            self._add("step", len(seqs), waited_on)
+            return step(seqs, waited_on=waited_on)
+
+        def recorded_finish(seq):
+            self._add("finish", len(seq.prompt))
+            return finish(seq)
+
+        runner.prefill, runner.step, runner.finish = recorded_prefill, recorded_step, recorded_finish
+
+    def _add(self, kind: str, n: int, waited_on: bool | None = None) -> None:
+        with self._lock:
+            self.calls.append((kind, n, waited_on, time.perf_counter()))
+
+    def wait_for_a_step(self) -> None:
+        deadline = time.monotonic() + 30
+        while not any(c[0] == "step" for c in self.calls):
+            assert time.monotonic() < deadline, "no step within 30 s"
+            time.sleep(0.005)
+
+
+def calls_while_one_streams(tiny, tokens: int, body: dict) -> list[tuple]:
+    """A two-slot server's runner calls (CallLog) while a request for `tokens` streams and `body` is sent once it
+    has stepped; both answered 200."""
     server = SlotServer(tiny, 2)
-    calls, lock = [], threading.Lock()
-    prefill, step = server.runner.prefill, server.runner.step
-
-    def recorded_prefill(seq, rows=None):
-        with lock:
-            calls.append(("prefill", len(seq.prompt)))
-        return prefill(seq, rows)
-
-    def recorded_step(seqs, waited_on=False):
-        with lock:
-            calls.append(("step", len(seqs), waited_on))
-        return step(seqs, waited_on=waited_on)
-
-    server.runner.prefill, server.runner.step = recorded_prefill, recorded_step
+    log = CallLog(server.runner)
     try:
         with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(server.post, {"prompt": "the cat", "max_tokens": 200})
-            deadline = time.monotonic() + 30
-            while not any(c[0] == "step" for c in calls):
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
-            second = pool.submit(server.post, {"prompt": "ab " * 300, "max_tokens": 4})
-            assert first.result()[0] == 200 and second.result()[0] == 200
+            streaming = pool.submit(server.post, {"prompt": "the cat", "max_tokens": tokens})
+            log.wait_for_a_step()
+            assert server.post(body)[0] == 200
+            assert streaming.result()[0] == 200
     finally:
         server.stop()
+    return log.calls
+
+
+def test_a_newcomers_prompt_is_read_in_chunks_between_the_running_slots_steps(tiny):
+    """While one slot streams, a long prompt (three chunks) arrives: the runner is asked for a step of the running
+    slot between each chunk of it, so the stream never waits for the whole prompt; those steps are waited on."""
+    calls = calls_while_one_streams(tiny, 200, {"prompt": "ab " * 300, "max_tokens": 4})
     long_prompt = max(c[1] for c in calls if c[0] == "prefill")
     chunks = [i for i, c in enumerate(calls) if c[0] == "prefill" and c[1] == long_prompt]
     assert len(chunks) >= 3, calls
@@ -148,40 +172,15 @@ def test_a_newcomers_prompt_is_read_in_chunks_between_the_running_slots_steps(ti
         between = [c for c in calls[a + 1:b] if c[0] == "step"]
         assert between, f"no step between two prompt chunks: {calls}"
         # the newcomer's next chunk waits for these steps: they draft nothing where timings choose (Runner.step)
-        assert all(waited_on for *_, waited_on in between), calls
+        assert all(c[2] for c in between), calls
     before = [c for c in calls[:chunks[0]] if c[0] == "step"]
-    assert before and not any(waited_on for *_, waited_on in before), "a step nobody waited on was hurried"
+    assert before and not any(c[2] for c in before), "a step nobody waited on was hurried"
 
 
 def test_the_steps_just_after_a_slot_frees_wait_for_its_clients_next_request_and_then_not(tiny):
     """A short request ends while a long one streams: the survivor's next step is hurried (its client's next
     request is expected within ReturnGap's window), and once no request has come for the window, steps are not."""
-    server = SlotServer(tiny, 2)
-    calls, lock = [], threading.Lock()
-    step, finish = server.runner.step, server.runner.finish
-
-    def recorded_step(seqs, waited_on=False):
-        with lock:
-            calls.append(("step", len(seqs), waited_on, time.perf_counter()))
-        return step(seqs, waited_on=waited_on)
-
-    def recorded_finish(seq):
-        with lock:
-            calls.append(("finish", len(seq.prompt), None, time.perf_counter()))
-        return finish(seq)
-
-    server.runner.step, server.runner.finish = recorded_step, recorded_finish
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            long = pool.submit(server.post, {"prompt": "the cat", "max_tokens": 1000})
-            deadline = time.monotonic() + 30
-            while not any(c[0] == "step" for c in calls):
-                assert time.monotonic() < deadline
-                time.sleep(0.005)
-            assert server.post({"prompt": "ab ab", "max_tokens": 3})[0] == 200
-            assert long.result()[0] == 200
-    finally:
-        server.stop()
+    calls = calls_while_one_streams(tiny, 1000, {"prompt": "ab ab", "max_tokens": 3})
     freed = next(i for i, c in enumerate(calls) if c[0] == "finish")
     after = [c for c in calls[freed + 1:] if c[0] == "step"]
     window = min(engine_module.RETURN_WINDOW_S, 2 * engine_module.RETURN_GAP_S)
