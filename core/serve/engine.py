@@ -4,13 +4,14 @@ Requests come from the event loop as `Job`s. The worker keeps up to `slots` gene
 `-np`): each loop it admits waiting jobs into free slots in arrival order, reads one chunk of the prompt of a slot
 still prefilling (so no running stream waits more than a chunk for a newcomer's prompt), then steps every running
 slot together (`Runner.step`: each drafts, one ragged target forward verifies them all) and sends each slot's text
-back, one event per round (a round's tokens become certain together); a finished slot sends `done` with its
-stats and frees its place at once. A step that a request waits on (a prompt still being read, or a client's next
-request expected just after a slot freed) is a plain step (`Runner.step(waited_on=True)`). A job whose client has
-gone is skipped if it is still waiting, and stopped after the round in progress if it is running; timeouts are
-per slot; the stall watchdog fails every slot held by a step that makes no progress. Per-request sampling settings go to `Runner.admit`; with `--acceptor auto` the
-acceptor (greedy at temperature 0, sampled above) is chosen per request from two built at start-up, so nothing
-is re-assembled. The drafter's deferred work (`drafter.learn`) runs only while no slot is running.
+back, one event per round (a round's tokens become certain together); a finished slot sends `done` with its stats
+and frees its place at once. A step that a request waits on (a prompt still being read, or a client's next request
+expected just after a slot freed) is a plain step (`Runner.step(waited_on=True)`). A job whose client has gone is
+skipped if it is still waiting, and stopped after the round in progress if it is running; timeouts are per slot; the
+stall watchdog fails every slot held by a step that makes no progress. Per-request sampling settings go to
+`Runner.admit`; with `--acceptor auto` the acceptor (greedy at temperature 0, sampled above) is chosen per request
+from two built at start-up, so nothing is re-assembled. The drafter's deferred work (`drafter.learn`) runs only
+while no slot is running.
 """
 
 from __future__ import annotations
@@ -145,10 +146,11 @@ RETURN_WINDOW_S = 0.25  # the longest wait after a slot frees that is still take
 
 
 class ReturnGap:
-    """How soon after a slot frees the next request comes: a client's next turn is sent as its answer ends, a
-    loopback hop later (tens of milliseconds), while a step that drafts as deep as one user would takes many times
-    that, and holds the newcomer up for all of it. A request within `RETURN_WINDOW_S` of a freed slot counts as
-    coming back; the window in which one is expected is twice their decayed mean gap."""
+    """How soon after a slot frees the next request comes: a client's next turn is sent as its answer ends, one
+    network hop later, while a step that drafts as deep as one user would takes many times that, and holds the
+    newcomer up for all of it (the gaps measured: docs/bench/serving.md, "a step a request waits on"). A request
+    within `RETURN_WINDOW_S` of a freed slot counts as coming back; the window in which one is expected is twice
+    their decayed mean gap."""
 
     def __init__(self) -> None:
         self.mean_s = RETURN_GAP_S

@@ -419,6 +419,12 @@ class Runner:
         """The most tokens `seq` may draft this round: one short of its length limit, within its cache."""
         return min(seq.max_tokens - seq.stats.generated_tokens - 1, self.context - len(seq.tokens))
 
+    @staticmethod
+    def _timings_choose(seq: Sequence, kind: DraftKind | None) -> bool:
+        """Whether `seq` drafts this round and measured costs choose how far: an auto-length policy that is timed
+        (its lengths do not change its output), not a fixed --draft-max."""
+        return kind is not None and isinstance(seq.draft_length, AdaptiveDraftLength) and seq.draft_length.timed
+
     def _hurry(self, seqs: list[Sequence], kinds: list, chosen: list[int], ks: list[int]) -> None:
         """No draft for any timed auto-length sequence of a step someone waits on. A deep draft is priced by what
         its own sequences gain, and a step of one sequence drafts as deep as one user would (many times a plain
@@ -426,7 +432,7 @@ class Runner:
         throughput is. Sequences whose lengths change their output (untimed policies) and a fixed --draft-max keep
         what they chose."""
         for j, (seq, kind) in enumerate(zip(seqs, kinds)):
-            if kind is not None and isinstance(seq.draft_length, AdaptiveDraftLength) and seq.draft_length.timed:
+            if self._timings_choose(seq, kind):
                 chosen[j] = ks[j] = 0
                 seq.draft_length.exploring = False  # not a look: a plain round asked for
 
@@ -439,8 +445,7 @@ class Runner:
         with rows to read first would cost it the read too, which only the batch's pricing weighs). `catch_up`: each
         sequence's rows to read before it drafts."""
         priced = [j for j, (seq, kind) in enumerate(zip(seqs, kinds))
-                  if kind is not None and isinstance(seq.draft_length, AdaptiveDraftLength)
-                  and seq.draft_length.timed and (not seq.draft_length.exploring or catch_up[j])]
+                  if self._timings_choose(seq, kind) and (not seq.draft_length.exploring or catch_up[j])]
         if not priced:
             return
         if self.batch_pricing.drafting_pays(len(seqs)):
